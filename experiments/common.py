@@ -1,0 +1,49 @@
+"""Flags shared by the entry points (a flag has the name of the config field it sets) and strategy building."""
+
+from __future__ import annotations
+
+from absl import flags
+
+MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model: alias (smollm2-135m), HF safetensors dir, .gguf file or hub id.")
+DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Model and KV-cache dtype.")
+ANCHORS = flags.DEFINE_string("anchors", "auto", "Kascade anchor layers: 'auto' (calibrated) or a list like 0,2,8,13,14.")
+NUM_ANCHORS = flags.DEFINE_integer("num_anchors", 5, "With --anchors=auto: how many anchors (M, layer 0 included).")
+HEAD_MAP = flags.DEFINE_string("head_map", "auto", "Kascade head map: identity, auto (calibrated) or a path to a .json/.npy file.")
+TOPK_FRAC = flags.DEFINE_float("topk_frac", 0.10, "Top-k budget as a fraction of the context (k = max(topk_frac*L, min_k)).")
+MIN_K = flags.DEFINE_integer("min_k", 128, "Minimum Top-k budget.")
+TILE_SIZE = flags.DEFINE_integer("tile_size", 32, "Query tile (tokens) pooled for prefill selection.")
+ROLLING = flags.DEFINE_boolean("rolling_prefill", True, "Per-tile rolling prefill budgets.")
+CHUNK = flags.DEFINE_integer("chunk_size", None, "Prefill chunk (multiple of 64); default: whole prompt on GPU, 1024 on CPU.")
+CALIB_PROMPTS = flags.DEFINE_integer("calib_prompts", 16, "With --anchors=auto and no saved calibration: dev prompts to calibrate on.")
+
+
+def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = None):
+    """The strategy `name` for this model, from the shared flags (anchors resolved/calibrated when 'auto')."""
+    from kascade_jax.registry import make_strategy
+
+    cfg = model.config
+    kwargs = dict(topk_frac=TOPK_FRAC.value if topk_frac is None else topk_frac, min_k=MIN_K.value,
+                  tile_size=TILE_SIZE.value, rolling_prefill=ROLLING.value)
+    if name in ("dense",):
+        return make_strategy(name, cfg.num_layers, cfg.kv_heads)
+    anchors, head_map = resolve_anchors_and_head_map(model, tokenizer)
+    return make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map, **kwargs)
+
+
+def resolve_anchors_and_head_map(model, tokenizer):
+    from kascade_jax.calibration import resolve_anchors, resolve_head_map
+
+    cfg = model.config
+    if ANCHORS.value == "auto":
+        anchors, auto_map = resolve_anchors(model, tokenizer, model_name=MODEL.value, num_anchors=NUM_ANCHORS.value,
+                                            tile_size=TILE_SIZE.value, num_prompts=CALIB_PROMPTS.value)
+    else:
+        try:
+            anchors = tuple(int(a) for a in ANCHORS.value.split(",") if a.strip())
+        except ValueError:
+            raise ValueError(f"--anchors must be 'auto' or comma-separated layer indices, got {ANCHORS.value!r}") from None
+        auto_map = None
+    head_map = resolve_head_map(HEAD_MAP.value, anchors, cfg.num_layers, cfg.kv_heads, auto_map=auto_map,
+                                model=model, tokenizer=tokenizer, model_name=MODEL.value, tile_size=TILE_SIZE.value,
+                                num_prompts=CALIB_PROMPTS.value)
+    return anchors, head_map

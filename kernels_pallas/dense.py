@@ -1,0 +1,35 @@
+"""Dense attention behind one call: cuDNN flash attention on NVIDIA GPUs, the pure-JAX reference elsewhere.
+
+cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) only knows top-left-aligned causal masks, so it
+serves prefill chunks that start at position 0 and decode steps (one query that sees every valid key). Other
+shapes (a chunk at an offset, lse requested) use the reference, which is exact but materialises scores.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.reference import attention_reference
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def cudnn_ok(q, k) -> bool:
+    return on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
+def dense_attention(q, k, v, q_start, kv_len, *, phase: str, chunk_at_zero: bool, return_lse=False, scale=None):
+    """q [batch, q_len, q_heads, d], k/v [batch, keys, kv_heads, d] -> out (and lse [batch, q_len, q_heads])."""
+    if not return_lse and cudnn_ok(q, k):
+        if phase == "decode":
+            return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=kv_len, implementation="cudnn")
+        if chunk_at_zero:
+            t = q.shape[1]
+            kk, vv = k[:, :t], v[:, :t]
+            return jax.nn.dot_product_attention(
+                q, kk, vv, scale=scale, is_causal=True, query_seq_lengths=jnp.minimum(kv_len, t),
+                key_value_seq_lengths=jnp.minimum(kv_len, t), implementation="cudnn")
+    return attention_reference(q, k, v, q_start, kv_len, scale=scale, return_lse=return_lse)

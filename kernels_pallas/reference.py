@@ -1,0 +1,228 @@
+"""Pure-JAX reference semantics of every attention kernel in this package.
+
+These functions are the readable statement of what the Pallas kernels compute, and they are what the
+Kascade strategies run on CPU. They are written for clarity, not speed: each call materialises the
+scores of one layer for the query rows it is given (`[batch, heads, q_len, keys]` fp32), never more.
+Layouts follow `models/README.md`.
+
+Rules fixed here and used by the kernels too:
+- Budget: `k = min(max(floor(topk_frac * L), min_k), L)`, computed exactly in integers (`topk_budget`).
+  Decode: L is the cache length (current token included); every valid key may be selected; nothing is
+  forced. Prefill: tile t (start s_t) selects among keys strictly before s_t; with rolling budgets
+  L = s_t, else L = the sequence's length; the tile's own causal block is always attended on top.
+  So a tile whose prefix fits in its budget (s_t <= min_k) is exactly dense.
+- Pooled scores are post-softmax probabilities (fp32, per query row normalised over all keys it may see)
+  summed over the GQA group (`pool="gqa"`) or over all query heads (`pool="all"`), and in prefill also
+  over the valid queries of the tile. `pool="pre_softmax"` ranks keys by the logits of the mean query
+  vector of the group (and tile) instead, the paper's pre-softmax ablation.
+- Indices are a set: order unspecified, ranks past the count hold -1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+_FRAC_DEN = 10_000  # topk_frac resolution: budgets are exact integer arithmetic in units of 1e-4
+
+
+def frac_numerator(topk_frac: float) -> int:
+    """topk_frac as an integer numerator over 10_000, raising if it is not representable."""
+    num = round(topk_frac * _FRAC_DEN)
+    if not (0.0 < topk_frac <= 1.0) or abs(num - topk_frac * _FRAC_DEN) > 1e-6:
+        raise ValueError(f"topk_frac must be in (0, 1] and a multiple of 1e-4, got {topk_frac!r}")
+    return num
+
+
+def topk_budget(length, topk_frac: float, min_k: int):
+    """k = min(max(floor(topk_frac * length), min_k), length), exact for int32 lengths up to 2**31 / 1e4 * 1e4."""
+    num = frac_numerator(topk_frac)
+    if isinstance(length, int):
+        return min(max((length * num) // _FRAC_DEN, min_k), length)
+    length = jnp.asarray(length, jnp.int32)
+    k = (length // _FRAC_DEN) * num + ((length % _FRAC_DEN) * num) // _FRAC_DEN
+    return jnp.minimum(jnp.maximum(k, min_k), length)
+
+
+def max_budget(max_len: int, topk_frac: float, min_k: int) -> int:
+    """Static width of an index buffer that can hold the budget of any length <= max_len."""
+    return max(1, topk_budget(max_len, topk_frac, min_k))
+
+
+def _group(q_heads: int, kv_heads: int) -> int:
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+    return q_heads // kv_heads
+
+
+def visible_mask(q_start, kv_len, q_len: int, num_keys: int):
+    """[batch, q_len, keys] bool: key j visible to query row t iff j <= q_start + t and j < kv_len."""
+    pos = q_start[:, None] + jnp.arange(q_len)[None, :]  # [batch, q_len]
+    keys = jnp.arange(num_keys)
+    return (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < kv_len[:, None, None])
+
+
+def _logits(q, k, scale):
+    """[batch, kv_heads, group, q_len, keys] fp32."""
+    b, t, hq, d = q.shape
+    kvh = k.shape[2]
+    g = _group(hq, kvh)
+    qf = q.astype(jnp.float32).reshape(b, t, kvh, g, d)
+    return jnp.einsum("btkgd,bskd->bkgts", qf, k.astype(jnp.float32)) * scale
+
+
+def attention_reference(q, k, v, q_start, kv_len, *, mask=None, scale=None, return_lse=False):
+    """Softmax attention restricted to causal & valid keys (& `mask`, broadcastable to [batch, kv_heads, q_len, keys]).
+
+    q: [batch, q_len, q_heads, d]; k, v: [batch, keys, kv_heads, d]. Returns out [batch, q_len, q_heads, d] in
+    q's dtype, and with `return_lse` also lse [batch, q_len, q_heads] fp32. A row with no visible key gives 0.
+    """
+    b, t, hq, d = q.shape
+    kvh = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    logits = _logits(q, k, scale)
+    allowed = visible_mask(q_start, kv_len, t, k.shape[1])[:, None, None]
+    if mask is not None:
+        allowed = allowed & jnp.asarray(mask)[:, :, None]
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [batch, kv_heads, group, q_len]
+    safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    p = jnp.where(allowed, jnp.exp(logits - safe_lse[..., None]), 0.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32)).reshape(b, t, hq, d).astype(q.dtype)
+    if return_lse:
+        return out, jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq)
+    return out
+
+
+def _probs(q, k, q_start, kv_len, scale):
+    """Post-softmax probabilities [batch, kv_heads, group, q_len, keys] fp32 over causal & valid keys."""
+    logits = _logits(q, k, scale)
+    allowed = visible_mask(q_start, kv_len, q.shape[1], k.shape[1])[:, None, None]
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    return jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+
+
+def pooled_scores_decode_reference(q, k, kv_len, *, pool="gqa", scale=None):
+    """Anchor scores of one decode token per sequence: [batch, idx_heads, keys] fp32, -inf on invalid keys.
+
+    q: [batch, 1, q_heads, d] at position kv_len - 1. idx_heads = kv_heads, or 1 for pool="all".
+    """
+    b, t, hq, d = q.shape
+    if t != 1:
+        raise ValueError(f"decode takes one query token per sequence, got q_len={t}")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q_start = kv_len - 1
+    valid = jnp.arange(k.shape[1])[None, :] < kv_len[:, None]  # [batch, keys]
+    if pool == "pre_softmax":
+        qm = jnp.mean(q.astype(jnp.float32).reshape(b, 1, k.shape[2], -1, d), axis=3, keepdims=True)
+        s = _logits(qm.reshape(b, 1, k.shape[2], d), k, scale)[:, :, 0, 0]  # [batch, kv_heads, keys]
+    else:
+        p = _probs(q, k, q_start, kv_len, scale)[:, :, :, 0]  # [batch, kv_heads, group, keys]
+        s = p.sum(axis=2)
+        if pool == "all":
+            s = s.sum(axis=1, keepdims=True)
+        elif pool != "gqa":
+            raise ValueError(f"pool must be 'gqa', 'all' or 'pre_softmax', got {pool!r}")
+    return jnp.where(valid[:, None, :], s, -jnp.inf)
+
+
+def pooled_scores_prefill_reference(q, k, q_start, kv_len, tile_size: int, *, pool="gqa", scale=None):
+    """Anchor scores of a prefill chunk, pooled per query tile.
+
+    Returns (scores [batch, idx_heads, tiles, keys] fp32 with -inf on keys not strictly before the tile or
+    invalid, diag [batch, idx_heads, tiles] fp32: the pooled mass the tile puts on its own causal block).
+    q_start must be a multiple of tile_size; queries at positions >= kv_len (padding) are left out of the pool.
+    """
+    b, t, hq, d = q.shape
+    kvh, s_len = k.shape[2], k.shape[1]
+    g = _group(hq, kvh)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    n_tiles = -(-t // tile_size)
+    pad = n_tiles * tile_size - t
+    pos = q_start[:, None] + jnp.arange(n_tiles * tile_size)[None, :]  # [batch, rows]
+    row_valid = (pos < kv_len[:, None]) & (jnp.arange(n_tiles * tile_size) < t)[None, :]
+    tile_start = q_start[:, None] + jnp.arange(n_tiles)[None, :] * tile_size  # [batch, tiles]
+    keys = jnp.arange(s_len)
+    before = (keys[None, None, :] < tile_start[:, :, None]) & (keys[None, None, :] < kv_len[:, None, None])
+    in_diag = (keys[None, None, :] >= tile_start[:, :, None]) & (keys[None, None, :] < tile_start[:, :, None] + tile_size)
+    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    if pool == "pre_softmax":
+        w = row_valid.astype(jnp.float32).reshape(b, n_tiles, tile_size, 1, 1, 1)
+        qt = qp.astype(jnp.float32).reshape(b, n_tiles, tile_size, kvh, g, d)
+        qm = (qt * w).sum(axis=(2, 4)) / jnp.maximum(w.sum(axis=(2, 4)), 1.0)  # [batch, tiles, kv_heads, d]
+        sc = jnp.einsum("btkd,bskd->bkts", qm, k.astype(jnp.float32)) * scale
+        diag = jnp.zeros(sc.shape[:3], jnp.float32)
+    else:
+        p = _probs(qp, k, q_start, kv_len, scale)  # [batch, kv_heads, group, rows, keys]
+        p = p * row_valid[:, None, None, :, None]
+        p = p.reshape(b, kvh, g, n_tiles, tile_size, s_len).sum(axis=(2, 4))  # [batch, kv_heads, tiles, keys]
+        if pool == "all":
+            p = p.sum(axis=1, keepdims=True)
+        elif pool != "gqa":
+            raise ValueError(f"pool must be 'gqa', 'all' or 'pre_softmax', got {pool!r}")
+        diag = jnp.sum(jnp.where(in_diag[:, None], p, 0.0), axis=-1)
+        sc = p
+    return jnp.where(before[:, None], sc, -jnp.inf), diag
+
+
+def select_topk_reference(scores, counts, k_max: int):
+    """Top-`counts` keys of `scores` [..., keys] (-inf = not eligible) -> indices [..., k_max] int32, -1 past the count.
+
+    counts broadcasts against scores.shape[:-1]. Fewer eligible keys than the count yield fewer indices.
+    """
+    k_max = min(k_max, scores.shape[-1])
+    vals, idx = jax.lax.top_k(scores, k_max)
+    valid = (jnp.arange(k_max) < jnp.asarray(counts)[..., None]) & jnp.isfinite(vals)
+    return jnp.where(valid, idx, -1).astype(jnp.int32)
+
+
+def decode_counts(kv_len, topk_frac: float, min_k: int):
+    """[batch] decode budgets."""
+    return topk_budget(kv_len, topk_frac, min_k)
+
+
+def prefill_counts(q_start, kv_len, seq_len, q_len: int, tile_size: int, topk_frac: float, min_k: int, rolling=True):
+    """[batch, tiles] prefill budgets: over the tile's prefix (rolling) or the whole sequence, clamped to the eligible keys."""
+    n_tiles = -(-q_len // tile_size)
+    tile_start = q_start[:, None] + jnp.arange(n_tiles)[None, :] * tile_size
+    eligible = jnp.minimum(tile_start, kv_len[:, None])
+    base = tile_start if rolling else jnp.broadcast_to(seq_len[:, None], tile_start.shape)
+    return jnp.minimum(topk_budget(base, topk_frac, min_k), eligible).astype(jnp.int32)
+
+
+def _index_mask(idx, num_keys: int):
+    """[..., k_max] indices (-1 = none) -> [..., keys] bool membership."""
+    flat = idx.reshape(-1, idx.shape[-1])
+    safe = jnp.where(flat >= 0, flat, num_keys)
+    m = jnp.zeros((flat.shape[0], num_keys + 1), bool).at[jnp.arange(flat.shape[0])[:, None], safe].set(True)
+    return m[:, :num_keys].reshape(idx.shape[:-1] + (num_keys,))
+
+
+def sparse_decode_reference(q, k, v, kv_len, idx, head_map_row, *, scale=None):
+    """Decode attention of KV head h over the index set idx[:, head_map_row[h]] (renormalised softmax).
+
+    q: [batch, 1, q_heads, d]; idx: [batch, idx_heads, k_max]; head_map_row: [kv_heads] int.
+    """
+    sel = _index_mask(idx, k.shape[1])  # [batch, idx_heads, keys]
+    sel = jnp.take(sel, jnp.asarray(head_map_row), axis=1)[:, :, None, :]  # [batch, kv_heads, 1, keys]
+    return attention_reference(q, k, v, kv_len - 1, kv_len, mask=sel, scale=scale)
+
+
+def sparse_prefill_reference(q, k, v, q_start, kv_len, idx, head_map_row, tile_size: int, *, scale=None):
+    """Prefill attention: each query attends its tile's selected keys (through the head map) plus its causal diagonal tile.
+
+    idx: [batch, idx_heads, tiles, k_max] for the tiles of this chunk.
+    """
+    t = q.shape[1]
+    n_tiles = idx.shape[2]
+    sel = _index_mask(idx, k.shape[1])  # [batch, idx_heads, tiles, keys]
+    sel = jnp.take(sel, jnp.asarray(head_map_row), axis=1)
+    row_tile = jnp.arange(t) // tile_size
+    sel = sel[:, :, row_tile]  # [batch, kv_heads, q_len, keys]
+    tile_start = q_start[:, None] + row_tile[None, :] * tile_size  # [batch, q_len]
+    diag = jnp.arange(k.shape[1])[None, None, :] >= tile_start[:, :, None]
+    del n_tiles
+    return attention_reference(q, k, v, q_start, kv_len, mask=sel | diag[:, None], scale=scale)

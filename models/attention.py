@@ -1,0 +1,46 @@
+"""The one attention interface every decoder layer goes through (see models/README.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+
+from kernels_pallas.dense import dense_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    q: jax.Array  # [batch, q_len, q_heads, head_dim], RoPE applied
+    k_cache: jax.Array  # [batch, max_len, kv_heads, head_dim], this call's keys already written
+    v_cache: jax.Array  # [batch, max_len, kv_heads, head_dim]
+    q_start: jax.Array  # [batch] int32, absolute position of q[:, 0]
+    kv_len: jax.Array  # [batch] int32, valid keys for this call
+    seq_len: jax.Array  # [batch] int32, the sequence's full length in this phase (prompt length in prefill)
+    phase: str = dataclasses.field(metadata=dict(static=True))  # "prefill" | "decode"
+    chunk_at_zero: bool = dataclasses.field(default=True, metadata=dict(static=True))  # prefill chunk starts at 0
+
+
+class AttentionStrategy(Protocol):
+    name: str
+
+    def attend(self, layer: int, inputs: AttentionInputs, state: Any) -> tuple[jax.Array, Any]: ...
+
+    def post_attention(self, layer: int, x: jax.Array, attn_out: jax.Array, state: Any) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseStrategy:
+    """Exact causal attention in every layer (cuDNN on GPU where it applies)."""
+
+    name: str = "dense"
+
+    def attend(self, layer, inputs: AttentionInputs, state):
+        out = dense_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
+                              phase=inputs.phase, chunk_at_zero=inputs.chunk_at_zero)
+        return out, state
+
+    def post_attention(self, layer, x, attn_out, state):
+        return state

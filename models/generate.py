@@ -1,0 +1,242 @@
+"""Jitted prefill, decode and generation over a `Transformer`, for any attention strategy.
+
+- `forward` is one jitted call of the model over a chunk of tokens (cache donated).
+- `prefill` runs a right-padded batch through the model in chunks of `chunk_size` tokens (multiples of 64, so Kascade
+  tiles of 16/32/64 never straddle a chunk), so 32K+ prompts fit in memory; it returns each prompt's last logits.
+- `decode_step` appends one token per sequence (cache donated).
+- `generate` compiles the whole decode loop (`lax.while_loop`, greedy or temperature/top-p/top-k sampling with a
+  seed, per-sequence EOS) into one jitted call. Stop strings need the text, so with `stop` the loop runs in jitted
+  segments and the host checks the text between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.cache import KVCache
+
+CHUNK_MULTIPLE = 64
+
+
+def _meta(phase, offset, q_start, kv_len, seq_len, lengths):
+    return dict(phase=phase, offset=offset, q_start=q_start, kv_len=kv_len, seq_len=seq_len, lengths=lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "strategy", "offset", "all_logits"), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, params, tokens, cache, prompt_lens, strategy, offset, all_logits):
+    model = nnx.merge(graphdef, params)
+    b, t = tokens.shape
+    q_start = jnp.full((b,), offset, jnp.int32)
+    kv_len = jnp.minimum(prompt_lens, offset + t).astype(jnp.int32)
+    meta = _meta("prefill", offset, q_start, kv_len, prompt_lens, jnp.maximum(cache.lengths, kv_len))
+    last = None if all_logits else jnp.clip(prompt_lens - 1 - offset, 0, t - 1)
+    return model(tokens, cache, strategy, meta, last_only=last)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "strategy"), donate_argnames=("cache",))
+def _decode(graphdef, params, tokens, cache, strategy):
+    model = nnx.merge(graphdef, params)
+    q_start = cache.lengths
+    kv_len = q_start + 1
+    meta = _meta("decode", None, q_start, kv_len, kv_len, kv_len)
+    logits, cache, _ = model(tokens[:, None], cache, strategy, meta, last_only=jnp.zeros_like(q_start))
+    return logits, cache
+
+
+def _check_room(cache: KVCache, needed: int, what: str, model_max: int):
+    if needed > model_max:
+        raise ValueError(f"{what} needs {needed} positions, more than the model's maximum context {model_max}")
+    if needed > cache.max_len:
+        raise ValueError(f"{what} needs {needed} positions, more than the cache holds (max_len={cache.max_len})")
+
+
+def forward(model, tokens, cache: KVCache, strategy, *, q_start: int = 0, seq_len=None):
+    """One jitted pass over tokens [batch, T] at positions q_start.. (q_start a multiple of 64 unless 0).
+
+    Returns (logits [batch, T, vocab] fp32, cache, state). The cache is donated.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    b, t = tokens.shape
+    _check_room(cache, q_start + t, "forward", model.config.max_position_embeddings)
+    lens = jnp.full((b,), q_start + t, jnp.int32) if seq_len is None else jnp.asarray(seq_len, jnp.int32)
+    graphdef, params = nnx.split(model)
+    return _prefill_chunk(graphdef, params, tokens, cache, lens, strategy, q_start, True)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size: int | None = None, all_logits=False):
+    """Chunked prefill of a right-padded batch. Returns (logits [batch, vocab] at each last prompt token, or
+    [batch, P, vocab] with all_logits, cache)."""
+    tokens = np.asarray(tokens, np.int32)
+    prompt_lens = np.asarray(prompt_lens, np.int32)
+    b, p = tokens.shape
+    if prompt_lens.shape != (b,) or prompt_lens.min() < 1 or prompt_lens.max() > p:
+        raise ValueError(f"prompt_lens must be [batch] in [1, {p}], got {prompt_lens.tolist()}")
+    _check_room(cache, int(prompt_lens.max()), "the prompt", model.config.max_position_embeddings)
+    if chunk_size is not None and (chunk_size <= 0 or chunk_size % CHUNK_MULTIPLE):
+        raise ValueError(f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE}, got {chunk_size}")
+    if chunk_size is None:
+        chunk_size = _round_up(p, CHUNK_MULTIPLE) if jax.default_backend() == "gpu" else 1024
+    graphdef, params = nnx.split(model)
+    total = min(_round_up(p, CHUNK_MULTIPLE), cache.max_len)
+    toks = np.zeros((b, total), np.int32)
+    toks[:, :min(p, total)] = tokens[:, :total]
+    plens = jnp.asarray(prompt_lens)
+    outs, last = [], None
+    for offset in range(0, total, chunk_size):
+        chunk = toks[:, offset:offset + chunk_size]
+        logits, cache, _ = _prefill_chunk(graphdef, params, jnp.asarray(chunk), cache, plens, strategy, offset, all_logits)
+        if all_logits:
+            outs.append(logits)
+        else:
+            here = (prompt_lens - 1 >= offset) & (prompt_lens - 1 < offset + chunk.shape[1])
+            last = logits if last is None else jnp.where(jnp.asarray(here)[:, None], logits, last)
+    cache = dataclasses.replace(cache, lengths=plens)
+    if all_logits:
+        return jnp.concatenate(outs, axis=1)[:, :p], cache
+    return last, cache
+
+
+def decode_step(model, tokens, cache: KVCache, strategy):
+    """Append tokens [batch] at each sequence's length. Returns (logits [batch, vocab], cache); cache donated."""
+    graphdef, params = nnx.split(model)
+    return _decode(graphdef, params, jnp.asarray(tokens, jnp.int32), cache, strategy)
+
+
+def sample(logits, key, temperature: float, top_p: float, top_k: int):
+    """logits [batch, vocab] -> tokens [batch]. temperature 0 is greedy."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        srt = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(srt, axis=-1)
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+        cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "strategy", "steps", "temperature", "top_p", "top_k", "eos"),
+                   donate_argnames=("carry",))
+def _decode_loop(graphdef, params, carry, seed, strategy, steps, temperature, top_p, top_k, eos):
+    """Run up to `steps` decode steps. carry = (cache, tok [batch] (sampled, not yet recorded), finished, i, out)."""
+    model = nnx.merge(graphdef, params)
+    eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
+    stop_at = carry[3] + steps
+
+    def cond(c):
+        _, _, finished, i, out = c
+        return (i < jnp.minimum(stop_at, out.shape[1])) & ~jnp.all(finished)
+
+    def body(c):
+        cache, tok, finished, i, out = c
+        out = out.at[:, i].set(jnp.where(finished, -1, tok))
+        finished = finished | jnp.isin(tok, eos_arr)
+        q_start = cache.lengths
+        meta = _meta("decode", None, q_start, q_start + 1, q_start + 1, q_start + 1)
+        logits, cache, _ = model(tok[:, None], cache, strategy, meta, last_only=jnp.zeros_like(q_start))
+        nxt = sample(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_p, top_k)
+        return cache, nxt, finished, i + 1, out
+
+    return jax.lax.while_loop(cond, body, carry)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens, EOS excluded
+    prompt_tokens: int
+    new_tokens: int  # decode length, counting the EOS token if one was emitted
+    finish_reason: str  # "eos" | "stop" | "length"
+
+
+def _first_stop(text: str, stop: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
+
+
+def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), chat: bool = True,
+             max_len: int | None = None, chunk_size: int | None = None, segment: int = 32) -> list[GenerationResult]:
+    """Generate for a batch of prompts (strings, or token-id lists used as they are)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or not (0 < top_p <= 1) or top_k < 0:
+        raise ValueError(f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} (in (0, 1]), "
+                         f"top_k={top_k} (>= 0)")
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            p = tokenizer.encode_chat([{"role": "user", "content": p}]) if chat else tokenizer.encode(p)
+        if len(p) == 0:
+            raise ValueError("empty prompt")
+        ids.append(list(p))
+    cfg = model.config
+    lens = np.array([len(p) for p in ids], np.int32)
+    need = int(lens.max()) + max_new_tokens
+    if int(lens.max()) > cfg.max_position_embeddings:
+        raise ValueError(f"prompt of {int(lens.max())} tokens exceeds the model's maximum context "
+                         f"{cfg.max_position_embeddings}")
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({int(lens.max())} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
+                         f"model's maximum context {cfg.max_position_embeddings}")
+    max_len = max_len or min(_round_up(need, CHUNK_MULTIPLE), cfg.max_position_embeddings)
+    if need > max_len:
+        raise ValueError(f"prompt + max_new_tokens = {need} exceeds the cache max_len {max_len}")
+    tokens = np.zeros((len(ids), int(lens.max())), np.int32)
+    for i, p in enumerate(ids):
+        tokens[i, :len(p)] = p
+    cache = KVCache.init(cfg, len(ids), max_len, dtype=model.dtype)
+    logits, cache = prefill(model, tokens, lens, cache, strategy, chunk_size=chunk_size)
+    tok = sample(logits, jax.random.fold_in(jax.random.key(seed), 1 << 30), temperature, top_p, top_k)
+    b = len(ids)
+    out = jnp.full((b, max_new_tokens), -1, jnp.int32)
+    carry = (cache, tok, jnp.zeros((b,), bool), jnp.asarray(0, jnp.int32), out)
+    eos = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", ()) or cfg.eos_token_ids)))
+    graphdef, params = nnx.split(model)
+    steps = max_new_tokens if not stop else segment
+    stopped = [None] * b
+    while True:
+        carry = _decode_loop(graphdef, params, carry, seed, strategy, steps, float(temperature), float(top_p),
+                             int(top_k), eos)
+        i = int(carry[3])
+        if i >= max_new_tokens or bool(jnp.all(carry[2])):
+            break
+        if stop:
+            texts = [tokenizer.decode([t for t in row[:i] if t >= 0 and t not in eos]) for row in np.asarray(carry[4])]
+            for j, t in enumerate(texts):
+                if stopped[j] is None and _first_stop(t, stop) is not None:
+                    stopped[j] = True
+            if all(s or f for s, f in zip(stopped, np.asarray(carry[2]))):
+                break
+    out = np.asarray(carry[4])
+    results = []
+    for j in range(b):
+        row = [int(t) for t in out[j] if t >= 0]
+        reason, n_new = "length", len(row)
+        if any(t in eos for t in row):
+            cut = next(k for k, t in enumerate(row) if t in eos)
+            row, reason, n_new = row[:cut], "eos", cut + 1
+        text = tokenizer.decode(row)
+        pos = _first_stop(text, stop) if stop else None
+        if pos is not None:
+            text, reason = text[:pos], "stop"
+        results.append(GenerationResult(text=text, token_ids=row, prompt_tokens=int(lens[j]), new_tokens=n_new,
+                                        finish_reason=reason))
+    return results

@@ -1,0 +1,154 @@
+"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 family: GQA, RMSNorm, SwiGLU, RoPE (rotate_half convention).
+
+The layer stack is an unrolled Python loop. Every layer's attention goes through `strategy.attend(layer, inputs,
+state)` (models/attention.py), and the loop threads `state` from layer to layer, so a strategy can make each layer
+dense, an anchor or a reuse layer without the model knowing. Parameter names mirror HF (`q_proj`, `input_layernorm`,
+...) so checkpoint mapping is mechanical. Linear kernels are stored `(in, out)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import AttentionInputs
+from models.cache import KVCache, write_chunk, write_token
+from models.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * xf.astype(self.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int):
+    inv = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wl, high_wl = old / rope.low_freq_factor, old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > low_wl, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return jnp.where(medium, smoothed, scaled)
+    return inv
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [batch, T, heads, d], positions [batch, T] -> rotated x (HF rotate_half pairs (i, i + d/2))."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, T, d/2]
+    cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], -1) * sin
+
+
+def _linear(i, o, bias, dtype, param_dtype, rngs):
+    return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02), precision=jax.lax.Precision.HIGHEST)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs):
+        d, hq, hk = cfg.head_dim, cfg.q_heads, cfg.kv_heads
+        self.q_proj = _linear(cfg.hidden, hq * d, cfg.qkv_bias, dtype, param_dtype, rngs)
+        self.k_proj = _linear(cfg.hidden, hk * d, cfg.qkv_bias, dtype, param_dtype, rngs)
+        self.v_proj = _linear(cfg.hidden, hk * d, cfg.qkv_bias, dtype, param_dtype, rngs)
+        self.o_proj = _linear(hq * d, cfg.hidden, False, dtype, param_dtype, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
+        self.cfg = cfg
+
+    def __call__(self, layer, x, positions, k_cache, v_cache, meta, strategy, state, inv_freq):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, cfg.q_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if meta["phase"] == "decode":
+            k_cache, v_cache = write_token(k_cache, k, meta["q_start"]), write_token(v_cache, v, meta["q_start"])
+        else:
+            k_cache, v_cache = write_chunk(k_cache, k, meta["offset"]), write_chunk(v_cache, v, meta["offset"])
+        inputs = AttentionInputs(q=q, k_cache=k_cache, v_cache=v_cache, q_start=meta["q_start"], kv_len=meta["kv_len"],
+                                 seq_len=meta["seq_len"], phase=meta["phase"], chunk_at_zero=meta["offset"] == 0)
+        out, state = strategy.attend(layer, inputs, state)
+        return self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim)), k_cache, v_cache, state
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs):
+        self.gate_proj = _linear(cfg.hidden, cfg.ffn, False, dtype, param_dtype, rngs)
+        self.up_proj = _linear(cfg.hidden, cfg.ffn, False, dtype, param_dtype, rngs)
+        self.down_proj = _linear(cfg.ffn, cfg.hidden, False, dtype, param_dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        param_dtype = dtype if param_dtype is None else param_dtype
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(cfg.vocab, cfg.hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                      embedding_init=nnx.initializers.normal(0.02))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
+        self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden, cfg.vocab, False, dtype, param_dtype, rngs)
+
+    def __call__(self, tokens, cache: KVCache, strategy, meta, *, last_only=None):
+        """tokens [batch, T]; meta: phase, offset (static int, prefill), q_start/kv_len/seq_len ([batch] int32).
+
+        Returns (logits [batch, T, vocab] fp32 (or [batch, vocab] at rows `last_only`), new cache, strategy state).
+        """
+        cfg = self.config
+        b, t = tokens.shape
+        positions = meta["q_start"][:, None] + jnp.arange(t)[None, :]
+        inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        x = self.embed_tokens(tokens)
+        state = None
+        ks, vs = list(cache.k), list(cache.v)
+        for i, layer in enumerate(self.layers):  # unrolled: each layer's role is a trace-time Python fact
+            h = layer.input_layernorm(x)
+            attn, ks[i], vs[i], state = layer.self_attn(i, h, positions, ks[i], vs[i], meta, strategy, state, inv_freq)
+            post = getattr(strategy, "post_attention", None)
+            if post is not None:
+                state = post(i, x, attn, state)
+            x = x + attn
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if last_only is not None:
+            x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)[:, 0]
+        x = self.norm(x)
+        if self.lm_head is None:
+            logits = jnp.dot(x.astype(jnp.float32), self.embed_tokens.embedding[...].astype(jnp.float32).T,
+                             precision=jax.lax.Precision.HIGHEST)
+        else:
+            logits = self.lm_head(x).astype(jnp.float32)
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=meta["lengths"])
+        return logits, new_cache, state

@@ -1,0 +1,131 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import generate as gen
+from models.attention import DenseStrategy
+from models.cache import KVCache
+from tests.conftest import tiny_config
+
+S = DenseStrategy()
+
+
+class ToyTokenizer:
+    eos_token_ids = (3,)
+
+    def encode(self, text):
+        return [5 + (ord(c) % 100) for c in text]
+
+    def encode_chat(self, messages, add_generation_prompt=True):
+        return [1] + self.encode(messages[-1]["content"]) + [2]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + (i % 26)) for i in ids)
+
+
+def _full_logits(model, toks):
+    """Logits of one uncached forward; padded to a multiple of 64 so repeated calls reuse one compilation
+    (causal attention: the padding after a position cannot change its logits)."""
+    b, t = toks.shape
+    padded = np.zeros((b, -(-t // 64) * 64), np.int32)
+    padded[:, :t] = toks
+    cache = KVCache.init(model.config, b, padded.shape[1], jnp.float32)
+    logits, _, _ = gen.forward(model, padded, cache, S)
+    return np.asarray(logits)[:, :t]
+
+
+def test_cache_decode_equals_full_recompute(tiny_model, rng):
+    """Greedy generation with the KV cache == recomputing the full forward at every step."""
+    prompt = rng.integers(5, 128, 37).tolist()
+    (res,) = gen.generate(tiny_model, ToyTokenizer(), [prompt], S, max_new_tokens=12)
+    seq = list(prompt)
+    for _ in range(12):
+        nxt = int(np.argmax(_full_logits(tiny_model, np.array([seq]))[0, -1]))
+        seq.append(nxt)
+        if nxt == 3:
+            break
+    expect = [t for t in seq[len(prompt):] if t != 3]
+    assert res.token_ids == expect
+
+
+def test_chunked_prefill_equals_one_chunk(tiny_model, rng):
+    toks = rng.integers(5, 128, (2, 300))
+    full = _full_logits(tiny_model, toks)
+    cache = KVCache.init(tiny_model.config, 2, 320, jnp.float32)
+    logits, cache = gen.prefill(tiny_model, toks, [300, 300], cache, S, chunk_size=128, all_logits=True)
+    np.testing.assert_allclose(np.asarray(logits), full, atol=2e-4)
+    assert np.asarray(cache.lengths).tolist() == [300, 300]
+
+
+def test_batch_with_different_lengths_equals_single(tiny_model, rng):
+    prompts = [rng.integers(5, 128, n).tolist() for n in (11, 70, 33)]
+    batched = gen.generate(tiny_model, ToyTokenizer(), prompts, S, max_new_tokens=8, chunk_size=64)
+    for p, r in zip(prompts, batched):
+        (single,) = gen.generate(tiny_model, ToyTokenizer(), [p], S, max_new_tokens=8)
+        assert r.token_ids == single.token_ids
+        assert r.prompt_tokens == len(p)
+
+
+def test_decode_after_prefill_matches_longer_prefill(tiny_model, rng):
+    toks = rng.integers(5, 128, (1, 50))
+    cache = KVCache.init(tiny_model.config, 1, 128, jnp.float32)
+    _, cache = gen.prefill(tiny_model, toks[:, :49], [49], cache, S)
+    logits, _ = gen.decode_step(tiny_model, toks[:, 49], cache, S)
+    np.testing.assert_allclose(np.asarray(logits)[0], _full_logits(tiny_model, toks)[0, -1], atol=2e-4)
+
+
+def test_sampling_is_seeded_and_respects_top_k(tiny_model, rng):
+    prompt = rng.integers(5, 128, 20).tolist()
+    kw = dict(max_new_tokens=10, temperature=0.8, top_p=0.9, top_k=5)
+    a = gen.generate(tiny_model, ToyTokenizer(), [prompt], S, seed=1, **kw)[0].token_ids
+    b = gen.generate(tiny_model, ToyTokenizer(), [prompt], S, seed=1, **kw)[0].token_ids
+    assert a == b
+    logits = jnp.asarray(rng.normal(size=(4, 128)), jnp.float32)
+    import jax
+
+    picks = {int(t) for s in range(40) for t in gen.sample(logits, jax.random.key(s), 1.0, 1.0, 3)[:1]}
+    top3 = set(np.argsort(-np.asarray(logits[0]))[:3].tolist())
+    assert picks <= top3
+
+
+def test_stop_string_truncates(tiny_model, rng):
+    prompt = rng.integers(5, 128, 20).tolist()
+    (full,) = gen.generate(tiny_model, ToyTokenizer(), [prompt], S, max_new_tokens=20)
+    if len(full.text) < 4:
+        pytest.skip("random model emitted EOS immediately")
+    stop = full.text[2:4]
+    (res,) = gen.generate(tiny_model, ToyTokenizer(), [prompt], S, max_new_tokens=20, stop=(stop,), segment=4)
+    assert res.finish_reason == "stop" and res.text == full.text[:full.text.find(stop)]
+
+
+def test_errors(tiny_model):
+    tok = ToyTokenizer()
+    with pytest.raises(ValueError, match="maximum context"):
+        gen.generate(tiny_model, tok, [[5] * 1000], S, max_new_tokens=100)
+    with pytest.raises(ValueError, match="maximum context"):
+        gen.generate(tiny_model, tok, [[5] * 1100], S, max_new_tokens=1)
+    cache = KVCache.init(tiny_model.config, 1, 64, jnp.float32)
+    with pytest.raises(ValueError, match="cache holds"):
+        gen.prefill(tiny_model, np.full((1, 100), 5), [100], cache, S)
+    with pytest.raises(ValueError, match="chunk_size"):
+        gen.prefill(tiny_model, np.full((1, 10), 5), [10], cache, S, chunk_size=100)
+    with pytest.raises(ValueError, match="prompt_lens"):
+        gen.prefill(tiny_model, np.full((1, 10), 5), [0], cache, S)
+    with pytest.raises(ValueError, match="maximum context"):
+        KVCache.init(tiny_model.config, 1, 5000)
+    with pytest.raises(ValueError, match="temperature"):
+        gen.generate(tiny_model, tok, ["hi"], S, temperature=-1.0)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="model_type"):
+        tiny_config(model_type="gpt2")
+    with pytest.raises(ValueError, match="rope scaling type"):
+        tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="multiple of"):
+        tiny_config(num_key_value_heads=4)
+    with pytest.raises(ValueError, match="hidden_act"):
+        tiny_config(hidden_act="gelu")
+    with pytest.raises(ValueError, match="sliding"):
+        tiny_config(model_type="qwen2", use_sliding_window=True)
+    assert tiny_config(model_type="qwen2").qkv_bias and tiny_config(model_type="qwen3").qk_norm
