@@ -1,0 +1,31 @@
+"""Kernel benchmarks against cuDNN in the same run: `python -m experiments.bench --phase=decode|prefill [flags]`.
+
+Thin dispatcher: the decode and prefill benchmarks live in experiments/bench_decode.py and bench_prefill.py, which
+define their own flags (see `--helpfull`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+PHASE = flags.DEFINE_enum("phase", "decode", ["decode", "prefill"], "Which kernels to benchmark.")
+
+
+def main(argv):
+    if PHASE.value == "decode":
+        from experiments import bench_decode as mod
+    else:
+        from experiments import bench_prefill as mod
+    return mod.main(argv)
+
+
+if __name__ == "__main__":
+    # Import both so `--help` lists every flag.
+    for name in ("experiments.bench_decode", "experiments.bench_prefill"):
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    app.run(main, argv=sys.argv)
