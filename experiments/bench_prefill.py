@@ -1,0 +1,290 @@
+"""Prefill-attention benchmark of the Kascade kernels against cuDNN causal flash attention, Table 3 layout.
+
+`python -m experiments.bench --phase=prefill [--prefill_* flags]`, or `python -m experiments.bench_prefill`.
+Times with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`, median over iterations, kernel time only) in the
+same run as cuDNN (`jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")`). Rows: dense,
+A0 (anchor layer 0: dense output + pooled scores + top-k), A (anchor: LSE + scores + top-k + sparse), R (reuse),
+their ratios, the weighted Kascade time (1*A0 + 4*A + 27*R)/32 and its speedup, plus the anchor pipeline's extra
+device memory (XLA's temp allocation of the compiled A, outputs excluded). `--prefill_check` first compares the
+kernels with the references at 8K (Gaussian and peaky). Writes <out>/prefill.md, prefill.json, prefill.png.
+
+Does not: run without a GPU (CPU timings would mean nothing), or time the decode kernels (bench_decode.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+
+from absl import app, flags
+
+CONTEXTS = flags.DEFINE_list("prefill_contexts", ["8192", "32768", "131072"], "Prompt lengths.")
+LONG = flags.DEFINE_list("prefill_long_contexts", ["262144"], "Prompt lengths timed at the first top-k and dtype only.")
+FRACS = flags.DEFINE_list("prefill_topk_fracs", ["0.1"], "Top-k fractions.")
+DTYPES = flags.DEFINE_list("prefill_dtypes", ["bfloat16"], "dtypes (bfloat16, float16).")
+MIN_K = flags.DEFINE_integer("prefill_min_k", 128, "Minimum Top-k budget.")
+TILE = flags.DEFINE_integer("prefill_tile_size", 32, "Query tile size.")
+ITERS = flags.DEFINE_integer("prefill_iterations", 5, "CUPTI iterations per measurement (median reported).")
+CHECK = flags.DEFINE_boolean("prefill_check", False, "Check the kernels against the references at 8K first.")
+OUT = flags.DEFINE_string("prefill_out", "benchmarks", "Output folder for prefill.md/json/png.")
+TUNE = flags.DEFINE_integer("prefill_tune", 0, "If > 0: first time the tuning variants at this context and use the "
+                            "fastest setting of each kernel for the table.")
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def _inputs(seed, s, dtype, peaky=False):
+    import jax
+    import jax.numpy as jnp
+
+    kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(kq, (1, s, Q_HEADS, HEAD_DIM), jnp.float32)
+    k = jax.random.normal(kk, (1, s, KV_HEADS, HEAD_DIM), jnp.float32)
+    v = jax.random.normal(kv, (1, s, KV_HEADS, HEAD_DIM), dtype)
+    if peaky:  # 64 keys aligned with the mean query of every head: strongly preferred by all tiles
+        hot = jax.random.randint(kp, (64,), 0, s)
+        qm = q.mean(axis=(1, 2))[:, None, None, :]
+        k = k.at[:, hot].add(3.0 * qm / jnp.abs(qm).mean())
+        q = q * 2.0
+    return q.astype(dtype), k.astype(dtype), v
+
+
+def _timed(fn, args, iters):
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, timings = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
+    totals = [sum(t for _, t in it) for it in timings]
+    per = {}
+    for it in timings:
+        for name, t in it:
+            per.setdefault(name, []).append(t)
+    return statistics.median(totals), {n: sum(ts) / len(timings) for n, ts in per.items()}
+
+
+def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=False, log=print):
+    """A0, A, R against the references at one shape; returns errors (raises on failure)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas import prefill as pf
+    from kernels_pallas import reference as ref
+
+    q, k, v = _inputs(seed, s, jnp.dtype(dtype), peaky)
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), s, jnp.int32)
+    k_max = ref.max_budget(s, frac, min_k)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas")
+    out, idx, counts = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, **kw))(q, k, v)
+    out0, idx0, _ = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, dense_out=True, **kw))(q, k, v)
+    hm = jnp.asarray(np.random.default_rng(seed).permutation(KV_HEADS), jnp.int32)
+    r_out = jax.jit(lambda *a: pf.reuse_prefill(*a, tile, impl="pallas"))(q, k, v, qs, kl, idx, counts, hm)
+    scores, _ = jax.jit(lambda q, k: ref.pooled_scores_prefill_reference(q, k, qs, kl, tile))(q, k)
+    ref_dense = jax.jit(lambda q, k, v: ref.attention_reference(q, k, v, qs, kl))(q, k, v)
+    ref_sparse = jax.jit(lambda q, k, v, i, m: ref.sparse_prefill_reference(q, k, v, qs, kl, i, m, tile))
+    rel = lambda a, r: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(r, np.float32))
+                             / np.linalg.norm(np.asarray(r, np.float32)))
+    errs = dict(anchor_out=rel(out, ref_sparse(q, k, v, idx, jnp.arange(KV_HEADS))), anchor0_out=rel(out0, ref_dense),
+                reuse_out=rel(r_out, ref_sparse(q, k, v, idx, hm)))
+    idx, idx0, counts, scores = map(np.asarray, (idx, idx0, counts, scores))
+    assert np.array_equal(idx, idx0), "anchor-0 and anchor indices differ"
+    ranks = np.arange(k_max)
+    valid = ranks < counts[:, None, :, None]
+    assert np.all(idx[~valid] == -1) and np.all(idx[valid] >= 0)
+    picked = np.where(valid, np.take_along_axis(scores, np.maximum(idx, 0), -1), -np.inf)
+    assert np.all(np.isfinite(picked[valid])), "ineligible key selected"
+    mine = -np.sort(-picked, -1)
+    best = np.where(valid, -np.sort(-scores, -1)[..., :k_max], -np.inf)
+    fin = np.isfinite(best)
+    errs["max_rel_sorted_score_diff"] = float(np.max(np.abs(mine[fin] - best[fin]) / np.maximum(best[fin], 1e-30)))
+    ref_idx = np.asarray(ref.select_topk_reference(jnp.asarray(scores), jnp.asarray(counts)[:, None, :], k_max))
+    same = [set(a[a >= 0].tolist()) == set(b[b >= 0].tolist()) for a, b in zip(idx.reshape(-1, k_max), ref_idx.reshape(-1, k_max))]
+    errs["exact_set_fraction"] = float(np.mean(same))
+    log(f"check s={s} {dtype} tile={tile} peaky={peaky}: {errs}")
+    assert max(errs["anchor_out"], errs["anchor0_out"], errs["reuse_out"]) < 2e-2, errs
+    assert errs["max_rel_sorted_score_diff"] < 1e-3, errs
+    return errs
+
+
+def _extra_bytes(fn, args):
+    """XLA temp allocation of the compiled function (bytes): device memory beyond its inputs and outputs."""
+    try:
+        ma = fn.lower(*args).compile().memory_analysis()
+        return int(ma.temp_size_in_bytes), int(ma.output_size_in_bytes)
+    except Exception:  # noqa: BLE001 - memory analysis is best effort on some backends
+        return -1, -1
+
+
+def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print):
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas import prefill as pf
+    from kernels_pallas import reference as ref
+
+    dt = jnp.dtype(dtype)
+    q, k, v = _inputs(1, s, dt)
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), s, jnp.int32)
+    k_max = ref.max_budget(s, frac, min_k)
+    hm = jnp.arange(KV_HEADS, dtype=jnp.int32)[::-1]
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning)
+    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    a0 = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, dense_out=True, **kw))
+    an = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, **kw))
+    re = jax.jit(lambda q, k, v, i, c, m: pf.reuse_prefill(q, k, v, qs, kl, i, c, m, tile, impl="pallas",
+                                                           tuning=tuning))
+    _, idx, counts = an(q, k, v)
+    row = dict(context=s, topk_frac=frac, dtype=dtype, tile=tile, k_last_tile=int(counts[0, -1]), k_max=k_max)
+    row["A_extra_bytes"], row["A_out_bytes"] = _extra_bytes(an, (q, k, v))
+    row["A0_extra_bytes"], _ = _extra_bytes(a0, (q, k, v))
+    for name, fn, args in (("dense", dense, (q, k, v)), ("A0", a0, (q, k, v)), ("A", an, (q, k, v)),
+                           ("R", re, (q, k, v, idx, counts, hm))):
+        t, per = _timed(fn, args, iters)
+        row[name] = t
+        row[name + "_kernels"] = per
+    for name in ("A0", "A", "R"):
+        row[name + "/dense"] = row[name] / row["dense"]
+    row["weighted"] = (row["A0"] + 4 * row["A"] + 27 * row["R"]) / 32
+    row["speedup"] = row["dense"] / row["weighted"]
+    row["dense_TFLOPs"] = 4 * s * s * HEAD_DIM * Q_HEADS / 2 / row["dense"] / 1e9
+    log(f"s={s:7d} k={frac:.1f} {dtype}: dense {row['dense']:.3f}  A0 {row['A0']:.3f} ({row['A0/dense']:.3f})  "
+        f"A {row['A']:.3f} ({row['A/dense']:.3f})  R {row['R']:.3f} ({row['R/dense']:.3f})  "
+        f"weighted {row['weighted']:.3f}  speedup {row['speedup']:.2f}x  A extra {row['A_extra_bytes'] / 1e9:.2f} GB")
+    for name in ("A0", "A", "R"):
+        log(f"   {name} kernels: " + ", ".join(f"{n[:40]}={t:.3f}" for n, t in row[name + "_kernels"].items()))
+    del q, k, v, idx
+    return row
+
+
+# Variants timed by --prefill_tune: each field group (dense_*, scores_*, select_*, reuse_*) is picked independently.
+_VARIANTS = [
+    dict(dense_block_k=64, dense_stages=3, lse_block_k=128, lse_stages=2, scores_block_k=128, scores_stages=2,
+         select_block=1024, select_warps=4, select_stages=3, select_nb=16, reuse_block_k=128, reuse_stages=3),
+    dict(dense_block_k=64, dense_stages=2, lse_block_k=64, lse_stages=2, scores_block_k=128, scores_stages=3,
+         select_block=1024, select_warps=4, select_stages=3, select_nb=8, reuse_block_k=128, reuse_stages=4),
+    dict(dense_block_k=128, dense_stages=2, lse_block_k=128, lse_stages=3, scores_block_k=64, scores_stages=2,
+         select_block=2048, select_warps=4, select_stages=3, select_nb=8, reuse_block_k=64, reuse_stages=3,
+         reuse_warps=4),
+    dict(dense_block_k=64, dense_stages=4, lse_block_k=64, lse_stages=3, scores_block_k=128, scores_stages=4,
+         select_block=512, select_warps=4, select_stages=4, select_nb=8, reuse_block_k=128, reuse_stages=2,
+         reuse_warps=4),
+]
+_GROUPS = {"dense": ("kascade_prefill_dense",), "lse": ("kascade_prefill_lse",), "scores": ("kascade_prefill_pooled_scores",),
+           "select": ("kascade_prefill_select",), "reuse": ("kascade_prefill_reuse",)}
+
+
+def tune(s, dtype, min_k, tile, iters, log=print):
+    """Time every variant at context s (top-k 10%); return the PrefillTuning made of the fastest field groups."""
+    from kernels_pallas import prefill as pf
+
+    results = []
+    for i, var in enumerate(_VARIANTS):
+        try:
+            row = bench_one(s, 0.1, dtype, min_k, tile, iters, tuning=pf.PrefillTuning(**var), log=log)
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
+            log(f"variant {i} FAILED {type(e).__name__}: {str(e)[:300]}")
+            continue
+        per = {}
+        for name in ("A0", "A", "R"):
+            for kn, t in row[name + "_kernels"].items():
+                per.setdefault(kn, []).append(t)
+        per = {kn: min(ts) for kn, ts in per.items()}
+        times = {g: sum(v for kn, v in per.items() if any(kn.startswith(p) for p in pre)) for g, pre in _GROUPS.items()}
+        log(f"variant {i}: " + ", ".join(f"{g} {t:.3f}" for g, t in times.items()))
+        results.append((var, times))
+    best = {}
+    for g in _GROUPS:
+        var, _ = min(results, key=lambda r: r[1][g])
+        best.update({f: v for f, v in var.items() if f.startswith(g)})
+    log(f"tuned: {best}")
+    return pf.PrefillTuning(**best), [dict(variant=v, ms=t) for v, t in results]
+
+
+def _markdown(rows, meta):
+    lines = [f"# Kascade prefill attention vs cuDNN causal flash attention ({meta['gpu']})", "",
+             f"Date {meta['date']}, JAX {meta['jax']}, command `{meta['command']}`.",
+             f"Kernel tuning: `{meta['tuning']}`.",
+             "CUPTI kernel time, median of iterations, ms. Batch 1, 32 q heads, 8 kv heads, d 128, rolling budgets, "
+             "tile 32, min_k 128.", "Weighted = (1*A0 + 4*A + 27*R)/32 (Llama-3.1-8B: 32 layers, 5 anchors). "
+             "A extra = XLA temp memory of the compiled anchor pipeline; A outputs = its out + idx buffers.", "",
+             "| dtype | context | top-k | dense | A0 | A | R | A0/dense | A/dense | R/dense | weighted | speedup | A extra GB | A outputs GB (out+idx) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['context']} | {r['topk_frac']:.0%} | {r['dense']:.2f} | {r['A0']:.2f} | "
+                     f"{r['A']:.2f} | {r['R']:.2f} | {r['A0/dense']:.3f} | {r['A/dense']:.3f} | {r['R/dense']:.3f} | "
+                     f"{r['weighted']:.2f} | **{r['speedup']:.2f}x** | {r['A_extra_bytes'] / 1e9:.2f} | "
+                     f"{r['A_out_bytes'] / 1e9:.2f} |")
+    lines += ["", "Per-kernel times (ms):", ""]
+    for r in rows:
+        for name in ("A0", "A", "R"):
+            lines.append(f"- {r['dtype']} {r['context']} {r['topk_frac']:.0%} {name}: " +
+                         ", ".join(f"`{n[:48]}` {t:.3f}" for n, t in r[name + "_kernels"].items()))
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for dt, f in sorted({(r["dtype"], r["topk_frac"]) for r in rows}):
+        pts = sorted((r["context"], r["speedup"]) for r in rows if (r["dtype"], r["topk_frac"]) == (dt, f))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{dt} top-k {f:.0%}")
+    ax.set_xscale("log", base=2)
+    ax.axhline(2.19, color="gray", ls=":", lw=0.8, label="paper (vs FA3, H100)")
+    ax.axhline(2.8, color="gray", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("context")
+    ax.set_ylabel("weighted Kascade prefill speedup over cuDNN")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=5, out_dir="benchmarks",
+        check_first=False, tune_at=0, log=print):
+    import dataclasses
+
+    import jax
+
+    from kernels_pallas import prefill as pf
+
+    if jax.default_backend() != "gpu":
+        raise SystemExit("bench_prefill needs a GPU (CPU timings would mean nothing)")
+    if check_first:
+        for peaky in (False, True):
+            check(peaky=peaky, log=log)
+    tuning, tuning_runs = pf.DEFAULT_TUNING, []
+    if tune_at:
+        tuning, tuning_runs = tune(tune_at, dtypes[0], min_k, tile, iters, log=log)
+    rows = []
+    plan = [(dtypes[0], s, f) for s in contexts for f in fracs] + [(dtypes[0], s, fracs[0]) for s in long_contexts]
+    plan += [(dt, s, fracs[0]) for dt in dtypes[1:] for s in contexts]  # further dtypes: the first top-k only
+    for dtype, s, f in plan:
+        try:
+            rows.append(bench_one(s, f, dtype, min_k, tile, iters, tuning=tuning, log=log))
+        except Exception as e:  # noqa: BLE001 - report and go on (e.g. out of memory at 256K)
+            log(f"s={s} k={f} {dtype}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv),
+                tuning=dataclasses.asdict(tuning), tuning_runs=tuning_runs)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "prefill.json"), "w") as fh:
+        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    with open(os.path.join(out_dir, "prefill.md"), "w") as fh:
+        fh.write(_markdown(rows, meta))
+    if rows:
+        _plot(rows, os.path.join(out_dir, "prefill.png"))
+    return rows
+
+
+def main(argv):
+    del argv
+    run([int(c) for c in CONTEXTS.value], [float(f) for f in FRACS.value], list(DTYPES.value),
+        long_contexts=[int(c) for c in LONG.value], min_k=MIN_K.value,
+        tile=TILE.value, iters=ITERS.value, out_dir=OUT.value, check_first=CHECK.value, tune_at=TUNE.value)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,544 @@
+"""Pallas GPU prefill kernels for Kascade: sparse reuse prefill and the anchor prefill pipeline.
+
+Design (all kernels are Pallas `pallas_call`s with the Triton lowering, the only `pallas_call` GPU path in JAX 0.11.2):
+- One program owns one query tile of one KV head: `tile_size` tokens x `g_sub` query heads of the GQA group packed as
+  matrix rows (padded to a power of two >= 16), so every gathered K/V row serves the whole group. Groups whose rows
+  would exceed 128 are split into `n_sub` sub-groups (one program each; the pooled-score kernel loops over them).
+- Reuse: online-softmax attention over the tile's selected keys (gathered row by row through the head map, blocks
+  of `reuse_block_k` indices, bounded by the tile's rolling count) plus the causal diagonal tile. A tile whose prefix fits in its
+  budget selected every prefix key, so it is dense by construction.
+- Anchor: (1) a flash pass over the causal keys that yields the base-2 log-sum-exp per row (and for anchor layer 0
+  the dense output too); (2) in chunks of tiles (<= ~1 GiB of fp32 scores at a time, never the O(L^2) tensor): a
+  kernel that recomputes Q.K^T for the keys strictly before each tile, turns it into post-softmax probabilities with
+  the stored LSE and pools them over the tile's valid rows and the GQA group, then (3) an exact threshold select per
+  (tile, head): a `select_nb`-way (16) bisection on the fp32 bit patterns (non-negative floats order like their int32 bits),
+  stopping as soon as the bracket holds exactly the budget, then one compaction pass (cumsum + scatter) that takes
+  every key above the bracket and, among exact ties at the threshold, the lowest positions. No sort, no lax.top_k.
+  (4) The reuse kernel on its own indices (identity head map), unless `dense_out`.
+- Block sizes / pipelining live in `PrefillTuning`; measurements, floors and limits: benchmarks/notes_prefill.md.
+
+Deliberately not done here: `pool="pre_softmax"` (reference only), fp8, paged caches, Mosaic-GPU (wgmma/TMA)
+versions. Everything off-GPU (impl="reference", or "auto" on CPU) runs the pure-JAX references of
+`kernels_pallas.reference`, which define the semantics; `interpret=True` runs the Pallas kernels on CPU for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import reference as ref
+
+_LOG2E = 1.4426950408889634
+_NEG = -1e30  # finite start for running maxima: a fully masked block then gives exp2(-inf) = 0, never inf - inf
+_ROW_CAP = 128  # rows (tile tokens x heads) per program: 128 x d fp32 accumulators fit the register file
+_TILE_SIZES = (16, 32, 64)
+_HEAD_DIMS = (64, 128)
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_INF_BITS = 0x7F800000  # int32 bits of +inf: every finite non-negative fp32 score is below it
+_SCORE_CHUNK_BYTES = 1 << 30  # fp32 pooled scores held at once by the anchor pipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTuning:
+    """Block sizes and Triton pipelining per kernel. Defaults: the H200 tuning of 2026-11-29 (bench_prefill.py
+    --prefill_tune=32768, benchmarks/prefill.json), the configuration of the committed benchmark."""
+
+    dense_block_k: int = 64  # keys per step of the dense pass (anchor layer 0: output + LSE)
+    dense_stages: int = 3
+    lse_block_k: int = 64  # keys per step of the LSE-only pass (other anchors)
+    lse_stages: int = 3
+    scores_block_k: int = 128  # keys per step of the pooled-score pass
+    scores_stages: int = 2
+    scores_transposed: bool = True  # K.Q^T so the pool over rows is an in-warp reduction (no shared-memory round trip)
+    select_block: int = 1024  # scores per step of a select pass
+    select_warps: int = 4
+    select_stages: int = 3
+    select_nb: int = 16  # thresholds per bisection pass: log2(nb) bits per pass, nb compares per score
+    reuse_block_k: int = 128  # gathered keys per step of the reuse kernel
+    reuse_stages: int = 3
+    reuse_warps: int = 0  # 0: 4 for <= 64 rows, else 8
+
+
+DEFAULT_TUNING = PrefillTuning()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static shape facts shared by all kernels of one call."""
+
+    batch: int
+    q_len: int
+    kv_heads: int
+    group: int
+    d: int
+    max_len: int
+    tile: int
+    n_tiles: int
+    g_sub: int  # query heads of the group per program
+    n_sub: int  # programs per (tile, KV head)
+    rows: int  # tile * g_sub real rows
+    rows_pad: int  # power of two >= 16
+
+    @property
+    def warps(self) -> int:
+        return 4 if self.rows_pad <= 64 else 8
+
+
+def _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size):
+    if q.ndim != 4 or k_cache.ndim != 4:
+        raise ValueError(f"q and caches must be 4-D [batch, len, heads, d], got {q.shape} and {k_cache.shape}")
+    if v_cache is not None and v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
+    b, t, hq, d = q.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError(f"k_cache {k_cache.shape} does not match q {q.shape} in batch or head_dim")
+    if tile_size not in _TILE_SIZES:
+        raise ValueError(f"tile_size must be one of {_TILE_SIZES}, got {tile_size}")
+    if t < 1:
+        raise ValueError(f"q_len must be >= 1, got {t}")
+    if hq % k_cache.shape[2]:
+        raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({k_cache.shape[2]})")
+    if jnp.shape(q_start) != (b,) or jnp.shape(kv_len) != (b,):
+        raise ValueError(f"q_start and kv_len must have shape [batch]=({b},), got {jnp.shape(q_start)}, {jnp.shape(kv_len)}")
+
+
+def _check_pallas(q, k_cache, v_cache):
+    d = q.shape[-1]
+    if d not in _HEAD_DIMS:
+        raise ValueError(f"the Pallas prefill kernels support head_dim in {_HEAD_DIMS}, got {d}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of bfloat16, float16, float32, got {q.dtype}")
+    for c in (k_cache, v_cache):
+        if c is not None and c.dtype != q.dtype:
+            raise ValueError(f"cache dtype {c.dtype} must equal q dtype {q.dtype}")
+
+
+def _layout(q, k_cache, tile_size) -> _Layout:
+    b, t, hq, d = q.shape
+    kvh = k_cache.shape[2]
+    g = hq // kvh
+    g_sub = max(s for s in range(1, g + 1) if g % s == 0 and tile_size * s <= _ROW_CAP)
+    rows = tile_size * g_sub
+    return _Layout(batch=b, q_len=t, kv_heads=kvh, group=g, d=d, max_len=k_cache.shape[1], tile=tile_size,
+                   n_tiles=-(-t // tile_size), g_sub=g_sub, n_sub=g // g_sub, rows=rows,
+                   rows_pad=max(16, pl.next_power_of_2(rows)))
+
+
+def _pack_q(q, lay: _Layout):
+    """[batch, q_len, q_heads, d] -> [batch, kv_heads, n_sub, tiles, rows_pad, d]; row = tile_row * g_sub + head."""
+    b, t, _, d = q.shape
+    qp = jnp.pad(q, ((0, 0), (0, lay.n_tiles * lay.tile - t), (0, 0), (0, 0)))
+    qp = qp.reshape(b, lay.n_tiles, lay.tile, lay.kv_heads, lay.n_sub, lay.g_sub, d)
+    qp = qp.transpose(0, 3, 4, 1, 2, 5, 6).reshape(b, lay.kv_heads, lay.n_sub, lay.n_tiles, lay.rows, d)
+    return jnp.pad(qp, ((0, 0),) * 4 + ((0, lay.rows_pad - lay.rows), (0, 0)))
+
+
+def _unpack_out(o, lay: _Layout):
+    b, d = lay.batch, lay.d
+    o = o[..., : lay.rows, :].reshape(b, lay.kv_heads, lay.n_sub, lay.n_tiles, lay.tile, lay.g_sub, d)
+    o = o.transpose(0, 3, 4, 1, 2, 5, 6).reshape(b, lay.n_tiles * lay.tile, lay.kv_heads * lay.group, d)
+    return o[:, : lay.q_len]
+
+
+def _iota(n):
+    return lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _gather_rows(ref_, b, idx, h, d, interpret):
+    """Rows ref_[b, idx, h, :] -> [len(idx), d]. Interpret mode cannot mix array indices with slices."""
+    if interpret:
+        return ref_[b, idx[:, None], h, _iota(d)[None, :]]
+    return ref_[b, idx, h, :]
+
+
+def _dot_t(a, b):
+    """a [m, d] . b[n, d]^T -> [m, n] fp32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _row_pos(lay: _Layout, q_start, t):
+    """Per packed row: absolute position and whether the row is a real query of this chunk."""
+    r = _iota(lay.rows_pad)
+    local = t * lay.tile + r // lay.g_sub
+    return q_start + local, (r < lay.rows) & (local < lay.q_len)
+
+
+def _online_step(carry, sc, vb, with_out):
+    """One online-softmax step on base-2 logits sc [rows, keys] (-inf = masked)."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(sc - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    if with_out:
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel 1: causal flash pass -> base-2 LSE per packed row (+ dense output for anchor layer 0).
+
+
+def _dense_kernel(qs_ref, kvl_ref, q_ref, k_ref, v_ref, *out_refs, lay: _Layout, scale2, block_k, with_out, interpret):
+    b = pl.program_id(0)
+    hs = pl.program_id(1)
+    t = lay.n_tiles - 1 - pl.program_id(2)  # heaviest tiles first
+    h, s = hs // lay.n_sub, hs % lay.n_sub
+    q_start, kv_len = qs_ref[b], kvl_ref[b]
+    q = q_ref[b, h, s, t]  # [rows_pad, d]
+    pos, _ = _row_pos(lay, q_start, t)
+    tile_start = q_start + t * lay.tile
+    end = jnp.maximum(jnp.minimum(tile_start + lay.tile, kv_len), 0)
+    n_full = jnp.maximum(jnp.minimum(tile_start, kv_len), 0) // block_k  # blocks wholly visible to every row
+    n_all = (end + block_k - 1) // block_k
+
+    def body(j, carry, masked):
+        kidx = j * block_k + _iota(block_k)
+        if masked or block_k > lay.max_len:  # (a static slice may not exceed the cache even in a dead loop)
+            safe = jnp.minimum(kidx, lay.max_len - 1)
+            kb = _gather_rows(k_ref, b, safe, h, lay.d, interpret)
+            vb = _gather_rows(v_ref, b, safe, h, lay.d, interpret) if with_out else None
+        else:
+            kb = k_ref[b, pl.ds(j * block_k, block_k), h, :]
+            vb = v_ref[b, pl.ds(j * block_k, block_k), h, :] if with_out else None
+        sc = _dot_t(q, kb) * scale2
+        if masked:
+            ok = (kidx[None, :] <= pos[:, None]) & (kidx[None, :] < kv_len)
+            sc = jnp.where(ok, sc, -jnp.inf)
+        return _online_step(carry, sc, vb, with_out)
+
+    carry = (jnp.full((lay.rows_pad,), _NEG, jnp.float32), jnp.zeros((lay.rows_pad,), jnp.float32),
+             jnp.zeros((lay.rows_pad, lay.d), jnp.float32))
+    carry = lax.fori_loop(0, n_full, lambda j, c: body(j, c, False), carry)
+    m, l, acc = lax.fori_loop(n_full, n_all, lambda j, c: body(j, c, True), carry)
+    lse_ref = out_refs[0]
+    lse_ref[b, h, s, t] = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    if with_out:
+        o_ref = out_refs[1]
+        o_ref[b, h, s, t] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay: _Layout, scale, *, with_out, tuning, interpret):
+    block_k = tuning.dense_block_k if with_out else tuning.lse_block_k
+    stages = tuning.dense_stages if with_out else tuning.lse_stages
+    kernel = lambda *refs: _dense_kernel(*refs, lay=lay, scale2=scale * _LOG2E, block_k=block_k,
+                                         with_out=with_out, interpret=interpret)
+    lse_shape = jax.ShapeDtypeStruct(qp.shape[:-1], jnp.float32)
+    out_shape = [lse_shape] + ([jax.ShapeDtypeStruct(qp.shape, qp.dtype)] if with_out else [])
+    res = pl.pallas_call(
+        kernel, grid=(lay.batch, lay.kv_heads * lay.n_sub, lay.n_tiles), out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=lay.warps, num_stages=stages), interpret=interpret,
+        name="kascade_prefill_dense" if with_out else "kascade_prefill_lse",
+    )(q_start, kv_len, qp, k_cache, v_cache)
+    return res if with_out else (res[0], None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel 2: pooled post-softmax scores of a chunk of tiles over the keys strictly before each tile.
+
+
+def _eligible(lay: _Layout, q_start, kv_len, t):
+    """Keys a tile may select: [0, min(tile_start, kv_len)); none for padding tiles past the chunk."""
+    e = jnp.maximum(jnp.minimum(q_start + t * lay.tile, kv_len), 0)
+    return jnp.where(t < lay.n_tiles, e, 0)
+
+
+def _scores_kernel(c_ref, qs_ref, kvl_ref, q_ref, lse_ref, k_ref, sc_ref, *, lay: _Layout, scale2, block_k, chunk,
+                   transposed, interpret):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    tl = chunk - 1 - pl.program_id(2)
+    t = c_ref[0] * chunk + tl
+    q_start, kv_len = qs_ref[b], kvl_ref[b]
+    e = _eligible(lay, q_start, kv_len, t)
+    t_safe = jnp.minimum(t, lay.n_tiles - 1)
+    pos, real = _row_pos(lay, q_start, t_safe)
+    pooled_row = real & (pos < kv_len)  # padding queries are left out of the pool
+    qs = [q_ref[b, h, s, t_safe] for s in range(lay.n_sub)]
+    lses = [jnp.where(pooled_row, lse_ref[b, h, s, t_safe], jnp.inf) for s in range(lay.n_sub)]
+
+    def body(j, carry, edge):
+        kidx = j * block_k + _iota(block_k)
+        if edge or block_k > lay.max_len:  # the last, partial block: clamp the rows it reads to the cache
+            kb = _gather_rows(k_ref, b, jnp.minimum(kidx, lay.max_len - 1), h, lay.d, interpret)
+        else:
+            kb = k_ref[b, pl.ds(j * block_k, block_k), h, :]
+        tot = jnp.zeros((block_k,), jnp.float32)
+        for q, lse in zip(qs, lses):
+            if transposed:
+                tot = tot + jnp.sum(jnp.exp2(_dot_t(kb, q) * scale2 - lse[None, :]), axis=1)
+            else:
+                tot = tot + jnp.sum(jnp.exp2(_dot_t(q, kb) * scale2 - lse[:, None]), axis=0)
+        sc_ref[b, h, tl, pl.ds(j * block_k, block_k)] = tot
+        return carry  # (returning a literal breaks the Triton lowering of the loop)
+
+    lax.fori_loop(0, e // block_k, lambda j, c: body(j, c, False), jnp.int32(0))
+    lax.fori_loop(e // block_k, (e + block_k - 1) // block_k, lambda j, c: body(j, c, True), jnp.int32(0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel 3: exact top-`count` per (tile, head) by bisection on the fp32 bit patterns, then compaction.
+
+
+def _select_kernel(c_ref, qs_ref, kvl_ref, cnt_ref, sc_ref, idx_in_ref, idx_ref, *, lay: _Layout, block, chunk, width,
+                   nb):
+    del idx_in_ref  # aliased with idx_ref: tiles of other chunks stay as they are
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    tl = pl.program_id(2)
+    t = c_ref[0] * chunk + tl
+    q_start, kv_len = qs_ref[b], kvl_ref[b]
+    k = cnt_ref[b, t]
+    e = jnp.where(k > 0, _eligible(lay, q_start, kv_len, t), 0)
+    n_blk = (e + block - 1) // block
+    lanes = _iota(block)
+
+    def keys(j):
+        kidx = j * block + lanes
+        bits = lax.bitcast_convert_type(sc_ref[b, h, tl, pl.ds(j * block, block)], jnp.int32)
+        return kidx, jnp.where(kidx < e, bits, -1)
+
+    ii = _iota(nb)
+
+    def bisect(state):
+        lo, hi, c_lo, c_hi = state
+        step = (hi - lo + nb - 1) // nb
+        thr = jnp.minimum(lo + ii * step, hi)
+
+        def count(j, acc):
+            _, kb = keys(j)
+            return acc + jnp.sum((kb[None, :] >= thr[:, None]).astype(jnp.int32), axis=1)
+
+        cnt = lax.fori_loop(0, n_blk, count, jnp.zeros((nb,), jnp.int32))
+        sel = jnp.sum((cnt >= k).astype(jnp.int32)) - 1  # counts fall with the threshold; cnt[0] = c_lo > k
+        last = sel == nb - 1
+        pick = lambda v, i: jnp.sum(jnp.where(ii == i, v, 0))
+        return (pick(thr, sel), jnp.where(last, hi, pick(thr, sel + 1)),
+                pick(cnt, sel), jnp.where(last, c_hi, pick(cnt, sel + 1)))
+
+    # Invariant: c_lo = #keys >= lo >= k > #keys >= hi = c_hi; stop when c_lo == k or the bracket is one value.
+    lo, hi, _, c_hi = lax.while_loop(lambda s: (s[2] > k) & (s[1] - s[0] > 1), bisect,
+                                     (jnp.int32(0), jnp.int32(_INF_BITS), e, jnp.int32(0)))
+    need = k - c_hi  # keys to take from the bracket [lo, hi): all of it, or the lowest positions among exact ties
+
+    def compact(j, carry):
+        off, taken = carry
+        kidx, kb = keys(j)
+        inb = ((kb >= lo) & (kb < hi)).astype(jnp.int32)
+        take = (kb >= hi) | ((inb > 0) & (taken + jnp.cumsum(inb) - 1 < need))
+        take_i = take.astype(jnp.int32)
+        pos = jnp.where(take, off + jnp.cumsum(take_i) - 1, width + lanes)  # masked lanes point out of bounds
+        plgpu.store(idx_ref.at[b, h, t, pos], kidx, mask=take)
+        return off + jnp.sum(take_i), taken + jnp.sum(inb)
+
+    lax.fori_loop(0, n_blk, compact, (jnp.int32(0), jnp.int32(0)))
+
+    def fill(j, carry):
+        p = j * block + lanes
+        ok = (p >= k) & (p < width)
+        plgpu.store(idx_ref.at[b, h, t, jnp.where(ok, p, width + lanes)], jnp.full((block,), -1, jnp.int32), mask=ok)
+        return carry
+
+    lax.fori_loop(jnp.maximum(k, 0) // block, (width + block - 1) // block, fill, jnp.int32(0))
+
+
+def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scale, k_max, pool, tuning, interpret):
+    """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]."""
+    block_k, block_s = tuning.scores_block_k, tuning.select_block
+    width_s = -(-lay.max_len // max(block_s, block_k)) * max(block_s, block_k)  # whole blocks of both kernels
+    idx_heads = lay.kv_heads if pool == "gqa" else 1
+    per_tile = lay.batch * lay.kv_heads * width_s * 4
+    chunk = max(1, min(pl.next_power_of_2(lay.n_tiles), 1 << max(0, (_SCORE_CHUNK_BYTES // per_tile).bit_length() - 1)))
+    n_chunks = -(-lay.n_tiles // chunk)
+    n_pad = n_chunks * chunk
+    counts_p = jnp.pad(counts, ((0, 0), (0, n_pad - lay.n_tiles)))
+    scores_call = pl.pallas_call(
+        lambda *r: _scores_kernel(*r, lay=lay, scale2=scale * _LOG2E, block_k=block_k, chunk=chunk,
+                                  transposed=tuning.scores_transposed, interpret=interpret),
+        grid=(lay.batch, lay.kv_heads, chunk),
+        out_shape=jax.ShapeDtypeStruct((lay.batch, lay.kv_heads, chunk, width_s), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=lay.warps, num_stages=tuning.scores_stages),
+        interpret=interpret, name="kascade_prefill_pooled_scores")
+    select_call = pl.pallas_call(
+        lambda *r: _select_kernel(*r, lay=lay, block=block_s, chunk=chunk, width=k_max, nb=tuning.select_nb),
+        grid=(lay.batch, idx_heads, chunk),
+        out_shape=jax.ShapeDtypeStruct((lay.batch, idx_heads, n_pad, k_max), jnp.int32),
+        input_output_aliases={5: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.select_warps, num_stages=tuning.select_stages),
+        interpret=interpret, name="kascade_prefill_select")
+
+    def one_chunk(c, idx):
+        cv = jnp.reshape(c, (1,)).astype(jnp.int32)
+        sc = scores_call(cv, q_start, kv_len, qp, lse, k_cache)
+        if pool == "all":
+            sc = jnp.sum(sc, axis=1, keepdims=True)
+        return select_call(cv, q_start, kv_len, counts_p, sc, idx)
+
+    idx = jnp.full((lay.batch, idx_heads, n_pad, k_max), -1, jnp.int32)
+    idx = lax.fori_loop(0, n_chunks, one_chunk, idx)
+    return idx[:, :, : lay.n_tiles]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel 4: sparse reuse prefill.
+
+
+def _reuse_kernel(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref, o_ref, *, lay: _Layout, scale2,
+                  block_k, width, interpret):
+    b = pl.program_id(0)
+    hs = pl.program_id(1)
+    t = lay.n_tiles - 1 - pl.program_id(2)  # later tiles select more keys: start them first
+    h, s = hs // lay.n_sub, hs % lay.n_sub
+    src = hm_ref[h]
+    q_start, kv_len = qs_ref[b], kvl_ref[b]
+    cnt = cnt_ref[b, t]
+    q = q_ref[b, h, s, t]
+    pos, _ = _row_pos(lay, q_start, t)
+    tile_start = q_start + t * lay.tile
+
+    def body(j, carry):
+        lane = j * block_k + _iota(block_k)
+        ix = idx_ref[b, src, t, jnp.minimum(lane, width - 1)]
+        ok = (lane < cnt) & (ix >= 0) & (ix < jnp.minimum(kv_len, tile_start))
+        safe = jnp.where(ok, ix, 0)
+        kb = _gather_rows(k_ref, b, safe, h, lay.d, interpret)
+        vb = _gather_rows(v_ref, b, safe, h, lay.d, interpret)
+        sc = jnp.where(ok[None, :], _dot_t(q, kb) * scale2, -jnp.inf)
+        return _online_step(carry, sc, vb, True)
+
+    carry = (jnp.full((lay.rows_pad,), _NEG, jnp.float32), jnp.zeros((lay.rows_pad,), jnp.float32),
+             jnp.zeros((lay.rows_pad, lay.d), jnp.float32))
+    carry = lax.fori_loop(0, (jnp.maximum(cnt, 0) + block_k - 1) // block_k, body, carry)
+    # The causal diagonal tile, always attended.
+    kidx = tile_start + _iota(lay.tile)
+    safe = jnp.clip(kidx, 0, lay.max_len - 1)
+    kb = _gather_rows(k_ref, b, safe, h, lay.d, interpret)
+    vb = _gather_rows(v_ref, b, safe, h, lay.d, interpret)
+    ok = (kidx[None, :] <= pos[:, None]) & (kidx[None, :] < kv_len) & (kidx[None, :] >= 0)
+    sc = jnp.where(ok, _dot_t(q, kb) * scale2, -jnp.inf)
+    _, l, acc = _online_step(carry, sc, vb, True)
+    o_ref[b, h, s, t] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _reuse_call(qp, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_row, lay: _Layout, scale, tuning,
+                interpret):
+    block_k = tuning.reuse_block_k
+    width = idx.shape[-1]
+    kernel = lambda *r: _reuse_kernel(*r, lay=lay, scale2=scale * _LOG2E, block_k=block_k, width=width,
+                                      interpret=interpret)
+    return pl.pallas_call(
+        kernel, grid=(lay.batch, lay.kv_heads * lay.n_sub, lay.n_tiles),
+        out_shape=jax.ShapeDtypeStruct(qp.shape, qp.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.reuse_warps or lay.warps, num_stages=tuning.reuse_stages),
+        interpret=interpret, name="kascade_prefill_reuse",
+    )(q_start, kv_len, counts, head_map_row, qp, k_cache, v_cache, idx)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API.
+
+
+def _use_pallas(impl: str, interpret: bool) -> bool:
+    if impl not in ("auto", "pallas", "reference"):
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'reference', got {impl!r}")
+    if impl == "reference":
+        return False
+    if impl == "pallas" or interpret:
+        return True
+    return jax.default_backend() == "gpu"
+
+
+def _ints(x, name, b):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got {x.dtype}")
+    return x.astype(jnp.int32)
+
+
+def reuse_prefill(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_row, tile_size, *, scale=None,
+                  impl="auto", interpret=False, tuning: PrefillTuning | None = None):
+    """Sparse prefill: each query tile attends its selected keys (through head_map_row) plus its causal diagonal tile.
+
+    q [batch, q_len, q_heads, d]; caches [batch, max_len, kv_heads, d] with this chunk written; q_start, kv_len
+    [batch]; idx [batch, idx_heads, tiles, k_max] (distinct keys strictly before each tile, -1 past counts);
+    counts [batch, tiles]; head_map_row [kv_heads] int32. Returns out [batch, q_len, q_heads, d].
+    """
+    _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
+    b = q.shape[0]
+    n_tiles = -(-q.shape[1] // tile_size)
+    if idx.ndim != 4 or idx.shape[0] != b or idx.shape[2] != n_tiles:
+        raise ValueError(f"idx must be [batch={b}, idx_heads, tiles={n_tiles}, k_max], got {idx.shape}")
+    if jnp.shape(counts) != (b, n_tiles):
+        raise ValueError(f"counts must be [batch, tiles] = ({b}, {n_tiles}), got {jnp.shape(counts)}")
+    if jnp.shape(head_map_row) != (k_cache.shape[2],):
+        raise ValueError(f"head_map_row must be [kv_heads] = ({k_cache.shape[2]},), got {jnp.shape(head_map_row)}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q_start, kv_len = _ints(q_start, "q_start", b), _ints(kv_len, "kv_len", b)
+    head_map_row = _ints(head_map_row, "head_map_row", b)
+    if not _use_pallas(impl, interpret):
+        return ref.sparse_prefill_reference(q, k_cache, v_cache, q_start, kv_len, idx, head_map_row, tile_size,
+                                            scale=scale)
+    _check_pallas(q, k_cache, v_cache)
+    lay = _layout(q, k_cache, tile_size)
+    qp = _pack_q(q, lay)
+    counts = jnp.minimum(_ints(counts, "counts", b), idx.shape[-1])  # never read past the index buffer
+    o = _reuse_call(qp, k_cache, v_cache, q_start, kv_len, idx.astype(jnp.int32), counts,
+                    head_map_row, lay, scale, tuning or DEFAULT_TUNING, interpret)
+    return _unpack_out(o, lay)
+
+
+def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, topk_frac, min_k, k_max, rolling=True,
+                   dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
+                   tuning: PrefillTuning | None = None):
+    """Anchor prefill: pooled post-softmax scores per (tile, head), exact rolling top-k, then attention.
+
+    Returns (out [batch, q_len, q_heads, d], idx [batch, idx_heads, tiles, k_max], counts [batch, tiles]); out is
+    the sparse output on the layer's own indices, or the dense causal output with dense_out=True (anchor layer 0).
+    """
+    _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
+    if pool not in ("gqa", "all", "pre_softmax"):
+        raise ValueError(f"pool must be 'gqa', 'all' or 'pre_softmax', got {pool!r}")
+    if k_max < 1:
+        raise ValueError(f"k_max must be >= 1, got {k_max}")
+    ref.frac_numerator(topk_frac)
+    if min_k < 0:
+        raise ValueError(f"min_k must be >= 0, got {min_k}")
+    b, t = q.shape[:2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q_start, kv_len = _ints(q_start, "q_start", b), _ints(kv_len, "kv_len", b)
+    seq_len = _ints(jnp.broadcast_to(jnp.asarray(seq_len), (b,)), "seq_len", b)
+    counts = ref.prefill_counts(q_start, kv_len, seq_len, t, tile_size, topk_frac, min_k, rolling)
+    counts = jnp.minimum(counts, k_max)
+    idx_heads = k_cache.shape[2] if pool != "all" else 1
+    identity = jnp.arange(k_cache.shape[2], dtype=jnp.int32) if pool != "all" else jnp.zeros(k_cache.shape[2], jnp.int32)
+    if not _use_pallas(impl, interpret):
+        scores, _ = ref.pooled_scores_prefill_reference(q, k_cache, q_start, kv_len, tile_size, pool=pool, scale=scale)
+        idx = ref.select_topk_reference(scores, counts[:, None, :], k_max)
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, 0), (0, k_max - idx.shape[-1])), constant_values=-1)
+        if dense_out:
+            out = ref.attention_reference(q, k_cache, v_cache, q_start, kv_len, scale=scale)
+        else:
+            out = ref.sparse_prefill_reference(q, k_cache, v_cache, q_start, kv_len, idx, identity, tile_size,
+                                               scale=scale)
+        return out, idx, counts
+    if pool == "pre_softmax":
+        raise ValueError("pool='pre_softmax' has no Pallas kernel; use impl='reference'")
+    _check_pallas(q, k_cache, v_cache)
+    lay = _layout(q, k_cache, tile_size)
+    qp = _pack_q(q, lay)
+    tuning = tuning or DEFAULT_TUNING
+    lse, o = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out, tuning=tuning,
+                         interpret=interpret)
+    idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret)
+    assert idx.shape[1] == idx_heads
+    if dense_out:
+        return _unpack_out(o, lay), idx, counts
+    o = _reuse_call(qp, k_cache, v_cache, q_start, kv_len, idx, counts, identity, lay, scale, tuning, interpret)
+    return _unpack_out(o, lay), idx, counts

@@ -1,0 +1,227 @@
+"""Pallas prefill kernels (interpret mode on CPU; `-m gpu` at 8K on the H200) against the pure-JAX references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import prefill as P
+from kernels_pallas import reference as R
+
+SEED = np.random.SeedSequence().entropy % (2**31)
+print(f"test_prefill seed = {SEED}")
+
+
+def _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky=False):
+    q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
+    k = rng.standard_normal((b, max_len, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((b, max_len, kvh, d)).astype(np.float32)
+    if peaky:  # a few keys every query loves, and sharper logits overall
+        hot = rng.choice(max_len, size=max(2, max_len // 50), replace=False)
+        k[:, hot] += 2.0 * q.mean(axis=(1, 2))[:, None, None, :] / (np.abs(q.mean(axis=(1, 2))).mean() + 1e-6)
+        q *= 2.5
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _check_idx(idx, counts, scores, rtol=2e-4):
+    """idx is a top-`counts` set of the reference scores up to (near-)ties: distinct, eligible, same sorted values."""
+    idx, counts, scores = np.asarray(idx), np.asarray(counts), np.asarray(scores, np.float64)
+    b, h, nt, kmax = idx.shape
+    ranks = np.arange(kmax)
+    cnt = np.broadcast_to(counts[:, None, :, None], idx.shape)
+    assert np.all(idx[ranks >= cnt] == -1), "ranks past the count must be -1"
+    valid = ranks < cnt
+    assert np.all(idx[valid] >= 0)
+    picked = np.take_along_axis(scores, np.maximum(idx, 0), axis=-1)
+    assert np.all(np.isfinite(picked[valid])), "selected an ineligible key"
+    srt = np.sort(np.where(valid, idx, -1 - ranks), axis=-1)
+    assert np.all((np.diff(srt, axis=-1) != 0)), "duplicate indices"
+    mine = -np.sort(-np.where(valid, picked, -np.inf), axis=-1)
+    best = -np.sort(-scores, axis=-1)[..., :kmax]
+    best = np.where(valid, best, -np.inf)
+    fin = np.isfinite(best)
+    np.testing.assert_allclose(mine[fin], best[fin], rtol=rtol, atol=1e-6)
+    return float(np.mean([set(np.asarray(x)[:c]) == set(np.asarray(y)[:c]) for x, y, c in zip(
+        idx.reshape(-1, kmax), R.select_topk_reference(jnp.asarray(scores, jnp.float32), jnp.asarray(cnt[..., 0]), kmax)
+        .reshape(-1, kmax), cnt[..., 0].reshape(-1))]))
+
+
+def _case(seed, b, t, hq, kvh, d, tile, dtype, peaky, frac, min_k, q_start, kv_len, max_len, dense_out, interpret,
+          out_tol):
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky)
+    q_start = jnp.asarray(q_start, jnp.int32)
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    k_max = R.max_budget(max_len, frac, min_k)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, dense_out=dense_out)
+    out, idx, counts = P.anchor_prefill(q, k, v, q_start, kv_len, kv_len, tile, impl="pallas", interpret=interpret, **kw)
+    rc = R.prefill_counts(q_start, kv_len, kv_len, t, tile, frac, min_k)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(rc))
+    scores, _ = R.pooled_scores_prefill_reference(q, k, q_start, kv_len, tile)
+    exact = _check_idx(idx, counts, scores)
+    # Output: against the reference on the kernel's own indices (a near-tie swap would otherwise move it).
+    if dense_out:
+        ref_out = R.attention_reference(q, k, v, q_start, kv_len)
+    else:
+        ref_out = R.sparse_prefill_reference(q, k, v, q_start, kv_len, idx, jnp.arange(kvh), tile)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert _rel(out, ref_out) < out_tol, _rel(out, ref_out)
+    return q, k, v, q_start, kv_len, idx, counts, exact
+
+
+# ------------------------------------------------------------------------------------------ CI tier (interpret)
+
+CI_CASES = [  # (tile, group, q_len, dtype, peaky, dense_out)
+    (16, 3, 100, jnp.bfloat16, False, False),
+    (32, 4, 150, jnp.float16, True, False),
+    (64, 4, 200, jnp.bfloat16, False, True),
+]
+
+
+@pytest.mark.parametrize("tile,group,t,dtype,peaky,dense_out", CI_CASES)
+def test_anchor_and_reuse_interpret(tile, group, t, dtype, peaky, dense_out):
+    kvh, d, b = 2, 64, 2
+    seed = SEED + tile + group
+    q_start = [0, tile]  # the second sequence's chunk starts one tile in
+    max_len = t + tile + 7
+    kv_len = [t - 5, t + tile - 11]  # ragged: padding queries at the end of both sequences
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    q, k, v, qs, kl, idx, counts, exact = _case(seed, b, t, kvh * group, kvh, d, tile, dtype, peaky, 0.25, 8, q_start,
+                                                kv_len, max_len, dense_out, True, tol)
+    assert exact > 0.9
+
+
+def test_reuse_random_indices_interpret():
+    """Reuse on arbitrary (not top-k) index sets, batch 2, ragged, tile 32, group 3, with -1 gaps past the counts."""
+    rng = np.random.default_rng(SEED + 1)
+    b, t, kvh, g, d, tile = 2, 90, 2, 3, 64, 32
+    max_len = 140
+    q, k, v = _inputs(rng, b, t, kvh * g, kvh, d, max_len, jnp.bfloat16)
+    qs = jnp.asarray([32, 0], jnp.int32)
+    kl = jnp.asarray([122, 80], jnp.int32)
+    nt, kmax = -(-t // tile), 40
+    idx = np.full((b, kvh, nt, kmax), -1, np.int32)
+    counts = np.zeros((b, nt), np.int32)
+    for bi in range(b):
+        for ti in range(nt):
+            start = int(qs[bi]) + ti * tile
+            elig = min(start, int(kl[bi]))
+            c = min(elig, int(rng.integers(0, kmax + 1)))
+            counts[bi, ti] = c
+            for h in range(kvh):
+                idx[bi, h, ti, :c] = rng.choice(elig, size=c, replace=False) if c else []
+    hm = jnp.asarray([1, 1], jnp.int32)  # a non-identity head map
+    out = P.reuse_prefill(q, k, v, qs, kl, jnp.asarray(idx), jnp.asarray(counts), hm, tile, impl="pallas",
+                          interpret=True)
+    ref_out = R.sparse_prefill_reference(q, k, v, qs, kl, jnp.asarray(idx), hm, tile)
+    assert _rel(out, ref_out) < 2e-2
+
+
+def test_select_exact_ties_interpret():
+    """Duplicated keys give exactly tied pooled scores: the select must still return exactly `count` distinct keys."""
+    rng = np.random.default_rng(SEED + 2)
+    b, t, kvh, g, d, tile = 1, 64, 1, 4, 64, 16
+    q, k, v = _inputs(rng, b, t, kvh * g, kvh, d, t, jnp.float32)
+    k = k.at[:, 8:40].set(k[:, 0:1])  # 32 identical keys (before the last tiles): massive exact ties
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    tuning = P.PrefillTuning(select_nb=8, select_block=32)  # the non-default select path: 8-way, small blocks
+    out, idx, counts = P.anchor_prefill(q, k, v, qs, kl, kl, tile, topk_frac=0.2, min_k=4, k_max=16, impl="pallas",
+                                        interpret=True, tuning=tuning)
+    scores, _ = R.pooled_scores_prefill_reference(q, k, qs, kl, tile)
+    _check_idx(idx, counts, scores, rtol=1e-5)
+
+
+def test_reference_impl_matches_pieces():
+    rng = np.random.default_rng(SEED + 3)
+    q, k, v = _inputs(rng, 1, 48, 4, 2, 64, 48, jnp.float32)
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), 48, jnp.int32)
+    out, idx, counts = P.anchor_prefill(q, k, v, qs, kl, kl, 16, topk_frac=0.5, min_k=4, k_max=24, impl="reference")
+    scores, _ = R.pooled_scores_prefill_reference(q, k, qs, kl, 16)
+    _check_idx(idx, counts, scores)
+    ref_out = R.sparse_prefill_reference(q, k, v, qs, kl, idx, jnp.arange(2), 16)
+    assert _rel(out, ref_out) < 1e-6
+
+
+def test_auto_impl_on_cpu_is_the_reference():
+    rng = np.random.default_rng(SEED + 4)
+    q, k, v = _inputs(rng, 1, 32, 4, 2, 64, 40, jnp.float32)
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), 32, jnp.int32)
+    idx = np.full((1, 2, 2, 8), -1, np.int32)  # tile 0 selects nothing, tile 1 selects 8 of its 16 prefix keys
+    idx[0, :, 1] = rng.permutation(16)[:8]
+    idx, cnt, hm = jnp.asarray(idx), jnp.asarray([[0, 8]], jnp.int32), jnp.asarray([1, 0], jnp.int32)
+    out = P.reuse_prefill(q, k, v, qs, kl, idx, cnt, hm, 16)  # impl="auto" on CPU
+    assert _rel(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 16)) < 1e-6
+
+
+def test_error_paths():
+    q = jnp.ones((1, 32, 4, 64), jnp.bfloat16)
+    k = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), 32, jnp.int32)
+    idx = jnp.zeros((1, 2, 1, 8), jnp.int32)
+    cnt = jnp.zeros((1, 1), jnp.int32)
+    hm = jnp.arange(2, dtype=jnp.int32)
+    kw = dict(topk_frac=0.1, min_k=4, k_max=8)
+    with pytest.raises(ValueError, match="tile_size"):
+        P.reuse_prefill(q, k, k, qs, kl, idx, cnt, hm, 48)
+    with pytest.raises(ValueError, match="head_dim"):
+        P.anchor_prefill(q[..., :32], k[..., :32], k[..., :32], qs, kl, kl, 32, impl="pallas", **kw)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        P.anchor_prefill(q[:, :, :3], k, k, qs, kl, kl, 32, **kw)
+    with pytest.raises(ValueError, match="dtype"):
+        P.anchor_prefill(q.astype(jnp.int8), k.astype(jnp.int8), k.astype(jnp.int8), qs, kl, kl, 32, impl="pallas", **kw)
+    with pytest.raises(ValueError, match="cache dtype"):
+        P.anchor_prefill(q, k.astype(jnp.float16), k.astype(jnp.float16), qs, kl, kl, 32, impl="pallas", **kw)
+    with pytest.raises(ValueError, match="idx must be"):
+        P.reuse_prefill(q, k, k, qs, kl, idx[:, :, :0], cnt, hm, 32)
+    with pytest.raises(ValueError, match="counts must be"):
+        P.reuse_prefill(q, k, k, qs, kl, idx, cnt[:, :0], hm, 32)
+    with pytest.raises(ValueError, match="head_map_row"):
+        P.reuse_prefill(q, k, k, qs, kl, idx, cnt, hm[:1], 32)
+    with pytest.raises(ValueError, match="pre_softmax"):
+        P.anchor_prefill(q, k, k, qs, kl, kl, 32, pool="pre_softmax", impl="pallas", **kw)
+    with pytest.raises(ValueError, match="pool"):
+        P.anchor_prefill(q, k, k, qs, kl, kl, 32, pool="mean", **kw)
+    with pytest.raises(ValueError, match="impl"):
+        P.reuse_prefill(q, k, k, qs, kl, idx, cnt, hm, 32, impl="cuda")
+    with pytest.raises(ValueError, match="topk_frac"):
+        P.anchor_prefill(q, k, k, qs, kl, kl, 32, topk_frac=1.5, min_k=4, k_max=8)
+    with pytest.raises(ValueError, match="k_max"):
+        P.anchor_prefill(q, k, k, qs, kl, kl, 32, topk_frac=0.1, min_k=4, k_max=0)
+    with pytest.raises(ValueError, match="q_start"):
+        P.reuse_prefill(q, k, k, qs[:0], kl, idx, cnt, hm, 32)
+
+
+# ------------------------------------------------------------------------------------------ GPU tier (H200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peaky", [False, True])
+@pytest.mark.parametrize("dense_out", [False, True])
+def test_gpu_8k(peaky, dense_out):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    t = 8192
+    q, k, v, qs, kl, idx, counts, exact = _case(SEED, 1, t, 32, 8, 128, 32, jnp.bfloat16, peaky, 0.1, 128, [0], [t], t,
+                                                dense_out, False, 2e-2)
+    print(f"8K peaky={peaky} dense_out={dense_out}: exact-set fraction {exact:.4f}")
+    assert exact > 0.9
+    hm = jnp.asarray([3, 3, 0, 1, 2, 7, 6, 5], jnp.int32)
+    out = P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, 32, impl="pallas")
+    assert _rel(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 32)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_ragged_batch_fp16_d64():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _, _, _, _, _, _, _, exact = _case(SEED + 5, 2, 1000, 12, 4, 64, 16, jnp.float16, True, 0.2, 32, [0, 512],
+                                       [990, 1400], 1600, False, False, 2e-2)
+    assert exact > 0.9
