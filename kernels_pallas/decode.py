@@ -1,0 +1,484 @@
+"""Pallas GPU decode kernels of Kascade: anchor scoring + exact Top-k + head-mapped sparse GQA decode.
+
+One decode step (one query token per sequence) in three Triton-lowered `pl.pallas_call` kernels plus two
+small XLA fusions:
+
+1. `_stream_kernel` (anchor): grid (batch, kv_heads, splits) over the whole cache. All query heads of a GQA
+   group are one [group rows padded to 16, d] tile, so each K row is read once. It writes the fp32 logits
+   [batch, kv_heads, rows, keys] (only the real group rows), per-split running max / sum (-> per-head lse), and
+   for anchor layer 0 (`dense_out=True`) also the dense output from the same pass (V read once, K once).
+2. XLA fusion: pooled post-softmax probabilities summed over the group, as int32 bit patterns (non-negative
+   fp32 values order like their int32 bits; invalid keys = -1).
+3. Exact top-`count` per (batch, idx head) without sorting (`kernels_pallas/topk.py`): a sampled value window,
+   two wide passes (count, compact) and a radix select over the bit patterns inside the window. Ties at the
+   threshold are taken lowest index first, exactly `lax.top_k`'s order, so the index set equals the
+   reference's whenever the scores agree.
+4. `_reuse_kernel`: sparse decode over the (head-mapped) index list: grid (batch, kv_heads, splits), K/V rows
+   gathered one token at a time, online softmax, split-K; an XLA log-sum-exp combine merges the splits.
+
+Per-sequence lengths and budgets are runtime arrays (one launch for a ragged batch). Cache lengths need not be
+multiples of the block: the last block is re-read at a clamped offset and the overlap masked, so no load is
+ever out of bounds (also in interpret mode, whose slices clamp).
+
+Deliberately not here: prefill, paged caches, `pool="pre_softmax"` in the scoring kernel (it uses the reference
+scores, then the Pallas select), duplicate indices in `reuse_decode` (indices are a set: a duplicate would be
+counted twice). References: `kernels_pallas/reference.py` (`pooled_scores_decode_reference`,
+`select_topk_reference`, `sparse_decode_reference`, `decode_counts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import reference as ref
+from kernels_pallas import topk
+
+_NEG = -1e30  # finite "minus infinity" for running maxima (keeps exp(m_old - m_new) finite)
+_MIN_ROWS = 16  # tensor-core dots need >= 16 rows: the group's query rows are padded to this
+_DTYPES = (jnp.bfloat16, jnp.float16)
+_HEAD_DIMS = (64, 128)
+_POOLS = ("gqa", "all", "pre_softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """Block sizes and launch shapes (static). splits=0: choose from the grid size."""
+
+    reuse_block: int = 0  # indices per gather step; 0: 128 on wide grids (batch * kv_heads >= 256), else 64
+    reuse_splits: int = 0
+    reuse_warps: int = 0  # 0: 8 with 128-index blocks, else 4
+    reuse_stages: int = 2
+    stream_block: int = 128  # keys per step of the whole-cache pass
+    stream_splits: int = 0
+    stream_warps: int = 4
+    stream_stages: int = 3
+    target_programs: int = 1056  # ~8 programs per SM of an H200 (132 SMs)
+    select_version: int = 2  # 2: measured (benchmarks/decode.md); 3: leaner select, same results, not yet timed
+
+    def __post_init__(self):
+        blocks = {"stream_block": self.stream_block}
+        if self.reuse_block:  # 0 = automatic
+            blocks["reuse_block"] = self.reuse_block
+        for name, v in blocks.items():
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.select_version not in (2, 3):
+            raise ValueError(f"select_version must be 2 or 3, got {self.select_version}")
+        for name in ("reuse_splits", "stream_splits"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+DEFAULT_TUNING = DecodeTuning()
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _use_pallas(impl: str, interpret: bool, q, k_cache, v_cache) -> bool:
+    """impl="pallas" (or interpret) always takes the kernels (unsupported shapes then raise); "auto" takes them on
+    a GPU when the shape is supported and the reference otherwise; "reference" never."""
+    if impl not in ("auto", "pallas", "reference"):
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'reference', got {impl!r}")
+    if impl == "reference":
+        return False
+    if impl == "pallas" or interpret:
+        return True
+    return _on_gpu() and _pallas_supported(q, k_cache, v_cache)
+
+
+def _pallas_supported(q, k_cache, v_cache) -> bool:
+    return (q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and q.ndim == 4
+            and q.shape[-1] in _HEAD_DIMS and k_cache.ndim == 4 and q.shape[2] % k_cache.shape[2] == 0
+            and q.shape[2] // k_cache.shape[2] <= 64)
+
+
+def _check_common(q, k_cache, v_cache, kv_len, pallas: bool):
+    if q.ndim != 4 or q.shape[1] != 1:
+        raise ValueError(f"q must be [batch, 1, q_heads, d], got shape {q.shape}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [batch, max_len, kv_heads, d], "
+                         f"got {k_cache.shape} and {v_cache.shape}")
+    b, _, hq, d = q.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError(f"cache shape {k_cache.shape} does not match q shape {q.shape} "
+                         "(batch and head_dim must agree)")
+    kvh = k_cache.shape[2]
+    if hq % kvh:
+        raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({kvh})")
+    if jnp.shape(kv_len) != (b,):
+        raise ValueError(f"kv_len must have shape [batch]=({b},), got {jnp.shape(kv_len)}")
+    if pallas:
+        if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError("Pallas decode needs q, k_cache, v_cache all bfloat16 or all float16, "
+                             f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        if d not in _HEAD_DIMS:
+            raise ValueError(f"Pallas decode supports head_dim in {_HEAD_DIMS}, got {d}")
+        if hq // kvh > 64:
+            raise ValueError(f"Pallas decode supports a GQA group of at most 64 query heads, got {hq // kvh}")
+    return b, hq, kvh, d, hq // kvh
+
+
+def _group_rows(q, kvh: int):
+    """q [batch, 1, q_heads, d] -> [batch, kv_heads, rows, d] with the group padded to `rows` (>= 16) rows."""
+    b, _, hq, d = q.shape
+    g = hq // kvh
+    rows = max(_MIN_ROWS, _pow2_at_least(g))
+    qg = q.reshape(b, kvh, g, d)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0))), rows
+
+
+def _pad_keys(x, min_len: int):
+    """Pad the keys axis (1) of a cache up to min_len (only ever hit by caches shorter than one block)."""
+    if x.shape[1] >= min_len:
+        return x
+    return jnp.pad(x, ((0, 0), (0, min_len - x.shape[1]), (0, 0), (0, 0)))
+
+
+def _splits(requested: int, pairs: int, work: int, block: int, target: int) -> int:
+    if requested:
+        return max(1, min(requested, pl.cdiv(work, block)))
+    return max(1, min(pl.cdiv(target, pairs), pl.cdiv(work, 4 * block)))
+
+
+def _combine(acc, m, l):
+    """Merge split partials. acc [..., splits, rows, d] or None, m/l [..., splits, rows] -> (out | None, lse)."""
+    m_all = jnp.max(m, axis=-2, keepdims=True)
+    w = jnp.exp(m - m_all) * (l > 0)  # [..., splits, rows]
+    l_all = jnp.sum(l * w, axis=-2)  # [..., rows]
+    lse = jnp.where(l_all > 0, m_all[..., 0, :] + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), -jnp.inf)
+    if acc is None:
+        return None, lse
+    out = jnp.sum(acc * w[..., None], axis=-3) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    return out, lse
+
+
+def _ungroup(out, b: int, group: int, dtype):
+    """[batch, kv_heads, rows, d] -> [batch, 1, q_heads, d]."""
+    kvh, d = out.shape[1], out.shape[3]
+    return out[:, :, :group].reshape(b, 1, kvh * group, d).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reuse: sparse GQA decode over a head-mapped index list.
+
+
+def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
+                  block: int, split_len: int, k_max: int, scale: float, group: int):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ih = hm_ref[h]
+    kv_len = kvlen_ref[b]
+    start = s * split_len
+    end = jnp.minimum(start + split_len, cnt_ref[b])
+    n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block)
+    q = q_ref[...]  # [rows, d]
+    rows, d = q.shape
+
+    def body(i, carry):
+        acc, m, l = carry
+        off = start + i * block
+        off_c = jnp.minimum(off, k_max - block)  # clamped: never read past the index buffer
+        pos = off_c + jnp.arange(block)
+        ids = idx_ref[ih, pl.ds(off_c, block)]  # [block]
+        valid = (pos >= off) & (pos < end) & (ids >= 0) & (ids < kv_len)
+        safe = jnp.where(valid, ids, 0)
+        k = k_ref[safe, :]  # [block, d] gathered rows
+        v = v_ref[safe, :]
+        qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
+        qk = jnp.where(valid[None, :], qk, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(qk, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(qk - m_new[:, None])
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        acc_new = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc_new, m_new, l_new
+
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, n_blocks, body, init)
+    real = jnp.arange(rows) < group
+    plgpu.store(acc_ref, acc, mask=real[:, None])
+    plgpu.store(m_ref, m, mask=real)
+    plgpu.store(l_ref, l, mask=real)
+
+
+def _reuse_pallas(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, scale, interpret, tuning: DecodeTuning):
+    b, _, hq, d = q.shape
+    kvh = k_cache.shape[2]
+    group = hq // kvh
+    qg, rows = _group_rows(q, kvh)
+    block = tuning.reuse_block or (128 if b * kvh >= 256 else 64)
+    warps = tuning.reuse_warps or (8 if block >= 128 else 4)
+    k_max = idx.shape[2]
+    if k_max < block:  # tiny buffers only: keeps every clamped index read in bounds
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, block - k_max)), constant_values=-1)
+        k_max = block
+    splits = _splits(tuning.reuse_splits, b * kvh, k_max, block, tuning.target_programs)
+    split_len = pl.cdiv(pl.cdiv(k_max, splits), block) * block
+    splits = pl.cdiv(k_max, split_len)
+    s_len, ih = k_cache.shape[1], idx.shape[1]
+    kernel = functools.partial(_reuse_kernel, block=block, split_len=split_len, k_max=k_max, scale=scale, group=group)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, splits),
+        in_specs=[
+            pl.BlockSpec((b,), lambda i, j, s: (0,)),
+            pl.BlockSpec((b,), lambda i, j, s: (0,)),
+            pl.BlockSpec((kvh,), lambda i, j, s: (0,)),
+            pl.BlockSpec((None, ih, k_max), lambda i, j, s: (i, 0, 0)),
+            pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0)),
+            pl.BlockSpec((None, s_len, None, d), lambda i, j, s: (i, 0, j, 0)),
+            pl.BlockSpec((None, s_len, None, d), lambda i, j, s: (i, 0, j, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=tuning.reuse_stages),
+        interpret=interpret,
+        name="kascade_reuse_decode",
+    )(kv_len, counts, head_map_row, idx, qg, k_cache, v_cache)
+    out, _ = _combine(acc[:, :, :, :group], m[..., :group], l[..., :group])
+    return _ungroup(out, b, group, q.dtype)
+
+
+def reuse_decode(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, *, scale=None, impl="auto",
+                 interpret=False, tuning: DecodeTuning = DEFAULT_TUNING):
+    """Sparse decode of KV head h over idx[:, head_map_row[h], :counts] -> out [batch, 1, q_heads, d].
+
+    q [batch, 1, q_heads, d]; caches [batch, max_len, kv_heads, d]; kv_len [batch] (keys >= kv_len are never
+    attended); idx [batch, idx_heads, k_max] int32, distinct indices, -1 past counts; counts [batch] int32;
+    head_map_row [kv_heads] int32 in [0, idx_heads). Reference: `reference.sparse_decode_reference`.
+    """
+    pallas = _use_pallas(impl, interpret, q, k_cache, v_cache)
+    b, hq, kvh, d, _ = _check_common(q, k_cache, v_cache, kv_len, pallas)
+    if idx.ndim != 3 or idx.shape[0] != b or idx.shape[2] < 1:
+        raise ValueError(f"idx must be [batch={b}, idx_heads, k_max>=1], got shape {idx.shape}")
+    if jnp.shape(counts) != (b,):
+        raise ValueError(f"counts must have shape [batch]=({b},), got {jnp.shape(counts)}")
+    if jnp.shape(head_map_row) != (kvh,):
+        raise ValueError(f"head_map_row must have shape [kv_heads]=({kvh},), got {jnp.shape(head_map_row)}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    head_map_row = jnp.asarray(head_map_row, jnp.int32)
+    if not pallas:
+        return ref.sparse_decode_reference(q, k_cache, v_cache, kv_len, idx, head_map_row, scale=scale)
+    k_cache, v_cache = _pad_keys(k_cache, 16), _pad_keys(v_cache, 16)
+    return _reuse_pallas(q, k_cache, v_cache, jnp.asarray(kv_len, jnp.int32), jnp.asarray(idx, jnp.int32),
+                         jnp.asarray(counts, jnp.int32), head_map_row, scale, interpret, tuning)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Anchor, pass 1: logits and per-head lse over the whole cache (and the dense output for anchor layer 0).
+
+
+def _stream_kernel(kvlen_ref, q_ref, k_ref, *refs, block: int, split_len: int, s_len: int, scale: float,
+                   group: int, dense_out: bool):
+    if dense_out:
+        v_ref, logits_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        logits_ref, m_ref, l_ref = refs
+    b, s = pl.program_id(0), pl.program_id(2)
+    start = s * split_len
+    end = jnp.minimum(start + split_len, kvlen_ref[b])
+    n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block)
+    q = q_ref[...]  # [rows, d]
+    rows, d = q.shape
+    real = jnp.arange(rows) < group
+
+    def body(i, carry):
+        off = start + i * block
+        off_c = jnp.minimum(off, s_len - block)  # the last block of a ragged cache is re-read, overlap masked
+        pos = off_c + jnp.arange(block)
+        valid = (pos >= off) & (pos < end)
+        k = k_ref[pl.ds(off_c, block), :]  # [block, d]
+        qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
+        qk = jnp.where(valid[None, :], qk, -jnp.inf)
+        plgpu.store(logits_ref.at[:, pl.ds(off_c, block)], qk, mask=real[:, None] & valid[None, :])
+        m, l = carry[0], carry[1]
+        m_new = jnp.maximum(m, jnp.max(qk, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(qk - m_new[:, None])
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        if not dense_out:
+            return m_new, l_new
+        v = v_ref[pl.ds(off_c, block), :]
+        acc_new = carry[2] * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return m_new, l_new, acc_new
+
+    init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    if dense_out:
+        init = init + (jnp.zeros((rows, d), jnp.float32),)
+    carry = lax.fori_loop(0, n_blocks, body, init)
+    plgpu.store(m_ref, carry[0], mask=real)
+    plgpu.store(l_ref, carry[1], mask=real)
+    if dense_out:
+        plgpu.store(acc_ref, carry[2], mask=real[:, None])
+
+
+def _stream_pallas(q, k_cache, v_cache, kv_len, scale, dense_out: bool, interpret, tuning: DecodeTuning):
+    """-> (logits [batch, kv_heads, rows, keys] fp32 (rows >= group allocated but never written),
+    lse [batch, kv_heads, group], dense out [batch, 1, q_heads, d] | None)."""
+    b, _, hq, d = q.shape
+    s_len, kvh = k_cache.shape[1], k_cache.shape[2]
+    group = hq // kvh
+    qg, rows = _group_rows(q, kvh)
+    block = min(tuning.stream_block, 1 << (s_len.bit_length() - 1))  # s_len >= 16 (padded by the caller)
+    splits = _splits(tuning.stream_splits, b * kvh, s_len, block, tuning.target_programs)
+    split_len = pl.cdiv(pl.cdiv(s_len, splits), block) * block
+    splits = pl.cdiv(s_len, split_len)
+    kernel = functools.partial(_stream_kernel, block=block, split_len=split_len, s_len=s_len, scale=scale,
+                               group=group, dense_out=dense_out)
+    cache_spec = pl.BlockSpec((None, s_len, None, d), lambda i, j, s: (i, 0, j, 0))
+    part_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0))
+    in_specs = [pl.BlockSpec((b,), lambda i, j, s: (0,)),
+                pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0)), cache_spec]
+    args = [kv_len, qg, k_cache]
+    out_specs = [pl.BlockSpec((None, None, rows, s_len), lambda i, j, s: (i, j, 0, 0)), part_spec, part_spec]
+    out_shape = [jax.ShapeDtypeStruct((b, kvh, rows, s_len), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32)]
+    if dense_out:
+        in_specs.append(cache_spec)
+        args.append(v_cache)
+        out_specs.append(pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32))
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.stream_warps, num_stages=tuning.stream_stages),
+        interpret=interpret,
+        name="kascade_anchor_scores",
+    )(*args)
+    logits, m, l = outs[:3]
+    acc = outs[3][:, :, :, :group] if dense_out else None
+    out, lse = _combine(acc, m[..., :group], l[..., :group])
+    if dense_out:
+        out = _ungroup(out, b, group, q.dtype)
+    return logits, lse, out
+
+
+def _pooled_bits(logits, lse, kv_len, group: int, pool: str, pad_to: int):
+    """Pooled probabilities as int32 bit patterns [batch, idx_heads, keys padded to pad_to]; -1 = not eligible."""
+    s_len = logits.shape[-1]
+    p = jnp.exp(logits[:, :, :group] - lse[..., None])  # [batch, kv_heads, group, keys]
+    pooled = jnp.sum(p, axis=2)
+    if pool == "all":
+        pooled = jnp.sum(pooled, axis=1, keepdims=True)
+    return _scores_to_bits(pooled, kv_len, pad_to)
+
+
+def _scores_to_bits(scores, kv_len, pad_to: int):
+    """fp32 scores >= 0 [batch, heads, keys] -> int32 bits, -1 past kv_len or on non-finite/negative scores."""
+    s_len = scores.shape[-1]
+    valid = (jnp.arange(s_len)[None, None, :] < kv_len[:, None, None]) & (scores >= 0) & jnp.isfinite(scores)
+    bits = jnp.where(valid, lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32), -1)
+    s_pad = pl.cdiv(s_len, pad_to) * pad_to
+    return jnp.pad(bits, ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Anchor, pass 2: exact top-`count` of the pooled scores (kernels_pallas/topk.py).
+
+
+def _select(bits_fn, kv_len, counts, k_max: int, rows: int, keys: int, interpret, tuning: DecodeTuning):
+    """bits_fn(pad_unit) -> bits [batch, heads, keys padded to pad_unit]; returns idx [batch, heads, k_max]."""
+    chunks, unit = topk.row_pad(keys, tuning.target_programs, rows)
+    return topk.select_topk_bits(bits_fn(unit), kv_len, counts, k_max, chunks=chunks, interpret=interpret,
+                                 version=tuning.select_version)
+
+
+def select_topk(scores, kv_len, counts, k_max: int, *, interpret=False, tuning: DecodeTuning = DEFAULT_TUNING):
+    """Pallas exact top-`counts` of non-negative scores [batch, heads, keys] (keys >= kv_len ineligible).
+
+    Same index set as `reference.select_topk_reference` on the same scores (ties: lowest index first).
+    """
+    b, h, s_len = scores.shape
+    k_max = min(k_max, s_len)
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    counts = jnp.minimum(jnp.asarray(counts, jnp.int32), k_max)
+    return _select(lambda unit: _scores_to_bits(scores, kv_len, unit), kv_len, counts, k_max, b * h, s_len,
+                   interpret, tuning)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Anchor: the whole pipeline.
+
+
+def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, k_max: int, head_map_row=None,
+                  dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
+                  tuning: DecodeTuning = DEFAULT_TUNING):
+    """Anchor decode: pooled scores over the whole cache, exact top-k, then attention.
+
+    Returns (out [batch, 1, q_heads, d], idx [batch, idx_heads, min(k_max, max_len)] int32 (-1 past counts),
+    counts [batch] int32). out is the sparse attention over the anchor's own indices (through head_map_row,
+    default: identity, or all zeros for pool="all"), or with dense_out=True (anchor layer 0) the dense output.
+    Budgets: `reference.decode_counts(kv_len, topk_frac, min_k)`, clipped to k_max.
+    """
+    pallas = _use_pallas(impl, interpret, q, k_cache, v_cache)
+    b, hq, kvh, d, group = _check_common(q, k_cache, v_cache, kv_len, pallas)
+    if pool not in _POOLS:
+        raise ValueError(f"pool must be one of {_POOLS}, got {pool!r}")
+    ref.frac_numerator(topk_frac)  # raises on a bad topk_frac
+    if not isinstance(min_k, int) or min_k < 0:
+        raise ValueError(f"min_k must be an int >= 0, got {min_k!r}")
+    if not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
+    ih = 1 if pool == "all" else kvh
+    if head_map_row is None:
+        head_map_row = jnp.zeros((kvh,), jnp.int32) if ih == 1 else jnp.arange(kvh, dtype=jnp.int32)
+    elif jnp.shape(head_map_row) != (kvh,):
+        raise ValueError(f"head_map_row must have shape [kv_heads]=({kvh},), got {jnp.shape(head_map_row)}")
+    head_map_row = jnp.asarray(head_map_row, jnp.int32)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    s_len = k_cache.shape[1]
+    k_eff = min(k_max, s_len)
+    counts = jnp.minimum(ref.decode_counts(kv_len, topk_frac, min_k), k_eff).astype(jnp.int32)
+
+    if not pallas:
+        scores = ref.pooled_scores_decode_reference(q, k_cache, kv_len, pool=pool, scale=scale)
+        idx = ref.select_topk_reference(scores, counts[:, None], k_eff)  # counts per batch row
+        if dense_out:
+            out = ref.attention_reference(q, k_cache, v_cache, kv_len - 1, kv_len, scale=scale)
+        else:
+            out = ref.sparse_decode_reference(q, k_cache, v_cache, kv_len, idx, head_map_row, scale=scale)
+        return out, idx, counts
+
+    kp, vp = _pad_keys(k_cache, 16), _pad_keys(v_cache, 16)
+    if pool == "pre_softmax":
+        scores = ref.pooled_scores_decode_reference(q, k_cache, kv_len, pool=pool, scale=scale)
+        # logits can be negative: shift to >= 0 (order kept; values within an ulp may merge into ties)
+        scores = scores - jnp.min(jnp.where(jnp.isfinite(scores), scores, jnp.inf), axis=-1, keepdims=True)
+        bits_fn = functools.partial(_scores_to_bits, scores, kv_len)
+        dense = None
+        if dense_out:
+            _, _, dense = _stream_pallas(q, kp, vp, kv_len, scale, True, interpret, tuning)
+    else:
+        logits, lse, dense = _stream_pallas(q, kp, vp, kv_len, scale, dense_out, interpret, tuning)
+        bits_fn = functools.partial(_pooled_bits, logits[..., :s_len], lse, kv_len, group, pool)
+    idx = _select(bits_fn, kv_len, counts, k_eff, b * ih, s_len, interpret, tuning)
+    if dense_out:
+        return dense, idx, counts
+    out = _reuse_pallas(q, kp, vp, kv_len, idx, counts, head_map_row, scale, interpret, tuning)
+    return out, idx, counts

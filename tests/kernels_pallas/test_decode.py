@@ -1,0 +1,202 @@
+"""Pallas decode kernels (kernels_pallas/decode.py, topk.py) against the pure-JAX references.
+
+CPU tier: interpret mode at tiny shapes (ragged kv_len, budgets that do not divide any block, group 3 and 4,
+d 64, bf16 and fp16, Gaussian and peaky inputs). GPU tier (`-m gpu`): 32 q heads, 8 kv heads, d 128, 32K, batch 8.
+Index sets must equal the reference's up to near-ties: where they differ, the differing keys' reference scores
+must agree within a relative 1e-4 (fp32 rounding of the fused pooling).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import decode as dec
+from kernels_pallas import reference as ref
+from kernels_pallas import topk
+
+SEED = int(np.random.default_rng().integers(1 << 30))
+
+
+def _inputs(seed, b, s, hq, kvh, d, dtype, peaky):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, 1, hq, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
+    if peaky:  # a few keys aligned with the group's mean query: attention mass concentrates on them
+        qm = q.reshape(b, kvh, hq // kvh, d).mean(axis=2)
+        for bi in range(b):
+            for h in range(kvh):
+                k[bi, rng.integers(0, s, 6), h] = 3.0 * qm[bi, h]
+    kv_len = rng.integers(s // 2, s + 1, size=b).astype(np.int32)
+    kv_len[0] = s
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(kv_len))
+
+
+def _rel(a, r):
+    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+    assert np.all(np.isfinite(a))
+    return float(np.linalg.norm(a - r) / np.linalg.norm(r))
+
+
+def _assert_same_selection(idx, ref_idx, scores, counts, kv_len):
+    idx, ref_idx, scores = np.asarray(idx), np.asarray(ref_idx), np.asarray(scores)
+    assert idx.shape == ref_idx.shape
+    for b in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            row = idx[b, h]
+            assert np.all(row[counts[b]:] == -1), "ranks past the count must be -1"
+            mine = row[: counts[b]]
+            assert np.all((mine >= 0) & (mine < kv_len[b])) and len(np.unique(mine)) == len(mine)
+            theirs = ref_idx[b, h][ref_idx[b, h] >= 0]
+            a, r = set(mine.tolist()), set(theirs.tolist())
+            if a != r:  # only near-ties may differ
+                sc = scores[b, h]
+                only_a, only_r = sorted(a - r), sorted(r - a)
+                gap = sc[only_r].max() - sc[only_a].min()
+                assert gap <= 1e-4 * abs(sc[theirs].min()), (b, h, only_a, only_r, gap)
+
+
+def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa", interpret=True, tol=2e-2, full=True):
+    """Anchor (indices + sparse output) vs the references; with `full` also anchor-0 and reuse through a head map."""
+    q, k, v, kv_len = _inputs(seed, b, s, hq, kvh, d, dtype, peaky)
+    k_max = ref.max_budget(s, frac, min_k)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, pool=pool, interpret=interpret)
+    impl = "pallas"
+    out, idx, counts = jax.jit(lambda *a: dec.anchor_decode(*a, impl=impl, **kw))(q, k, v, kv_len)
+    ih = 1 if pool == "all" else kvh
+    scores = ref.pooled_scores_decode_reference(q, k, kv_len, pool=pool)
+    ref_counts = ref.decode_counts(kv_len, frac, min_k)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts))
+    ref_idx = ref.select_topk_reference(scores, ref_counts[:, None], k_max)
+    _assert_same_selection(idx, ref_idx, scores, np.asarray(counts), np.asarray(kv_len))
+    hm_self = jnp.zeros((kvh,), jnp.int32) if ih == 1 else jnp.arange(kvh, dtype=jnp.int32)
+    assert _rel(out, ref.sparse_decode_reference(q, k, v, kv_len, idx, hm_self)) < tol
+    if not full:
+        return
+    out0, idx0, _ = jax.jit(lambda *a: dec.anchor_decode(*a, impl=impl, dense_out=True, **kw))(q, k, v, kv_len)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx0))
+    assert _rel(out0, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < tol
+    # reuse through a non-trivial head map, on the reference's indices
+    hm = jnp.asarray(np.random.default_rng(seed).integers(0, ih, size=kvh), jnp.int32)
+    r_out = jax.jit(lambda *a: dec.reuse_decode(*a, impl=impl, interpret=interpret))(q, k, v, kv_len, ref_idx, ref_counts, hm)
+    assert _rel(r_out, ref.sparse_decode_reference(q, k, v, kv_len, ref_idx, hm)) < tol
+
+
+@pytest.mark.parametrize("case", [
+    dict(b=2, s=300, hq=6, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.1, min_k=16),  # group 3
+    dict(b=2, s=203, hq=8, kvh=2, d=64, dtype=jnp.float16, peaky=False, frac=0.3, min_k=7, pool="all", full=False),
+])
+def test_anchor_and_reuse_match_reference(case):
+    print("seed", SEED)
+    _check_anchor(SEED, **case)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_select_window_path_exact(monkeypatch, version):
+    """Rows longer than the buffer go through the sampled window; with the fallback off it must still be exact."""
+    print("seed", SEED)
+    monkeypatch.setattr(topk, "FALLBACK", False)
+    monkeypatch.setattr(topk, "MIN_CAP", 512)
+    rng = np.random.default_rng(SEED)
+    b, h, s = 2, 1, 4000
+    sc = rng.exponential(size=(b, h, s)).astype(np.float32)
+    sc[1, 0, ::7] = 1.5  # exact ties straddling the threshold
+    kv_len = jnp.asarray([s, 2700], jnp.int32)
+    counts = ref.decode_counts(kv_len, 0.2, 64)
+    sc = jnp.where(jnp.arange(s)[None, None] < kv_len[:, None, None], jnp.asarray(sc), -jnp.inf)
+    k_max = ref.max_budget(s, 0.2, 64)
+    tuning = dec.DecodeTuning(select_version=version)
+    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=tuning))
+    ref_idx = np.asarray(ref.select_topk_reference(sc, counts[:, None], k_max))
+    for bi in range(b):  # identical sets, ties included (both take the lowest index first)
+        assert set(idx[bi, 0][idx[bi, 0] >= 0].tolist()) == set(ref_idx[bi, 0][ref_idx[bi, 0] >= 0].tolist())
+        assert (idx[bi, 0] >= 0).sum() == counts[bi]
+
+
+def test_reference_impl_and_auto_on_cpu():
+    q, k, v, kv_len = _inputs(SEED, 2, 40, 4, 2, 64, jnp.float32, False)
+    out, idx, counts = dec.anchor_decode(q, k, v, kv_len, topk_frac=0.25, min_k=4, k_max=10)
+    assert out.shape == q.shape and idx.shape == (2, 2, 10) and counts.shape == (2,)
+    r = dec.reuse_decode(q, k, v, kv_len, idx, counts, jnp.array([1, 0]))
+    assert r.shape == q.shape
+
+
+def test_errors():
+    q, k, v, kv_len = _inputs(SEED, 2, 40, 4, 2, 64, jnp.bfloat16, False)
+    kw = dict(topk_frac=0.1, min_k=4, k_max=8)
+    idx = jnp.zeros((2, 2, 8), jnp.int32)
+    cnt = jnp.full((2,), 8, jnp.int32)
+    hm = jnp.arange(2, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="q must be"):
+        dec.anchor_decode(q[:, 0], k, v, kv_len, **kw)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        dec.anchor_decode(q[:, :, :3], k, v, kv_len, **kw)
+    with pytest.raises(ValueError, match="head_dim"):
+        dec.anchor_decode(q[..., :32], k[..., :32], v[..., :32], kv_len, impl="pallas", **kw)
+    with pytest.raises(ValueError, match="bfloat16 or all float16"):
+        dec.anchor_decode(q.astype(jnp.float32), k, v, kv_len, impl="pallas", **kw)
+    with pytest.raises(ValueError, match="pool"):
+        dec.anchor_decode(q, k, v, kv_len, pool="max", **kw)
+    with pytest.raises(ValueError, match="topk_frac"):
+        dec.anchor_decode(q, k, v, kv_len, topk_frac=1.5, min_k=4, k_max=8)
+    with pytest.raises(ValueError, match="k_max"):
+        dec.anchor_decode(q, k, v, kv_len, topk_frac=0.1, min_k=4, k_max=0)
+    with pytest.raises(ValueError, match="min_k"):
+        dec.anchor_decode(q, k, v, kv_len, topk_frac=0.1, min_k=-1, k_max=8)
+    with pytest.raises(ValueError, match="impl"):
+        dec.anchor_decode(q, k, v, kv_len, impl="cuda", **kw)
+    with pytest.raises(ValueError, match="kv_len"):
+        dec.reuse_decode(q, k, v, kv_len[:1], idx, cnt, hm)
+    with pytest.raises(ValueError, match="idx"):
+        dec.reuse_decode(q, k, v, kv_len, idx[0], cnt, hm)
+    with pytest.raises(ValueError, match="head_map_row"):
+        dec.reuse_decode(q, k, v, kv_len, idx, cnt, hm[:1])
+    with pytest.raises(ValueError, match="counts"):
+        dec.reuse_decode(q, k, v, kv_len, idx, cnt[:1], hm)
+    with pytest.raises(ValueError, match="reuse_block"):
+        dec.DecodeTuning(reuse_block=48)
+    with pytest.raises(ValueError, match="select_version"):
+        dec.DecodeTuning(select_version=1)
+
+
+def test_triton_modules_verify_for_sm90(monkeypatch):
+    """Lower every kernel for CUDA on the CPU and verify the Triton modules: catches GPU-only lowering errors
+    (e.g. a where() of two Python ints became an i1 loop bound) without a GPU. Uses JAX-internal hooks."""
+    reg = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="sm_90", compute_capability=90))
+    lower_module = reg.lowering.lower_jaxpr_to_triton_module
+    verified = []
+
+    def checked(*args, **kwargs):
+        res = lower_module(*args, **kwargs)
+        assert res.module.operation.verify()
+        verified.append(1)
+        return res
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", checked)
+    b, s, kvh, g, d = 2, 5000, 2, 4, 128
+    q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
+    kc = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b,), jnp.int32)
+    for version in (2, 3):
+        tuning = dec.DecodeTuning(select_version=version)
+        fn = lambda q, k, v, l, t=tuning: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600,
+                                                            impl="pallas", tuning=t)
+        jax.jit(fn).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
+    fn0 = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600, impl="pallas",
+                                               dense_out=True)
+    jax.jit(fn0).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
+    assert len(verified) == 6 + 6 + 5  # stream, 4 select kernels, reuse; anchor-0 has no reuse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peaky", [False, True])
+def test_gpu_realistic(peaky):
+    print("seed", SEED)
+    _check_anchor(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128, interpret=False)
