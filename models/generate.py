@@ -171,8 +171,13 @@ def _first_stop(text: str, stop: Sequence[str]) -> int | None:
 
 def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), chat: bool = True,
-             max_len: int | None = None, chunk_size: int | None = None, segment: int = 32) -> list[GenerationResult]:
-    """Generate for a batch of prompts (strings, or token-id lists used as they are)."""
+             max_len: int | None = None, chunk_size: int | None = None, segment: int = 32,
+             bucket: int = 512) -> list[GenerationResult]:
+    """Generate for a batch of prompts (strings, or token-id lists used as they are).
+
+    Prompts are right-padded to a multiple of `bucket` tokens and the cache to a multiple of `bucket` positions, so
+    batches of slightly different lengths reuse one compilation.
+    """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not (0 < top_p <= 1) or top_k < 0:
@@ -196,10 +201,12 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, t
     if need > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({int(lens.max())} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
                          f"model's maximum context {cfg.max_position_embeddings}")
-    max_len = max_len or min(_round_up(need, CHUNK_MULTIPLE), cfg.max_position_embeddings)
+    if bucket <= 0 or bucket % CHUNK_MULTIPLE:
+        raise ValueError(f"bucket must be a positive multiple of {CHUNK_MULTIPLE}, got {bucket}")
+    max_len = max_len or min(_round_up(need, bucket), cfg.max_position_embeddings)
     if need > max_len:
         raise ValueError(f"prompt + max_new_tokens = {need} exceeds the cache max_len {max_len}")
-    tokens = np.zeros((len(ids), int(lens.max())), np.int32)
+    tokens = np.zeros((len(ids), min(_round_up(int(lens.max()), bucket), max_len)), np.int32)
     for i, p in enumerate(ids):
         tokens[i, :len(p)] = p
     cache = KVCache.init(cfg, len(ids), max_len, dtype=model.dtype)
