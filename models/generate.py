@@ -25,17 +25,20 @@ from models.cache import KVCache
 CHUNK_MULTIPLE = 64
 
 
-def _meta(phase, offset, q_start, kv_len, seq_len, lengths):
-    return dict(phase=phase, offset=offset, q_start=q_start, kv_len=kv_len, seq_len=seq_len, lengths=lengths)
+def _meta(phase, offset, q_start, kv_len, seq_len, lengths, chunk_at_zero=False):
+    return dict(phase=phase, offset=offset, q_start=q_start, kv_len=kv_len, seq_len=seq_len, lengths=lengths,
+                chunk_at_zero=chunk_at_zero)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "strategy", "offset", "all_logits"), donate_argnames=("cache",))
-def _prefill_chunk(graphdef, params, tokens, cache, prompt_lens, strategy, offset, all_logits):
+@functools.partial(jax.jit, static_argnames=("graphdef", "strategy", "at_zero", "all_logits"), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, params, tokens, cache, prompt_lens, offset, strategy, at_zero, all_logits):
+    """One prefill chunk at `offset` (traced, so every chunk after the first shares one compilation)."""
     model = nnx.merge(graphdef, params)
     b, t = tokens.shape
+    offset = jnp.asarray(offset, jnp.int32)
     q_start = jnp.full((b,), offset, jnp.int32)
     kv_len = jnp.minimum(prompt_lens, offset + t).astype(jnp.int32)
-    meta = _meta("prefill", offset, q_start, kv_len, prompt_lens, jnp.maximum(cache.lengths, kv_len))
+    meta = _meta("prefill", offset, q_start, kv_len, prompt_lens, jnp.maximum(cache.lengths, kv_len), at_zero)
     last = None if all_logits else jnp.clip(prompt_lens - 1 - offset, 0, t - 1)
     return model(tokens, cache, strategy, meta, last_only=last)
 
@@ -67,7 +70,7 @@ def forward(model, tokens, cache: KVCache, strategy, *, q_start: int = 0, seq_le
     _check_room(cache, q_start + t, "forward", model.config.max_position_embeddings)
     lens = jnp.full((b,), q_start + t, jnp.int32) if seq_len is None else jnp.asarray(seq_len, jnp.int32)
     graphdef, params = nnx.split(model)
-    return _prefill_chunk(graphdef, params, tokens, cache, lens, strategy, q_start, True)
+    return _prefill_chunk(graphdef, params, tokens, cache, lens, q_start, strategy, q_start == 0, True)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -95,7 +98,8 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
     outs, last = [], None
     for offset in range(0, total, chunk_size):
         chunk = toks[:, offset:offset + chunk_size]
-        logits, cache, _ = _prefill_chunk(graphdef, params, jnp.asarray(chunk), cache, plens, strategy, offset, all_logits)
+        logits, cache, _ = _prefill_chunk(graphdef, params, jnp.asarray(chunk), cache, plens, offset, strategy,
+                                          offset == 0, all_logits)
         if all_logits:
             outs.append(logits)
         else:

@@ -87,7 +87,7 @@ class Attention(nnx.Module):
         else:
             k_cache, v_cache = write_chunk(k_cache, k, meta["offset"]), write_chunk(v_cache, v, meta["offset"])
         inputs = AttentionInputs(q=q, k_cache=k_cache, v_cache=v_cache, q_start=meta["q_start"], kv_len=meta["kv_len"],
-                                 seq_len=meta["seq_len"], phase=meta["phase"], chunk_at_zero=meta["offset"] == 0)
+                                 seq_len=meta["seq_len"], phase=meta["phase"], chunk_at_zero=meta["chunk_at_zero"])
         out, state = strategy.attend(layer, inputs, state)
         return self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim)), k_cache, v_cache, state
 
@@ -123,7 +123,8 @@ class Transformer(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden, cfg.vocab, False, dtype, param_dtype, rngs)
 
     def __call__(self, tokens, cache: KVCache, strategy, meta, *, last_only=None):
-        """tokens [batch, T]; meta: phase, offset (static int, prefill), q_start/kv_len/seq_len ([batch] int32).
+        """tokens [batch, T]; meta: phase and chunk_at_zero (static), offset (prefill chunk start), q_start/kv_len/
+        seq_len/lengths ([batch] int32).
 
         Returns (logits [batch, T, vocab] fp32 (or [batch, vocab] at rows `last_only`), new cache, strategy state).
         """
