@@ -1,0 +1,159 @@
+"""`python -m experiments.eval`: does Kascade keep dense accuracy on my model and tasks, and how do baselines compare?
+
+With no flags: SmolLM2-135M-Instruct, dense vs kascade (Top-k 10%, the registry's default anchors), RULER
+niah_single_2 and niah_multikey_1 (prose haystacks, which dense SmolLM2 solves at 1K) at 1024 tokens, 2 samples
+each, answers capped at 32 new tokens: a table in about two minutes on a 2-core CPU. Real runs, e.g. on GPU:
+
+  python -m experiments.eval --strategies=dense,kascade,no_remap,all_heads_pooled,oracle_topk,streaming_llm,quest,\
+omnikv,less_is_more --topk_frac=0.1,0.2 --anchors=auto --tasks=ruler,fidelity --context_lengths=2048,4096,8192 \
+--num_samples=100 --max_new_tokens=0 --batch_size=8 --output_dir=results/smollm2
+
+Writes results.csv / results.json / examples.jsonl / summary.md / score_vs_context.png / score_vs_topk.png into
+--output_dir and prints the table. Failed examples are counted (column `failures`) and scored 0, never dropped.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "model alias, .gguf file, HF directory or hub id")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "parameter / activation dtype")
+flags.DEFINE_list("strategies", ["dense", "kascade"], "strategy names (kascade_jax.registry.STRATEGY_NAMES)")
+flags.DEFINE_string("anchors", "", "'' = the registry default (paper anchors scaled to depth), 'auto' = calibrated "
+                    "by the DP on the dev set, 'even' = num_anchors evenly spaced layers, or a list like 0,2,8,12,13")
+flags.DEFINE_integer("num_anchors", 5, "anchor count M for --anchors=auto|even")
+flags.DEFINE_list("topk_frac", ["0.1"], "Top-k fraction(s) of the context (budget_frac for quest/omnikv/less_is_more)")
+flags.DEFINE_integer("calib_num_prompts", 64, "--anchors/--head_map=auto: development-set prompts")
+flags.DEFINE_integer("calib_max_tokens", 4096, "--anchors/--head_map=auto: longest dev prompt (shortest: half)")
+flags.DEFINE_string("head_map", "", "'' = calibrated with --anchors=auto else identity; 'identity', 'auto' or a "
+                    ".npy/.json path")
+flags.DEFINE_integer("min_k", None, "Kascade budget floor (default: KascadeConfig's)")
+flags.DEFINE_integer("tile_size", None, "Kascade prefill tile (default: KascadeConfig's)")
+flags.DEFINE_list("tasks", ["niah_single_2", "niah_multikey_1"], "RULER task names, 'ruler', LongBench task "
+                  "names, 'longbench', 'aime24', 'fidelity'")
+flags.DEFINE_list("context_lengths", ["1024"], "context lengths in model tokens (RULER / fidelity)")
+flags.DEFINE_integer("num_samples", 2, "samples per (task, context length); AIME: problems; fidelity: documents "
+                     "unless --fidelity_docs")
+flags.DEFINE_integer("fidelity_docs", None, "documents per context length for the fidelity metrics")
+flags.DEFINE_integer("seed", 0, "base seed of the task generators / subsets")
+flags.DEFINE_enum("split", "test", ["test", "dev"], "generator seed space (calibration uses dev)")
+flags.DEFINE_integer("batch_size", 2, "prompts per generate call")
+flags.DEFINE_integer("max_new_tokens", 32, "cap on generated tokens; 0 = each task's official length")
+flags.DEFINE_string("longbench_dir", None, "folder with the official LongBench <task>.jsonl files")
+flags.DEFINE_string("aime_path", None, "AIME-24 .jsonl/.parquet (problem, answer); default: the hub via datasets")
+flags.DEFINE_integer("aime_runs", 8, "AIME sampling runs (seeds 0..N-1)")
+flags.DEFINE_string("output_dir", "results/eval", "where results.csv/json, summary.md and plots go")
+flags.DEFINE_string("cache_dir", None, "converted-checkpoint cache (orbax) for faster model loads")
+flags.DEFINE_bool("progress", True, "tqdm progress bars")
+
+
+def even_anchors(num_layers: int, m: int) -> tuple[int, ...]:
+    if not 1 <= m <= num_layers:
+        raise ValueError(f"num_anchors must lie in [1, {num_layers}], got {m}")
+    return tuple(sorted({round(i * num_layers / m) for i in range(m)}))
+
+
+def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int):
+    """(anchors or None, head_map or None, note) from --anchors / --head_map / --num_anchors."""
+    value, hm = FLAGS.anchors.strip(), FLAGS.head_map.strip()
+    if value in ("", "even") and hm in ("", "identity"):
+        anchors = even_anchors(num_layers, FLAGS.num_anchors) if value == "even" else None
+        return anchors, None, "anchors: " + ("evenly spaced" if anchors else "registry default")
+    from kascade_jax.calibration import resolve_flags  # noqa: PLC0415
+
+    if value == "":
+        from kascade_jax.registry import default_anchors  # noqa: PLC0415
+        value = ",".join(map(str, default_anchors(num_layers)))
+    elif value == "even":
+        value = ",".join(map(str, even_anchors(num_layers, FLAGS.num_anchors)))
+    hm = hm or ("auto" if value == "auto" else "identity")
+    kw = dict(tile_size=FLAGS.tile_size) if FLAGS.tile_size else {}
+    kw.update(num_prompts=FLAGS.calib_num_prompts, max_tokens=FLAGS.calib_max_tokens,
+              min_tokens=max(64, FLAGS.calib_max_tokens // 2))
+    anchors, head_map = resolve_flags(FLAGS.model, value, hm, num_layers=num_layers, kv_heads=kv_heads,
+                                      num_anchors=FLAGS.num_anchors, model=model, tokenizer=tokenizer,
+                                      dtype=FLAGS.dtype, **kw)
+    return tuple(anchors), head_map, f"anchors: {FLAGS.anchors} -> {list(anchors)}, head_map: {hm}"
+
+
+def main(argv):
+    del argv
+    from kascade_jax.eval import report, suite  # noqa: PLC0415
+    from models import load_model  # noqa: PLC0415
+
+    t_start = time.perf_counter()
+    model, tokenizer = load_model(FLAGS.model, FLAGS.dtype, cache_dir=FLAGS.cache_dir)
+    cfg = model.config
+    anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads)
+    kw = tuple((k, v) for k, v in (("min_k", FLAGS.min_k), ("tile_size", FLAGS.tile_size)) if v is not None)
+    spec = suite.EvalSpec(
+        model=FLAGS.model, strategies=tuple(FLAGS.strategies), topk_fracs=tuple(float(x) for x in FLAGS.topk_frac),
+        tasks=tuple(FLAGS.tasks), context_lengths=tuple(int(x) for x in FLAGS.context_lengths),
+        num_samples=FLAGS.num_samples, seed=FLAGS.seed, split=FLAGS.split, batch_size=FLAGS.batch_size,
+        max_new_tokens=FLAGS.max_new_tokens or None, anchors=anchors, head_map=head_map, strategy_kwargs=kw,
+        longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aime_runs=FLAGS.aime_runs,
+        fidelity_docs=FLAGS.fidelity_docs)
+    rows, records, fid = suite.run(spec, model, tokenizer, progress=FLAGS.progress)
+    env = report.environment(sys.argv)
+    env["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+    sections = [f"- {note}; max_new_tokens: {spec.max_new_tokens or 'task default'}; samples per cell: "
+                f"{spec.num_samples}; seed {spec.seed}, split {spec.split}"]
+    if fid:
+        sections.append(fidelity_section(fid))
+    lb = longbench_section(rows)
+    if lb:
+        sections.append(lb)
+    paths = report.write(rows, FLAGS.output_dir, env=env, examples=records, extra=dict(fidelity=fid),
+                         extra_sections=sections)
+    print(report.text_table(rows))
+    if fid:
+        print(fidelity_section(fid))
+    print(f"\n{note}. Total {env['total_wall_s']} s. Wrote {', '.join(str(p) for p in paths.values())}")
+
+
+def fidelity_section(fid: dict) -> str:
+    lines = ["## Fidelity vs dense (teacher forcing on prose)", "",
+             "| strategy | config | ctx | docs | fail | KL (nats/token) | top-1 agree % | KL 2nd half | "
+             "mass / oracle (mean over layers) | worst layer | worst (layer, KV head) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for f in fid.values():
+        ratio = f.get("mass_ratio")
+        mean = f"{sum(ratio) / len(ratio):.3f}" if ratio else "-"
+        worst = f"L{min(range(len(ratio)), key=ratio.__getitem__)}: {min(ratio):.3f}" if ratio else "-"
+        heads = f.get("mass_ratio_heads")
+        if heads:
+            cells = [(r, l, h) for l, row in enumerate(heads) for h, r in enumerate(row)]
+            r, l, h = min(cells)
+            worst_head = f"L{l} H{h}: {r:.3f}"
+        else:
+            worst_head = "-"
+        lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | {f['documents']} | "
+                     f"{f['failures']} | {f['kl']:.4f} | {100 * f['top1']:.1f} | {f['kl_late']:.4f} | {mean} | {worst} | {worst_head} |")
+    return "\n".join(lines)
+
+
+def longbench_section(rows) -> str:
+    from kascade_jax.tasks import longbench  # noqa: PLC0415
+
+    groups: dict = {}
+    for r in rows:
+        if r["family"] == "longbench":
+            groups.setdefault((r["strategy"], r["config"]), {})[r["task"]] = r["score"]
+    if not groups:
+        return ""
+    cats = list(longbench.CATEGORIES)
+    lines = ["## LongBench category averages", "", "| strategy | config | " + " | ".join(cats) + " |",
+             "|---|---|" + "---|" * len(cats)]
+    for (strategy, config), scores in groups.items():
+        avg = longbench.category_averages(scores)
+        lines.append(f"| {strategy} | {config} | " + " | ".join(f"{avg[c]:.1f}" if c in avg else "-" for c in cats)
+                     + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,137 @@
+"""Run samples through `models.generate.generate` with one strategy and score every example.
+
+A sample is a task dict (see `kascade_jax.tasks`): `input` (exact prompt text), `answers`, `metric`,
+`max_new_tokens`, optional `temperature`/`top_p`/`sample_seed`/`stop`/`first_line`/`all_classes`.
+
+Failure accounting (the official harness silently drops failing queries): an exception in a batch retries each
+of its examples alone; an example that still fails becomes an `ExampleResult` with `error` set and score 0. It is
+counted in `failures` and in the score (as 0), never dropped.
+
+Shapes are kept stable to avoid recompiling: samples are grouped by generation settings, sorted by length,
+batches are padded to `batch_size` with copies of their last prompt (results discarded), and the cache length is
+the group's context length rounded up to 64 (so every task at that length shares one decode-loop compile per
+generation length). Prefill still compiles once per distinct 64-rounded prompt width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+
+from tqdm.auto import tqdm
+
+from kascade_jax.tasks import metrics
+from kascade_jax.tasks import prompt as prompt_lib
+
+CACHE_MULTIPLE = 64
+
+
+@dataclasses.dataclass
+class ExampleResult:
+    task: str
+    index: int
+    context_length: int
+    score: float  # in [0, 1]; 0 for a failed example
+    prediction: str
+    answers: list
+    prompt_tokens: int
+    new_tokens: int
+    wall_s: float
+    finish_reason: str = ""
+    error: str | None = None  # "ExceptionType: message" for a failed example
+    run: int = 0  # sampling run (AIME seeds)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+def score_prediction(sample: dict, prediction: str) -> float:
+    """One example's score in [0, 1] with its task's metric (first line only where the task says so)."""
+    if sample.get("first_line"):
+        prediction = prediction.lstrip("\n").split("\n")[0]
+    return metrics.score(sample["metric"], prediction, list(sample["answers"]), all_classes=sample.get("all_classes"))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _group_key(s: dict):
+    return (int(s["max_new_tokens"]), float(s.get("temperature", 0.0)), float(s.get("top_p", 1.0)),
+            int(s.get("sample_seed", 0)), tuple(s.get("stop") or ()))
+
+
+def _generate(model, tokenizer, prompts, strategy, key, max_len):
+    from models import generate as gen  # noqa: PLC0415  (models is heavy; tasks-only users never import it)
+
+    max_new, temperature, top_p, seed, stop = key
+    return gen.generate(model, tokenizer, prompts, strategy, max_new_tokens=max_new, temperature=temperature,
+                        top_p=top_p, seed=seed, stop=stop, chat=False, max_len=max_len)
+
+
+def run_samples(model, tokenizer, samples: list[dict], strategy, *, batch_size: int = 1, progress: bool = True,
+                desc: str = "", generate_fn=None) -> list[ExampleResult]:
+    """Generate and score every sample; results come back in the order of `samples`."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    generate_fn = generate_fn or _generate
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    ids = [prompt_lib.encode(tokenizer, s["input"]) for s in samples]
+    groups: dict = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(_group_key(s), []).append(i)
+    results: list[ExampleResult | None] = [None] * len(samples)
+    bar = tqdm(total=len(samples), desc=desc or getattr(strategy, "name", "eval"), disable=not progress, leave=False)
+    for key, members in groups.items():
+        members.sort(key=lambda i: len(ids[i]))
+        max_len = _round_up(max(len(ids[i]) for i in members) + key[0], CACHE_MULTIPLE)
+        # One cache length per context length (not per task) lets tasks share the compiled decode loop.
+        ctx = max(int(samples[i].get("context_length") or 0) for i in members)
+        if ctx >= max_len:
+            max_len = _round_up(ctx, CACHE_MULTIPLE)
+        if max_pos is not None:
+            max_len = min(max_len, max(max_pos, 1))
+        for b0 in range(0, len(members), batch_size):
+            batch = members[b0:b0 + batch_size]
+            for i, res in zip(batch, _run_batch(model, tokenizer, samples, ids, batch, strategy, key, max_len,
+                                                batch_size, generate_fn)):
+                results[i] = res
+            bar.update(len(batch))
+    bar.close()
+    return results
+
+
+def _run_batch(model, tokenizer, samples, ids, batch, strategy, key, max_len, batch_size, generate_fn):
+    prompts = [ids[i] for i in batch]
+    prompts += [prompts[-1]] * (batch_size - len(prompts))  # fixed batch shape: no recompile for the last batch
+    t0 = time.perf_counter()
+    try:
+        outs = generate_fn(model, tokenizer, prompts, strategy, key, max_len)[:len(batch)]
+        if len(outs) != len(batch):
+            raise RuntimeError(f"generate returned {len(outs)} results for {len(batch)} prompts")
+    except Exception:  # noqa: BLE001 - any failure is recorded per example below
+        if len(batch) > 1 or batch_size > 1:
+            return [r for i in batch for r in _run_batch(model, tokenizer, samples, ids, [i], strategy, key, max_len,
+                                                          1, generate_fn)]
+        err = traceback.format_exc(limit=2).strip().splitlines()[-1]
+        s = samples[batch[0]]
+        return [ExampleResult(task=s["task"], index=int(s.get("index", 0)),
+                              context_length=int(s.get("context_length", 0)), score=0.0, prediction="",
+                              answers=list(s["answers"]), prompt_tokens=len(ids[batch[0]]), new_tokens=0,
+                              wall_s=time.perf_counter() - t0, error=err, run=int(s.get("run", 0)))]
+    wall = (time.perf_counter() - t0) / len(batch)
+    out = []
+    for i, g in zip(batch, outs):
+        s = samples[i]
+        try:
+            score, err = score_prediction(s, g.text), None
+        except Exception as e:  # noqa: BLE001 - a metric failure (e.g. jieba missing) is a failure, not a crash
+            score, err = 0.0, f"{type(e).__name__}: {e}"
+        out.append(ExampleResult(task=s["task"], index=int(s.get("index", 0)),
+                                 context_length=int(s.get("context_length", 0)), score=float(score),
+                                 prediction=g.text, answers=list(s["answers"]), prompt_tokens=int(g.prompt_tokens),
+                                 new_tokens=int(g.new_tokens), wall_s=wall, finish_reason=g.finish_reason, error=err,
+                                 run=int(s.get("run", 0))))
+    return out

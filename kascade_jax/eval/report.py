@@ -1,0 +1,205 @@
+"""Aggregate example results into rows with confidence intervals, and write CSV / JSON / Markdown / PNG.
+
+One row per (model, task, context_length, strategy, config). `score` counts failed examples as 0 (and
+`failures` says how many); `score_ok` is the mean over the examples that ran. Scores are percentages.
+The 95% interval is Wilson's for 0/1 scores and a seeded percentile bootstrap otherwise.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+
+import numpy as np
+
+ROW_FIELDS = ("model", "task", "family", "context_length", "strategy", "config", "topk_frac", "anchors", "examples",
+              "failures", "score", "score_ok", "ci_low", "ci_high", "prefill_tokens", "decode_tokens", "wall_s")
+
+
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = successes / n
+    den = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def bootstrap(scores, *, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    scores = np.asarray(scores, np.float64)
+    if scores.size == 0:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    means = scores[rng.integers(0, scores.size, size=(reps, scores.size))].mean(axis=1)
+    return (float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5)))
+
+
+def confidence_interval(scores) -> tuple[float, float]:
+    """95% interval of the mean of per-example scores in [0, 1]."""
+    scores = np.asarray(scores, np.float64)
+    if scores.size and np.all((scores == 0) | (scores == 1)):
+        return wilson(float(scores.sum()), int(scores.size))
+    return bootstrap(scores)
+
+
+def make_row(results, *, model: str, task: str, family: str, context_length: int, strategy: str, config: str = "",
+             topk_frac=None, anchors=None, wall_s: float | None = None) -> dict:
+    scores = [r.score for r in results]
+    ok = [r.score for r in results if not r.failed]
+    lo, hi = confidence_interval(scores)
+    return dict(model=model, task=task, family=family, context_length=int(context_length), strategy=strategy,
+                config=config, topk_frac=topk_frac, anchors=anchors, examples=len(results),
+                failures=sum(r.failed for r in results),
+                score=100 * float(np.mean(scores)) if scores else float("nan"),
+                score_ok=100 * float(np.mean(ok)) if ok else float("nan"), ci_low=100 * lo, ci_high=100 * hi,
+                prefill_tokens=float(np.mean([r.prompt_tokens for r in results])) if results else 0.0,
+                decode_tokens=float(np.mean([r.new_tokens for r in results])) if results else 0.0,
+                wall_s=float(sum(r.wall_s for r in results)) if wall_s is None else float(wall_s))
+
+
+def environment(argv=None) -> dict:
+    import jax  # noqa: PLC0415
+
+    try:
+        device = str(jax.devices()[0].device_kind)
+    except Exception:  # noqa: BLE001
+        device = "unknown"
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                device=device, backend=jax.default_backend(), jax=jax.__version__, python=platform.python_version(),
+                command=" ".join(argv) if argv else "")
+
+
+def _fmt(x, nd=1):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def averages(rows) -> list[dict]:
+    """Mean score over tasks per (model, family, context_length, strategy, config)."""
+    groups: dict = {}
+    for r in rows:
+        if r["family"] == "fidelity":
+            continue
+        groups.setdefault((r["model"], r["family"], r["context_length"], r["strategy"], r["config"]), []).append(r)
+    out = []
+    for (model, family, ctx, strategy, config), rs in groups.items():
+        out.append(dict(model=model, family=family, context_length=ctx, strategy=strategy, config=config,
+                        tasks=len(rs), examples=sum(r["examples"] for r in rs), failures=sum(r["failures"] for r in rs),
+                        score=float(np.mean([r["score"] for r in rs])), topk_frac=rs[0]["topk_frac"]))
+    return out
+
+
+def markdown(rows, env: dict, extra_sections: list[str] = ()) -> str:
+    lines = [f"# Evaluation results", "",
+             f"- date: {env.get('date')}, device: {env.get('device')} ({env.get('backend')}), JAX {env.get('jax')}",
+             f"- command: `{env.get('command')}`", "",
+             "Scores in %, failures counted as 0 (`failures` column); 95% CI: Wilson (0/1 scores) or bootstrap.", "",
+             "| task | ctx | strategy | config | score | 95% CI | n | fail | prefill tok | decode tok | time s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["family"] == "fidelity":
+            continue
+        lines.append(f"| {r['task']} | {r['context_length']} | {r['strategy']} | {r['config']} | {_fmt(r['score'])} | "
+                     f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] | {r['examples']} | {r['failures']} | "
+                     f"{_fmt(r['prefill_tokens'], 0)} | {_fmt(r['decode_tokens'], 1)} | {_fmt(r['wall_s'])} |")
+    avg = averages(rows)
+    if avg:
+        lines += ["", "## Average over tasks", "", "| family | ctx | strategy | config | tasks | n | fail | score |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for a in avg:
+            lines.append(f"| {a['family']} | {a['context_length']} | {a['strategy']} | {a['config']} | {a['tasks']} | "
+                         f"{a['examples']} | {a['failures']} | {_fmt(a['score'])} |")
+    for section in extra_sections:
+        lines += ["", section]
+    return "\n".join(lines) + "\n"
+
+
+def text_table(rows) -> str:
+    """A compact console table."""
+    head = ("task", "ctx", "strategy", "config", "score", "95% CI", "n", "fail", "time s")
+    body = [(r["task"], str(r["context_length"]), r["strategy"], r["config"], _fmt(r["score"]),
+             f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]", str(r["examples"]), str(r["failures"]), _fmt(r["wall_s"]))
+            for r in rows if r["family"] != "fidelity"]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
+
+
+def plot(rows, output_dir: str) -> list[str]:
+    """score vs context length (per strategy) and score vs Top-k% (per strategy); returns the PNG paths."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    avg = averages(rows)
+    paths = []
+    if not avg:
+        return paths
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (strategy, config) in sorted({(a["strategy"], a["config"]) for a in avg}):
+        pts = sorted((a["context_length"], a["score"]) for a in avg
+                     if (a["strategy"], a["config"]) == (strategy, config))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{strategy} {config}".strip())
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("score (%), mean over tasks")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(output_dir, "score_vs_context.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    dense = [a for a in avg if a["topk_frac"] is None]
+    for strategy in sorted({a["strategy"] for a in avg if a["topk_frac"] is not None}):
+        pts = {}
+        for a in avg:
+            if a["strategy"] == strategy and a["topk_frac"] is not None:
+                pts.setdefault(100 * float(a["topk_frac"]), []).append(a["score"])
+        xs = sorted(pts)
+        ax.plot(xs, [np.mean(pts[x]) for x in xs], marker="o", label=strategy)
+    for strategy in sorted({a["strategy"] for a in dense}):
+        ax.axhline(np.mean([a["score"] for a in dense if a["strategy"] == strategy]), ls="--", color="k", lw=1,
+                   label=f"{strategy} (no Top-k)")
+    ax.set_xlabel("Top-k (% of context)")
+    ax.set_ylabel("score (%), mean over tasks and lengths")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(output_dir, "score_vs_topk.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def write(rows, output_dir: str, *, env: dict, examples: list[dict] = (), extra: dict | None = None,
+          extra_sections: list[str] = (), plots: bool = True) -> dict:
+    """Write results.csv, results.json (rows + environment + extra), examples.jsonl (one record per example:
+    prediction, answers, score, error), summary.md and plots."""
+    os.makedirs(output_dir, exist_ok=True)
+    paths = dict(csv=os.path.join(output_dir, "results.csv"), json=os.path.join(output_dir, "results.json"),
+                 examples=os.path.join(output_dir, "examples.jsonl"), markdown=os.path.join(output_dir, "summary.md"))
+    with open(paths["examples"], "w") as f:
+        for e in examples:
+            f.write(json.dumps(e, default=str, ensure_ascii=False) + "\n")
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(ROW_FIELDS), extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in ROW_FIELDS})
+    with open(paths["json"], "w") as f:
+        json.dump(dict(environment=env, rows=list(rows), averages=averages(rows), **(extra or {})), f, indent=1,
+                  default=str)
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown(rows, env, extra_sections))
+    if plots:
+        paths["plots"] = plot(rows, output_dir)
+    return paths

@@ -1,0 +1,210 @@
+"""One evaluation run: (strategies x Top-k fractions) x (tasks x context lengths) -> rows, examples, fidelity.
+
+`EvalSpec` is the frozen, validated description of a run (the CLI flags of `experiments/eval.py` map 1:1 onto
+it). `build_strategies` turns names + fractions into constructed strategies through `kascade_jax.registry`;
+`build_samples` makes each task's samples once, so every strategy sees identical prompts; `run` executes and
+returns result rows (see `report.ROW_FIELDS`).
+
+Task names: every RULER task (`ruler` = all of them), every LongBench task (`longbench` = all 21; needs
+`longbench_dir` or network), `aime24`, and `fidelity` (teacher-forced KL / top-1 / attention mass on prose).
+RULER tasks and fidelity run at every context length; LongBench prompts are truncated to the largest context
+length (its own inputs decide their lengths); AIME uses the model window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from kascade_jax.eval import fidelity as fidelity_lib
+from kascade_jax.eval import harness, report
+from kascade_jax.tasks import aime, longbench, ruler
+
+KASCADE_FAMILY = ("kascade", "no_remap", "all_heads_pooled", "pre_softmax_pooling", "oracle_topk", "decode_only")
+BUDGET_BASELINES = ("quest", "omnikv", "less_is_more")  # budget_frac plays the role of topk_frac
+
+
+def expand_tasks(names) -> list[str]:
+    out = []
+    for name in names:
+        name = name.strip()
+        if not name:
+            continue
+        if name == "ruler":
+            out += list(ruler.TASKS)
+        elif name == "longbench":
+            out += list(longbench.TASKS)
+        elif name.startswith("longbench:"):
+            out.append(longbench.check_task(name.split(":", 1)[1]))
+        elif name in ruler.TASKS or name in longbench.TASKS or name in (aime.TASK, "fidelity"):
+            out.append(name)
+        else:
+            raise ValueError(f"unknown task {name!r}; allowed: ruler, longbench, {aime.TASK}, fidelity, "
+                             f"RULER tasks {sorted(ruler.TASKS)} or LongBench tasks {list(longbench.TASKS)}")
+    return list(dict.fromkeys(out))
+
+
+def family_of(task: str) -> str:
+    if task in ruler.TASKS:
+        return "ruler"
+    if task in longbench.TASKS:
+        return "longbench"
+    return task  # "aime24" | "fidelity"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    model: str = "smollm2-135m"
+    strategies: tuple[str, ...] = ("dense", "kascade")
+    topk_fracs: tuple[float, ...] = (0.1,)
+    tasks: tuple[str, ...] = ("niah_single_1", "vt")
+    context_lengths: tuple[int, ...] = (1024,)
+    num_samples: int = 2
+    seed: int = 0
+    split: str = "test"
+    batch_size: int = 2
+    max_new_tokens: int | None = None  # None: each task's own length
+    anchors: tuple[int, ...] | None = None  # None: the registry default
+    head_map: tuple[tuple[int, ...], ...] | None = None
+    strategy_kwargs: tuple[tuple[str, object], ...] = ()  # extra Kascade-family kwargs (min_k, tile_size, ...)
+    longbench_dir: str | None = None
+    aime_path: str | None = None
+    aime_runs: int = aime.NUM_RUNS
+    fidelity_docs: int | None = None  # None: num_samples
+    chat: bool = True
+
+    def __post_init__(self):
+        if not self.strategies:
+            raise ValueError("strategies must name at least one strategy")
+        for name in ("num_samples", "batch_size", "aime_runs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.context_lengths or any(c < 64 for c in self.context_lengths):
+            raise ValueError(f"context_lengths must be >= 64 tokens, got {self.context_lengths}")
+        if not self.topk_fracs or any(not 0 < f <= 1 for f in self.topk_fracs):
+            raise ValueError(f"topk_fracs must lie in (0, 1], got {self.topk_fracs}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
+        if self.split not in ruler.SPLITS:
+            raise ValueError(f"split must be one of {sorted(ruler.SPLITS)}, got {self.split!r}")
+        object.__setattr__(self, "tasks", tuple(expand_tasks(self.tasks)))
+        if not self.tasks:
+            raise ValueError("tasks must name at least one task")
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyRun:
+    label: str  # strategy name as reported
+    config: str  # human-readable configuration
+    topk_frac: float | None
+    anchors: str
+    strategy: object
+
+
+def _anchors_text(strategy) -> str:
+    cfg = getattr(strategy, "config", None)
+    if cfg is None or getattr(cfg, "oracle_topk", False):
+        return ""
+    return ",".join(str(a) for a in cfg.anchors)
+
+
+def build_strategies(spec: EvalSpec, num_layers: int, kv_heads: int) -> list[StrategyRun]:
+    from kascade_jax.registry import make_strategy  # noqa: PLC0415
+
+    runs = []
+    for name in spec.strategies:
+        if name in KASCADE_FAMILY:
+            for frac in spec.topk_fracs:
+                kw = dict(spec.strategy_kwargs, topk_frac=frac)
+                if name != "oracle_topk" and spec.anchors is not None:
+                    kw["anchors"] = spec.anchors
+                if name in ("kascade", "pre_softmax_pooling", "decode_only") and spec.head_map is not None:
+                    kw["head_map"] = spec.head_map
+                st = make_strategy(name, num_layers, kv_heads, **kw)
+                anchors = _anchors_text(st)
+                hm = "calibrated" if getattr(st.config, "head_map", None) is not None else "identity"
+                cfg = f"k={frac:g}" + (f" anchors={anchors} head_map={hm}" if anchors else "")
+                runs.append(StrategyRun(name, cfg, frac, anchors, st))
+        elif name in BUDGET_BASELINES:
+            for frac in spec.topk_fracs:
+                st = make_strategy(name, num_layers, kv_heads, budget_frac=frac)
+                runs.append(StrategyRun(name, f"budget={frac:g}", frac, "", st))
+        else:
+            runs.append(StrategyRun(name, "", None, "", make_strategy(name, num_layers, kv_heads)))
+    return runs
+
+
+def build_samples(spec: EvalSpec, tokenizer, task: str, context_length: int, model_window: int) -> list[dict]:
+    fam = family_of(task)
+    if fam == "ruler":
+        return ruler.generate_samples(task, tokenizer, context_length, spec.num_samples, seed=spec.seed,
+                                      split=spec.split, max_new_tokens=spec.max_new_tokens, chat=spec.chat)
+    if fam == "longbench":
+        return longbench.load_samples(task, tokenizer, max_length=context_length, data_dir=spec.longbench_dir,
+                                      num_samples=spec.num_samples, seed=spec.seed, chat=spec.chat,
+                                      max_new_tokens=spec.max_new_tokens)
+    if fam == aime.TASK:
+        problems = aime.load_problems(spec.aime_path)[:spec.num_samples]
+        return aime.build_samples(problems, tokenizer, max_length=model_window, max_new_tokens=spec.max_new_tokens,
+                                  num_runs=spec.aime_runs, chat=spec.chat)
+    raise ValueError(f"task {task!r} has no samples")
+
+
+def _contexts_for(spec: EvalSpec, task: str, model_window: int) -> list[int]:
+    fam = family_of(task)
+    if fam in ("ruler", "fidelity"):
+        bad = [c for c in spec.context_lengths if c > model_window]
+        if bad:
+            raise ValueError(f"context_lengths {bad} exceed the model window {model_window}")
+        return list(spec.context_lengths)
+    if fam == "longbench":
+        return [min(max(spec.context_lengths), model_window)]
+    return [model_window]
+
+
+def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print):
+    """Returns (rows, example records, fidelity results)."""
+    cfg = model.config
+    window = int(cfg.max_position_embeddings)
+    runs = build_strategies(spec, cfg.num_layers, cfg.kv_heads)
+    rows, records, fid = [], [], {}
+    for task in spec.tasks:
+        for ctx in _contexts_for(spec, task, window):
+            if task == "fidelity":
+                n_docs = spec.fidelity_docs or spec.num_samples
+                length = max(128, ctx // fidelity_lib.PROBE_CHUNK * fidelity_lib.PROBE_CHUNK)
+                docs = fidelity_lib.prose_documents(tokenizer, n_docs, length, seed=spec.seed, split=spec.split)
+                t0 = time.perf_counter()
+                res = fidelity_lib.evaluate_fidelity(model, docs, {r.label + " " + r.config: r.strategy for r in runs
+                                                                   if r.label != "dense"}, progress=progress)
+                wall = time.perf_counter() - t0
+                for r in runs:
+                    key = r.label + " " + r.config
+                    if key not in res:
+                        continue
+                    f = res[key]
+                    fid[f"{key} @ {length}"] = dict(f, strategy=r.label, config=r.config, context_length=length)
+                    rows.append(dict(model=spec.model, task="fidelity", family="fidelity", context_length=length,
+                                     strategy=r.label, config=r.config, topk_frac=r.topk_frac, anchors=r.anchors,
+                                     examples=n_docs, failures=f["failures"], score=100 * f["top1"],
+                                     score_ok=100 * f["top1"], ci_low=float("nan"), ci_high=float("nan"),
+                                     prefill_tokens=float(length), decode_tokens=0.0, wall_s=wall, kl=f["kl"],
+                                     kl_late=f["kl_late"], top1_late=100 * f["top1_late"]))
+                continue
+            samples = build_samples(spec, tokenizer, task, ctx, window)
+            for r in runs:
+                t0 = time.perf_counter()
+                results = harness.run_samples(model, tokenizer, samples, r.strategy, batch_size=spec.batch_size,
+                                              progress=progress, desc=f"{task}@{ctx} {r.label}")
+                wall = time.perf_counter() - t0
+                rows.append(report.make_row(results, model=spec.model, task=task, family=family_of(task),
+                                            context_length=ctx, strategy=r.label, config=r.config,
+                                            topk_frac=r.topk_frac, anchors=r.anchors, wall_s=wall))
+                row = rows[-1]
+                if row["failures"]:
+                    errs = sorted({x.error for x in results if x.failed})
+                    log(f"WARNING: {row['failures']} of {row['examples']} examples failed for {task}@{ctx} "
+                        f"{r.label}: {errs[:3]}")
+                for x in results:
+                    records.append(dict(dataclasses.asdict(x), strategy=r.label, config=r.config))
+    return rows, records, fid

@@ -1,0 +1,321 @@
+"""Harness plumbing (stub generator), reporting, suite spec, the CLI, and one real-SmolLM2 end-to-end run."""
+
+import csv
+import json
+import os
+import random
+import types
+
+import numpy as np
+import pytest
+
+from kascade_jax.eval import harness, report, suite
+
+
+class FakeTokenizer:
+    """Word/punctuation tokenizer with a ChatML-like template (as in test_tasks.py)."""
+
+    def encode(self, text):
+        import re
+        import zlib
+        return [zlib.crc32(t.encode()) % 50_000 for t in re.findall(r"<\|\w+\|>|\w+|[^\w\s]", text)]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+TOK = FakeTokenizer()
+
+
+class StubModel:
+    config = types.SimpleNamespace(max_position_embeddings=4096, num_layers=2, kv_heads=1)
+
+
+def _samples(n=5):
+    return [dict(task="t", index=i, context_length=100, input=f"prompt number {i} " * (i + 1), answers=[f"ans{i}"],
+                 metric="string_match_all", max_new_tokens=4) for i in range(n)]
+
+
+def make_stub(fail_on=(), calls=None):
+    """Echo the answer for even indices, a wrong one for odd; raise when a prompt of index in fail_on is batched."""
+    def gen(model, tokenizer, prompts, strategy, key, max_len):
+        if calls is not None:
+            calls.append((len(prompts), key, max_len))
+        outs = []
+        for p in prompts:
+            i = (len(p) // 3) - 1  # FakeTokenizer: 3 tokens per repetition
+            if i in fail_on:
+                raise RuntimeError(f"boom {i}")
+            outs.append(types.SimpleNamespace(text=f"ans{i}" if i % 2 == 0 else "nope", prompt_tokens=len(p),
+                                              new_tokens=3, finish_reason="eos"))
+        return outs
+    return gen
+
+
+def test_run_samples_scores_in_order_with_fixed_batch_shape():
+    calls = []
+    res = harness.run_samples(StubModel(), TOK, _samples(5), "S", batch_size=2, progress=False,
+                              generate_fn=make_stub(calls=calls))
+    assert [r.index for r in res] == [0, 1, 2, 3, 4]
+    assert [r.score for r in res] == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert all(c[0] == 2 for c in calls)  # last batch padded to batch_size
+    assert {c[2] for c in calls} == {128}  # one cache length: the context length (100) rounded up to 64
+    assert not any(r.failed for r in res)
+
+
+def test_failures_are_counted_not_dropped():
+    res = harness.run_samples(StubModel(), TOK, _samples(5), "S", batch_size=2, progress=False,
+                              generate_fn=make_stub(fail_on=(2,)))
+    assert len(res) == 5
+    failed = [r for r in res if r.failed]
+    assert [r.index for r in failed] == [2] and "boom 2" in failed[0].error and failed[0].score == 0.0
+    assert res[3].score == 0.0 and res[4].score == 1.0  # the batch-mate of the failure was retried alone
+    row = report.make_row(res, model="m", task="t", family="ruler", context_length=100, strategy="S")
+    assert row["examples"] == 5 and row["failures"] == 1
+    assert row["score"] == pytest.approx(40.0) and row["score_ok"] == pytest.approx(50.0)
+
+
+def test_metric_errors_are_failures():
+    s = _samples(1)
+    s[0]["metric"] = "no_such_metric"
+    (r,) = harness.run_samples(StubModel(), TOK, s, "S", progress=False, generate_fn=make_stub())
+    assert r.failed and "unknown metric" in r.error
+
+
+def test_grouping_by_generation_settings():
+    s = _samples(4)
+    s[1]["max_new_tokens"] = 8
+    s[3].update(temperature=0.6, top_p=0.95, sample_seed=3)
+    calls = []
+    harness.run_samples(StubModel(), TOK, s, "S", batch_size=4, progress=False, generate_fn=make_stub(calls=calls))
+    keys = sorted(c[1] for c in calls)
+    assert len(calls) == 3 and (8, 0.0, 1.0, 0, ()) in keys and (4, 0.6, 0.95, 3, ()) in keys
+
+
+def test_first_line_scoring():
+    s = dict(metric="qa_f1", answers=["Paris"], first_line=True)
+    assert harness.score_prediction(s, "\nParis\nLondon Berlin") == 1.0
+
+
+def test_batch_size_error():
+    with pytest.raises(ValueError, match="batch_size"):
+        harness.run_samples(StubModel(), TOK, _samples(1), "S", batch_size=0, generate_fn=make_stub())
+
+
+def test_confidence_intervals():
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    lo, hi = report.wilson(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
+    assert report.wilson(0, 10)[0] == 0.0 and report.wilson(10, 10)[1] == 1.0
+    x = rng.uniform(0, 1, 400)
+    lo, hi = report.confidence_interval(x)
+    se = x.std() / np.sqrt(x.size)
+    assert lo < x.mean() < hi and hi - lo == pytest.approx(2 * 1.96 * se, rel=0.2)
+    assert np.isnan(report.confidence_interval([])[0])
+
+
+def _rows():
+    rows = []
+    for strat, frac in (("dense", None), ("kascade", 0.1), ("kascade", 0.2)):
+        for ctx in (1024, 2048):
+            for task in ("a", "b"):
+                res = [harness.ExampleResult("t", i, ctx, float(i % 2), "", [], 100, 5, 0.1) for i in range(4)]
+                rows.append(report.make_row(res, model="m", task=task, family="ruler", context_length=ctx,
+                                            strategy=strat, config="" if frac is None else f"k={frac}",
+                                            topk_frac=frac))
+    return rows
+
+
+def test_report_files(tmp_path):
+    rows = _rows()
+    paths = report.write(rows, str(tmp_path), env=dict(date="d", device="cpu", backend="cpu", jax="x", command="c"),
+                         examples=[dict(a=1)], extra_sections=["## extra"])
+    with open(paths["csv"]) as f:
+        got = list(csv.DictReader(f))
+    assert len(got) == 12 and set(report.ROW_FIELDS) == set(got[0])
+    data = json.load(open(paths["json"]))
+    assert len(data["rows"]) == 12 and len(data["averages"]) == 6
+    assert [json.loads(line) for line in open(paths["examples"])] == [dict(a=1)]
+    md = open(paths["markdown"]).read()
+    assert "| a | 1024 | dense |" in md and "## extra" in md and "Average over tasks" in md
+    for p in paths["plots"]:
+        assert os.path.getsize(p) > 1000
+    assert "kascade" in report.text_table(rows)
+
+
+def test_expand_tasks_and_spec_errors():
+    assert suite.expand_tasks(["ruler"])[:1] == ["niah_single_1"] and len(suite.expand_tasks(["ruler"])) == 11
+    assert suite.expand_tasks(["longbench:trec", "hotpotqa", "aime24", "fidelity", "vt", "vt"]) == [
+        "trec", "hotpotqa", "aime24", "fidelity", "vt"]
+    with pytest.raises(ValueError, match="unknown task"):
+        suite.expand_tasks(["mmlu"])
+    for kw, msg in ((dict(num_samples=0), "num_samples"), (dict(batch_size=0), "batch_size"),
+                    (dict(context_lengths=(10,)), "context_lengths"), (dict(topk_fracs=(0.0,)), "topk_fracs"),
+                    (dict(max_new_tokens=0), "max_new_tokens"), (dict(split="train"), "split"),
+                    (dict(strategies=()), "strategies"), (dict(tasks=()), "tasks")):
+        with pytest.raises(ValueError, match=msg):
+            suite.EvalSpec(**kw)
+
+
+def test_build_strategies_configs():
+    spec = suite.EvalSpec(strategies=("dense", "kascade", "quest", "streaming_llm", "oracle_topk"),
+                          topk_fracs=(0.1, 0.2), anchors=(0, 3, 6))
+    runs = suite.build_strategies(spec, num_layers=8, kv_heads=2)
+    labels = [(r.label, r.topk_frac) for r in runs]
+    assert labels == [("dense", None), ("kascade", 0.1), ("kascade", 0.2), ("quest", 0.1), ("quest", 0.2),
+                      ("streaming_llm", None), ("oracle_topk", 0.1), ("oracle_topk", 0.2)]
+    assert runs[1].anchors == "0,3,6" and runs[1].strategy.config.topk_frac == 0.1
+    assert runs[3].strategy.budget_frac == 0.1 and runs[6].anchors == ""
+    for r in runs:
+        hash(r.strategy)
+
+
+def test_run_with_stub_generation(monkeypatch, tmp_path):
+    """suite.run end to end with a stub model: rows per (task, ctx, strategy), records, no crash."""
+    monkeypatch.setattr(harness, "_generate", make_stub())
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096, num_layers=4, kv_heads=1))
+    spec = suite.EvalSpec(tasks=("niah_single_1",), context_lengths=(600, 800), num_samples=2,
+                          strategies=("dense", "kascade"), max_new_tokens=8)
+    rows, records, fid = suite.run(spec, model, TOK, progress=False)
+    assert [(r["context_length"], r["strategy"]) for r in rows] == [(600, "dense"), (600, "kascade"),
+                                                                    (800, "dense"), (800, "kascade")]
+    assert len(records) == 8 and all(r["examples"] == 2 for r in rows) and fid == {}
+
+
+# ----------------------------------------------------------------------------- real model
+@pytest.mark.slow
+def test_end_to_end_real_smollm2(tmp_path):
+    """1 sample, ~300-token prompt, dense vs kascade, 8 new tokens, through the CLI's library path."""
+    from models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    spec = suite.EvalSpec(tasks=("niah_single_1",), context_lengths=(320,), num_samples=1, batch_size=1,
+                          strategies=("dense", "kascade"), max_new_tokens=8, strategy_kwargs=(("min_k", 16),))
+    rows, records, _ = suite.run(spec, model, tok, progress=False)
+    assert [r["strategy"] for r in rows] == ["dense", "kascade"]
+    for r in rows:
+        assert r["examples"] == 1 and r["failures"] == 0, records
+        assert 250 < r["prefill_tokens"] <= 312 and 1 <= r["decode_tokens"] <= 8
+    assert all(rec["prediction"] for rec in records)
+    paths = report.write(rows, str(tmp_path), env=report.environment(["test"]), examples=records, plots=False)
+    assert os.path.exists(paths["csv"])
+
+
+# ----------------------------------------------------------------------------- fidelity
+def test_layer_mass_matches_numpy(rng):
+    import jax.numpy as jnp
+    from kj_helpers import prefill_inputs, random_layer
+
+    from kascade_jax.config import KascadeConfig
+    from kascade_jax.eval import fidelity
+
+    b, max_len, hq, kvh, d, ts = 2, 96, 4, 2, 8, 16
+    qkv = random_layer(rng, b, max_len, hq, kvh, d)
+    inputs = prefill_inputs(qkv, 64, 32, [96, 90])
+    cfg = KascadeConfig(num_layers=2, kv_heads=kvh, anchors=(0,), tile_size=ts, min_k=4, topk_frac=0.25,
+                        head_map=((0, 1), (1, 0)))
+    k_max, tiles = 24, 2
+    idx = np.full((b, kvh, tiles, k_max), -1, np.int32)
+    counts = rng.integers(1, 20, size=(b, tiles)).astype(np.int32)
+    for bb in range(b):
+        for h in range(kvh):
+            for t in range(tiles):
+                start = 64 + t * ts
+                idx[bb, h, t, :counts[bb, t]] = rng.choice(start, size=counts[bb, t], replace=False)
+    prev = {"idx": jnp.asarray(idx), "counts": jnp.asarray(counts)}
+    got = np.asarray(fidelity._layer_mass(cfg, 1, inputs, prev, prev))
+    # brute force
+    q, k = np.asarray(inputs.q, np.float64), np.asarray(qkv[1], np.float64)
+    kv_len = np.asarray(inputs.kv_len)
+    sel_all, orc_all = [[] for _ in range(kvh)], [[] for _ in range(kvh)]
+    for bb in range(b):
+        for h in range(hq):
+            kh = h // (hq // kvh)
+            src = cfg.head_map_row(1)[kh]
+            for r in range(32):
+                p = 64 + r
+                if p >= kv_len[bb]:  # padding rows of the shorter prompt are excluded
+                    continue
+                logits = k[bb, :p + 1, kh] @ q[bb, r, h] / np.sqrt(d)
+                probs = np.exp(logits - logits.max())
+                probs /= probs.sum()
+                t = r // ts
+                ts0 = 64 + t * ts
+                chosen = [j for j in idx[bb, src, t] if j >= 0]
+                diag = probs[ts0:].sum()
+                sel_all[kh].append(probs[chosen].sum() + diag)
+                orc_all[kh].append(np.sort(probs[:ts0])[::-1][:counts[bb, t]].sum() + diag)
+    np.testing.assert_allclose(got, [[np.mean(x) for x in sel_all], [np.mean(x) for x in orc_all]], rtol=1e-4)
+    assert np.all(got[0] <= got[1] + 1e-6)
+
+
+def test_fidelity_on_tiny_model(tiny_model, rng):
+    from kascade_jax.eval import fidelity
+    from kascade_jax.registry import make_strategy
+
+    cfg = tiny_model.config
+    doc = rng.integers(0, cfg.vocab, size=128).tolist()
+    kw = dict(tile_size=16, min_k=4)
+    strategies = {
+        "full": make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=1.0, anchors=(0, 2), **kw),
+        "kascade": make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=0.05, anchors=(0, 2), **kw),
+    }
+    res = fidelity.evaluate_fidelity(tiny_model, [doc], strategies, progress=False)
+    assert all(r["failures"] == 0 for r in res.values()), {k: r["errors"] for k, r in res.items()}
+    full = res["full"]
+    assert full["kl"] < 1e-5 and full["top1"] == 1.0
+    np.testing.assert_allclose(full["mass_ratio"], 1.0, atol=1e-5)
+    for name in ("kascade",):
+        ratio = np.asarray(res[name]["mass_ratio"])
+        assert ratio.shape == (cfg.num_layers,) and np.all(ratio <= 1 + 1e-5) and np.all(ratio > 0)
+        assert ratio[0] == 1.0  # layer 0 is dense
+        assert np.asarray(res[name]["mass_ratio_heads"]).shape == (cfg.num_layers, cfg.kv_heads)
+        assert res[name]["kl"] > 0
+    assert not fidelity.supports_mass(make_strategy("streaming_llm", cfg.num_layers, cfg.kv_heads))
+
+
+def test_prose_documents_and_errors():
+    from kascade_jax.eval import fidelity
+
+    docs = fidelity.prose_documents(TOK, 3, 256)
+    assert [len(d) for d in docs] == [256] * 3 and docs[0] != docs[1]
+    assert docs == fidelity.prose_documents(TOK, 3, 256)
+    assert fidelity.prose_documents(TOK, 1, 256, split="dev")[0] != docs[0]
+    with pytest.raises(ValueError, match="multiple of 64"):
+        fidelity.prose_documents(TOK, 1, 200)
+
+
+def test_cli_helpers():
+    from experiments import eval as cli
+
+    assert cli.even_anchors(30, 5) == (0, 6, 12, 18, 24)
+    with pytest.raises(ValueError, match="num_anchors"):
+        cli.even_anchors(30, 0)
+    fid = {"x": dict(strategy="kascade", config="k=0.1", context_length=256, documents=2, failures=0, kl=0.1,
+                     top1=0.9, kl_late=0.2, mass_ratio=[1.0, 0.8, 0.9],
+                     mass_ratio_heads=[[1.0, 1.0], [0.7, 0.9], [0.9, 0.9]])}
+    text = cli.fidelity_section(fid)
+    assert "| kascade | k=0.1 | 256 | 2 | 0 | 0.1000 | 90.0 | 0.2000 | 0.900 | L1: 0.800 | L1 H0: 0.700 |" in text
+    rows = [dict(family="longbench", strategy="dense", config="", task=t, score=s)
+            for t, s in (("hotpotqa", 40.0), ("musique", 20.0), ("trec", 50.0))]
+    lb = cli.longbench_section(rows)
+    assert "| dense |  | - | 30.0 | - | 50.0 | - | - |" in lb
+
+
+def test_run_longbench_and_aime_with_stub(monkeypatch):
+    fixtures = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+    calls = []
+    monkeypatch.setattr(harness, "_generate", make_stub(calls=calls))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=8192, num_layers=4, kv_heads=1))
+    spec = suite.EvalSpec(tasks=("hotpotqa", "trec", "aime24"), context_lengths=(4096,), num_samples=2,
+                          strategies=("dense",), longbench_dir=os.path.join(fixtures, "longbench"),
+                          aime_path=os.path.join(fixtures, "aime24.jsonl"), aime_runs=3, max_new_tokens=16)
+    rows, records, _ = suite.run(spec, model, TOK, progress=False)
+    assert [(r["task"], r["family"], r["examples"]) for r in rows] == [
+        ("hotpotqa", "longbench", 2), ("trec", "longbench", 2), ("aime24", "aime24", 6)]
+    assert rows[0]["context_length"] == 4096 and rows[2]["context_length"] == 8192
+    aime_keys = {c[1] for c in calls if c[1][1] == 0.6}
+    assert {k[3] for k in aime_keys} == {0, 1, 2} and all(k[2] == 0.95 for k in aime_keys)  # seeded runs
