@@ -14,7 +14,7 @@ MIN_K = flags.DEFINE_integer("min_k", 128, "Minimum Top-k budget.")
 TILE_SIZE = flags.DEFINE_integer("tile_size", 32, "Query tile (tokens) pooled for prefill selection.")
 ROLLING = flags.DEFINE_boolean("rolling_prefill", True, "Per-tile rolling prefill budgets.")
 CHUNK = flags.DEFINE_integer("chunk_size", None, "Prefill chunk (multiple of 64); default: whole prompt on GPU, 1024 on CPU.")
-CALIB_PROMPTS = flags.DEFINE_integer("calib_prompts", 16, "With --anchors=auto and no saved calibration: dev prompts to calibrate on.")
+CALIB_PROMPTS = flags.DEFINE_integer("calib_prompts", 64, "With --anchors=auto and no saved calibration: dev prompts to calibrate on.")
 
 
 def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = None):

@@ -1,6 +1,7 @@
 """`python -m experiments.eval`: does Kascade keep dense accuracy on my model and tasks, and how do baselines compare?
 
-With no flags: SmolLM2-135M-Instruct, dense vs kascade (Top-k 10%, the registry's default anchors), RULER
+With no flags: SmolLM2-135M-Instruct, dense vs kascade (Top-k 10%, anchors and head map from
+the SmolLM2 calibration shipped in kascade_jax/data/calibration), RULER
 niah_single_2 and niah_multikey_1 (prose haystacks, which dense SmolLM2 solves at 1K) at 1024 tokens, 2 samples
 each, answers capped at 32 new tokens: a table in about two minutes on a 2-core CPU. Real runs, e.g. on GPU:
 
@@ -23,8 +24,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "model alias, .gguf file, HF directory or hub id")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "parameter / activation dtype")
 flags.DEFINE_list("strategies", ["dense", "kascade"], "strategy names (kascade_jax.registry.STRATEGY_NAMES)")
-flags.DEFINE_string("anchors", "", "'' = the registry default (paper anchors scaled to depth), 'auto' = calibrated "
-                    "by the DP on the dev set, 'even' = num_anchors evenly spaced layers, or a list like 0,2,8,12,13")
+flags.DEFINE_string("anchors", "auto", "'auto' = calibrated by the DP on the dev set (a shipped or cached "
+                    "calibration, else calibrate now), '' = the registry default (paper anchors scaled to depth), "
+                    "'even' = num_anchors evenly spaced layers, or a list like 0,2,8,12,13")
 flags.DEFINE_integer("num_anchors", 5, "anchor count M for --anchors=auto|even")
 flags.DEFINE_list("topk_frac", ["0.1"], "Top-k fraction(s) of the context (budget_frac for quest/omnikv/less_is_more)")
 flags.DEFINE_integer("calib_num_prompts", 64, "--anchors/--head_map=auto: development-set prompts")

@@ -44,16 +44,25 @@ def artifact_path(model_name: str, *, dataset: str = "builtin", num_prompts: int
     return d / artifact_name(model_name, dataset, num_prompts, _calib_k(k, tile_size), tile_size, reduce)
 
 
+# Calibrations shipped with the package (e.g. SmolLM2-135M on the built-in dev set, measured on an H200), searched
+# after the user's cache so that `--anchors=auto` works offline and instantly for those models.
+PACKAGED_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
+
+
 def _find_cached(path: Path, model_name, dataset, num_prompts, k, tile_size, reduce) -> Path | None:
-    """The exact artifact, else the same calibration on more prompts (at least as good an estimate)."""
-    if path.is_file():
-        return path
-    best, best_n = None, num_prompts
-    for cand in path.parent.glob("*.json") if path.parent.is_dir() else ():
-        for n in re.findall(r"-(\d+)-k", cand.name):
-            if int(n) > best_n and cand.name == artifact_name(model_name, dataset, int(n), k, tile_size, reduce):
-                best, best_n = cand, int(n)
-    return best
+    """The exact artifact, else the same calibration on more prompts (at least as good an estimate); the user's
+    cache first, then the calibrations shipped in the package."""
+    for folder in (path.parent, PACKAGED_DIR):
+        if (folder / path.name).is_file():
+            return folder / path.name
+        best, best_n = None, num_prompts
+        for cand in folder.glob("*.json") if folder.is_dir() else ():
+            for n in re.findall(r"-(\d+)-k", cand.name):
+                if int(n) > best_n and cand.name == artifact_name(model_name, dataset, int(n), k, tile_size, reduce):
+                    best, best_n = cand, int(n)
+        if best is not None:
+            return best
+    return None
 
 
 def load_or_calibrate(model_name: str, *, dataset: str = "builtin", num_prompts: int = 64, k: int | None = None,
