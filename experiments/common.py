@@ -17,17 +17,27 @@ CHUNK = flags.DEFINE_integer("chunk_size", None, "Prefill chunk (multiple of 64)
 CALIB_PROMPTS = flags.DEFINE_integer("calib_prompts", 64, "With --anchors=auto and no saved calibration: dev prompts to calibrate on.")
 
 
+KASCADE_FAMILY = ("kascade", "no_remap", "all_heads_pooled", "pre_softmax_pooling", "oracle_topk", "decode_only")
+BUDGETED_BASELINES = ("quest", "omnikv", "less_is_more")
+
+
 def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = None):
-    """The strategy `name` for this model, from the shared flags (anchors resolved/calibrated when 'auto')."""
+    """The strategy `name` for this model from the shared flags. Only the Kascade family resolves anchors (and so
+    may load or run a calibration); on a GPU it runs the Pallas kernels, elsewhere the pure-JAX references."""
+    import jax
+
     from kascade_jax.registry import make_strategy
 
     cfg = model.config
-    kwargs = dict(topk_frac=TOPK_FRAC.value if topk_frac is None else topk_frac, min_k=MIN_K.value,
-                  tile_size=TILE_SIZE.value, rolling_prefill=ROLLING.value)
-    if name in ("dense",):
-        return make_strategy(name, cfg.num_layers, cfg.kv_heads)
-    anchors, head_map = resolve_anchors_and_head_map(model, tokenizer)
-    return make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map, **kwargs)
+    frac = TOPK_FRAC.value if topk_frac is None else topk_frac
+    if name in KASCADE_FAMILY:
+        anchors, head_map = resolve_anchors_and_head_map(model, tokenizer)
+        return make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map, topk_frac=frac,
+                             min_k=MIN_K.value, tile_size=TILE_SIZE.value, rolling_prefill=ROLLING.value,
+                             kernels="pallas" if jax.default_backend() == "gpu" else "reference")
+    if name in BUDGETED_BASELINES:
+        return make_strategy(name, cfg.num_layers, cfg.kv_heads, topk_frac=frac, min_k=MIN_K.value)
+    return make_strategy(name, cfg.num_layers, cfg.kv_heads)
 
 
 def resolve_anchors_and_head_map(model, tokenizer):

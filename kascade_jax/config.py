@@ -1,0 +1,150 @@
+"""KascadeConfig: the frozen, validated description of one Kascade run (and its ablation variants).
+
+What it fixes: which layers are anchors, which anchor head each reuse head reads (`head_map`), the Top-k budget
+rule and the query tile used for prefill pooling. The budget itself is computed by
+`kernels_pallas.reference.topk_budget`, k = min(max(floor(topk_frac * L), min_k), L) in exact integers; this
+module only adds the optional rounding `k_multiple` (round k up to a multiple, then clamp to L again). We take
+the *kernel* rule of the official code (no "k - tile_size" subtraction; the diagonal tile is attended on top of
+the k selected keys in prefill, decode attends exactly k keys); `k_multiple=128` reproduces its "round up to
+128" and `k_multiple=1` (default) is the paper's plain budget.
+
+Variants (the paper's ablations) are fields rather than subclasses, so one strategy class serves them all:
+- `pool`: "gqa" (Kascade: post-softmax probabilities summed over the GQA group), "all" (one index set per
+  layer shared by every head; the head map is then all zeros), "pre_softmax" (rank keys by the logits of the
+  mean query of the group / tile);
+- `oracle_topk`: every layer is an anchor and selects its own keys (no reuse);
+- `decode_only`: dense prefill, Kascade decode;
+- no head remapping is simply `head_map=None` (identity).
+
+It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from kernels_pallas.reference import frac_numerator
+
+POOLS = ("gqa", "all", "pre_softmax")
+
+
+def _as_int_tuple(values, what: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a sequence of ints, got {values!r}") from None
+    if any(o != v for o, v in zip(out, values)):
+        raise ValueError(f"{what} must hold integers, got {values!r}")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class KascadeConfig:
+    num_layers: int
+    kv_heads: int
+    anchors: tuple[int, ...] = (0,)
+    head_map: tuple[tuple[int, ...], ...] | None = None  # [num_layers][kv_heads]; None = identity
+    topk_frac: float = 0.10  # budget fraction of the prefix length L, in (0, 1]
+    min_k: int = 128  # budget floor (before clamping to L)
+    k_multiple: int = 1  # round every budget up to a multiple of this, then clamp to L
+    tile_size: int = 32  # prefill query tile (tokens) sharing one index set
+    rolling_prefill: bool = True  # prefill budget from the tile's prefix (True) or the prompt length (False)
+    layer0_dense: bool = True  # layer 0 attends densely (it still emits indices)
+    pool: str = "gqa"  # "gqa" | "all" | "pre_softmax"
+    oracle_topk: bool = False  # every layer is its own anchor
+    decode_only: bool = False  # dense prefill
+
+    def __post_init__(self):
+        for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.topk_frac, bool) or not isinstance(self.topk_frac, (int, float)):
+            raise ValueError(f"topk_frac must be a number in (0, 1], got {self.topk_frac!r}")
+        frac_numerator(self.topk_frac)  # raises for topk_frac outside (0, 1]
+        if self.pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        for name in ("rolling_prefill", "layer0_dense", "oracle_topk", "decode_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+        anchors = _as_int_tuple(self.anchors, "anchors")
+        object.__setattr__(self, "anchors", anchors)
+        if not anchors or anchors[0] != 0:
+            raise ValueError(f"anchors must start with layer 0 (layer 0 seeds the indices), got {anchors}")
+        if any(b <= a for a, b in zip(anchors, anchors[1:])):
+            raise ValueError(f"anchors must be strictly increasing, got {anchors}")
+        if anchors[-1] >= self.num_layers:
+            raise ValueError(f"anchors must lie in [0, {self.num_layers - 1}] (num_layers={self.num_layers}), got {anchors}")
+
+        if self.head_map is not None:
+            rows = tuple(_as_int_tuple(r, f"head_map row {i}") for i, r in enumerate(self.head_map))
+            object.__setattr__(self, "head_map", rows)
+            if len(rows) != self.num_layers or any(len(r) != self.kv_heads for r in rows):
+                shape = (len(rows), sorted({len(r) for r in rows}))
+                raise ValueError(f"head_map must have shape [num_layers={self.num_layers}, kv_heads={self.kv_heads}], "
+                                 f"got {len(rows)} rows of lengths {shape[1]}")
+            for i, r in enumerate(rows):
+                bad = [h for h in r if not 0 <= h < self.kv_heads]
+                if bad:
+                    raise ValueError(f"head_map[{i}] entries must lie in [0, {self.kv_heads - 1}], got {list(r)}")
+            for a in anchors:
+                if rows[a] != tuple(range(self.kv_heads)):
+                    raise ValueError(f"head_map row of anchor layer {a} must be the identity "
+                                     f"{list(range(self.kv_heads))}, got {list(rows[a])}")
+            if self.pool == "all":
+                raise ValueError("pool='all' shares one index set between all heads, so head_map must be None")
+
+    # ---- layer roles -------------------------------------------------------------------------------------------
+    def is_anchor(self, layer: int) -> bool:
+        return self.oracle_topk or layer in self.anchors
+
+    def anchor_of(self, layer: int) -> int:
+        """The most recent anchor at or before `layer` (whose indices `layer` uses)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must lie in [0, {self.num_layers - 1}], got {layer}")
+        if self.oracle_topk:
+            return layer
+        return max(a for a in self.anchors if a <= layer)
+
+    @property
+    def idx_heads(self) -> int:
+        """Index sets per layer: one per KV head, or one shared set for pool='all'."""
+        return 1 if self.pool == "all" else self.kv_heads
+
+    def head_map_row(self, layer: int) -> tuple[int, ...]:
+        """Which index head of the anchor each KV head of `layer` reads (identity on anchors)."""
+        if self.pool == "all":
+            return (0,) * self.kv_heads
+        if self.head_map is None or self.is_anchor(layer):
+            return tuple(range(self.kv_heads))
+        return self.head_map[layer]
+
+    # ---- serialisation -----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["anchors"] = list(self.anchors)
+        d["head_map"] = None if self.head_map is None else [list(r) for r in self.head_map]
+        return d
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KascadeConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown KascadeConfig fields {unknown}; allowed: {sorted(known)}")
+        d = dict(d)
+        if "anchors" in d:
+            d["anchors"] = tuple(d["anchors"])
+        if d.get("head_map") is not None:
+            d["head_map"] = tuple(tuple(r) for r in d["head_map"])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "KascadeConfig":
+        return cls.from_dict(json.loads(text))

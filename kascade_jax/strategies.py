@@ -1,0 +1,273 @@
+"""KascadeStrategy: anchor / reuse sparse attention behind the models' per-layer attention interface.
+
+Per layer (see models/README.md for layouts), with `cfg = strategy.config`:
+- anchor layers (`cfg.is_anchor(layer)`) compute exact pooled post-softmax scores of their own q, k, take the
+  exact Top-k per (sequence, index head[, query tile]) with the budgets of `kernels_pallas.reference`
+  (`decode_counts` / `prefill_counts`, optionally rounded up to `cfg.k_multiple`), and attend sparsely over their
+  own indices; layer 0 with `layer0_dense` attends densely and still emits indices;
+- reuse layers attend sparsely over the most recent anchor's indices, KV head h reading index head
+  `cfg.head_map_row(layer)[h]`.
+The attended set is the indices plus the causal diagonal tile in prefill, the indices alone in decode; softmax
+is renormalised over it. The state threaded between layers is `{"idx", "counts"}` of the most recent anchor
+(`None` before layer 0): prefill idx [batch, idx_heads, tiles, k_max] + counts [batch, tiles], decode idx
+[batch, idx_heads, k_max] + counts [batch].
+
+Kernel seam: every array computation goes through one `Kernels` bundle looked up by name (`strategy.kernels`):
+"reference" (default) = the pure-JAX references, which materialise one layer's scores for the query rows of the
+current call, never [layers x L x L] (long prefill chunks are cut into blocks of `Kernels.query_block` queries);
+"pallas" = kernels_pallas.decode / prefill (Pallas on GPU, their own references on CPU). Other bundles plug in
+with `register_kernels(name, Kernels(...))`, without touching the layer logic here.
+
+This module deliberately holds no calibration (anchor DP, head maps) and no baselines (see baselines.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from kascade_jax.config import KascadeConfig
+from kernels_pallas.dense import dense_attention
+from kernels_pallas.reference import (
+    decode_counts,
+    max_budget,
+    pooled_scores_decode_reference,
+    pooled_scores_prefill_reference,
+    prefill_counts,
+    select_topk_reference,
+    sparse_decode_reference,
+    sparse_prefill_reference,
+)
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernel seam
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The four calls a Kascade layer makes. q [batch, q_len, q_heads, d], caches [batch, keys, kv_heads, d].
+
+    anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row)
+        -> (out, idx [batch, idx_heads, k_max], counts [batch])
+    reuse_decode(q, k, v, kv_len, idx, counts, head_map_row) -> out
+    anchor_prefill(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero)
+        -> (out, idx [batch, idx_heads, tiles, k_max], counts [batch, tiles])
+    reuse_prefill(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size) -> out
+    The anchors compute the budgets (`decode_budget` / `prefill_budget` below) from `cfg` (a KascadeConfig: topk_frac,
+    min_k, k_multiple, rolling_prefill, tile_size, pool). `head_map_row` is a static tuple of ints [kv_heads];
+    `dense`: output dense attention, still select (anchor layer 0).
+    query_block: longer prefill chunks are fed to the prefill calls in static blocks of this many queries (a
+    multiple of tile_size), so a kernel that materialises scores holds [batch, q_heads, query_block, keys] at
+    most; None = the whole chunk in one call.
+    """
+
+    anchor_decode: Callable
+    reuse_decode: Callable
+    anchor_prefill: Callable
+    reuse_prefill: Callable
+    query_block: int | None = None
+
+
+def _anchor_decode_reference(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
+    counts = decode_budget(cfg, kv_len)
+    scores = pooled_scores_decode_reference(q, k, kv_len, pool=cfg.pool)  # [batch, idx_heads, keys]
+    idx = select_topk_reference(scores, counts[:, None], k_max)
+    if dense:
+        out = dense_attention(q, k, v, kv_len - 1, kv_len, phase="decode", chunk_at_zero=False)
+    else:
+        out = sparse_decode_reference(q, k, v, kv_len, idx, head_map_row)
+    return out, idx, counts
+
+
+def _reuse_decode_reference(q, k, v, kv_len, idx, counts, head_map_row):
+    del counts  # the -1 padding past each count already says it
+    return sparse_decode_reference(q, k, v, kv_len, idx, head_map_row)
+
+
+def _anchor_prefill_reference(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero):
+    counts = prefill_budget(cfg, q_start, kv_len, seq_len, q.shape[1])  # [batch, tiles]
+    scores, _ = pooled_scores_prefill_reference(q, k, q_start, kv_len, cfg.tile_size, pool=cfg.pool)
+    idx = select_topk_reference(scores, counts[:, None, :], k_max)  # [batch, idx_heads, tiles, k_max]
+    if dense:
+        out = dense_attention(q, k, v, q_start, kv_len, phase="prefill", chunk_at_zero=chunk_at_zero)
+    else:
+        out = sparse_prefill_reference(q, k, v, q_start, kv_len, idx, head_map_row, cfg.tile_size)
+    return out, idx, counts
+
+
+def _reuse_prefill_reference(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size):
+    del counts
+    return sparse_prefill_reference(q, k, v, q_start, kv_len, idx, head_map_row, tile_size)
+
+
+REFERENCE_KERNELS = Kernels(
+    anchor_decode=_anchor_decode_reference,
+    reuse_decode=_reuse_decode_reference,
+    anchor_prefill=_anchor_prefill_reference,
+    reuse_prefill=_reuse_prefill_reference,
+    query_block=1024,
+)
+
+
+def _pallas_kernels() -> Kernels:
+    """kernels_pallas.decode / prefill (Pallas on GPU, their references elsewhere; pre_softmax prefill: reference)."""
+    from kernels_pallas import decode as pd
+    from kernels_pallas import prefill as pp
+
+    def check(cfg):
+        if cfg.k_multiple != 1:
+            raise ValueError(f"the Pallas kernels implement k_multiple=1 only, got k_multiple={cfg.k_multiple}")
+
+    def anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
+        check(cfg)
+        return pd.anchor_decode(q, k, v, kv_len, topk_frac=cfg.topk_frac, min_k=cfg.min_k, k_max=k_max,
+                                head_map_row=head_map_row, dense_out=dense, pool=cfg.pool)
+
+    def anchor_prefill(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero):
+        check(cfg)
+        if cfg.pool == "pre_softmax":
+            return _anchor_prefill_reference(q, k, v, q_start, kv_len, seq_len, cfg=cfg, k_max=k_max, dense=dense,
+                                             head_map_row=head_map_row, chunk_at_zero=chunk_at_zero)
+        return pp.anchor_prefill(q, k, v, q_start, kv_len, seq_len, cfg.tile_size, topk_frac=cfg.topk_frac,
+                                 min_k=cfg.min_k, k_max=k_max, rolling=cfg.rolling_prefill, dense_out=dense,
+                                 pool=cfg.pool)
+
+    return Kernels(anchor_decode=anchor_decode, reuse_decode=pd.reuse_decode, anchor_prefill=anchor_prefill,
+                   reuse_prefill=pp.reuse_prefill, query_block=None)
+
+
+_KERNELS: dict[str, Kernels] = {"reference": REFERENCE_KERNELS}
+_LAZY_KERNELS: dict[str, Callable[[], Kernels]] = {"pallas": _pallas_kernels}
+
+
+def register_kernels(name: str, kernels: Kernels) -> None:
+    """Make a kernel bundle selectable as `KascadeStrategy(..., kernels=name)`."""
+    if not isinstance(kernels, Kernels):
+        raise ValueError(f"kernels must be a strategies.Kernels bundle, got {type(kernels).__name__}")
+    _KERNELS[name] = kernels
+
+
+def get_kernels(name: str) -> Kernels:
+    if name not in _KERNELS and name in _LAZY_KERNELS:
+        _KERNELS[name] = _LAZY_KERNELS[name]()
+    if name not in _KERNELS:
+        raise ValueError(f"unknown kernels {name!r}; registered: {sorted(set(_KERNELS) | set(_LAZY_KERNELS))}")
+    return _KERNELS[name]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Budgets
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _round_up(counts, multiple: int, cap):
+    """Round budgets up to `multiple`, never past `cap` (the eligible keys), so rounding only ever adds keys."""
+    if multiple == 1:
+        return counts
+    return jnp.minimum(-(-counts // multiple) * multiple, cap).astype(jnp.int32)
+
+
+def static_k_max(cfg: KascadeConfig, max_len: int) -> int:
+    """Static index-buffer width: the largest budget any length <= max_len can get (after rounding)."""
+    k = max_budget(max_len, cfg.topk_frac, cfg.min_k)
+    return max(1, min(-(-k // cfg.k_multiple) * cfg.k_multiple, max_len))
+
+
+def decode_budget(cfg: KascadeConfig, kv_len):
+    """[batch] int32: k = min(max(floor(topk_frac * kv_len), min_k), kv_len), rounded up to k_multiple (<= kv_len)."""
+    counts = decode_counts(kv_len, cfg.topk_frac, cfg.min_k).astype(jnp.int32)
+    return _round_up(counts, cfg.k_multiple, kv_len)
+
+
+def prefill_budget(cfg: KascadeConfig, q_start, kv_len, seq_len, q_len: int):
+    """[batch, tiles] int32: per-tile budget over the keys strictly before the tile (see reference.prefill_counts)."""
+    counts = prefill_counts(q_start, kv_len, seq_len, q_len, cfg.tile_size, cfg.topk_frac, cfg.min_k,
+                            rolling=cfg.rolling_prefill)
+    n_tiles = counts.shape[1]
+    eligible = jnp.minimum(q_start[:, None] + jnp.arange(n_tiles)[None, :] * cfg.tile_size, kv_len[:, None])
+    # Rounding after clamping to the eligible keys equals clamping after rounding, since eligible <= base L.
+    return _round_up(counts, cfg.k_multiple, eligible)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The strategy
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KascadeStrategy:
+    """Kascade and its ablation variants (all set by `config`). Hashable, so it can be a static jit argument."""
+
+    config: KascadeConfig
+    name: str = "kascade"
+    kernels: str = "reference"
+
+    def __post_init__(self):
+        if not isinstance(self.config, KascadeConfig):
+            raise ValueError(f"config must be a KascadeConfig, got {type(self.config).__name__}")
+        get_kernels(self.kernels)
+
+    # models' interface ----------------------------------------------------------------------------------------
+    def attend(self, layer: int, inputs, state: Any):
+        cfg = self.config
+        if not 0 <= layer < cfg.num_layers:
+            raise ValueError(f"layer must lie in [0, {cfg.num_layers - 1}] for this config, got {layer}")
+        if inputs.k_cache.shape[2] != cfg.kv_heads:
+            raise ValueError(f"config has kv_heads={cfg.kv_heads} but the cache has {inputs.k_cache.shape[2]}")
+        if inputs.phase == "prefill" and cfg.decode_only:
+            out = dense_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
+                                  phase="prefill", chunk_at_zero=inputs.chunk_at_zero)
+            return out, state
+        if not cfg.is_anchor(layer) and state is None:
+            raise ValueError(f"reuse layer {layer} got no anchor state; layer 0 must run first in the same forward")
+        if inputs.phase == "decode":
+            return self._decode(layer, inputs, state)
+        if inputs.phase == "prefill":
+            return self._prefill(layer, inputs, state)
+        raise ValueError(f"phase must be 'prefill' or 'decode', got {inputs.phase!r}")
+
+    def post_attention(self, layer, x, attn_out, state):
+        return state
+
+    # phases ---------------------------------------------------------------------------------------------------
+    def _decode(self, layer, inputs, state):
+        cfg, kern = self.config, get_kernels(self.kernels)
+        q, k, v, kv_len = inputs.q, inputs.k_cache, inputs.v_cache, inputs.kv_len
+        row = cfg.head_map_row(layer)
+        if cfg.is_anchor(layer):
+            out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=cfg, k_max=static_k_max(cfg, k.shape[1]),
+                                                  dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
+            return out, {"idx": idx, "counts": counts}
+        return kern.reuse_decode(q, k, v, kv_len, state["idx"], state["counts"], row), state
+
+    def _prefill(self, layer, inputs, state):
+        cfg, kern = self.config, get_kernels(self.kernels)
+        q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
+        q_len, ts = q.shape[1], cfg.tile_size
+        row = cfg.head_map_row(layer)
+        anchor = cfg.is_anchor(layer)
+        k_max = static_k_max(cfg, k.shape[1])
+        # Static blocks of whole tiles (a block never splits a tile, so per-tile results are unchanged).
+        block = q_len if kern.query_block is None else max(ts, kern.query_block // ts * ts)
+        outs, idxs, counts_all = [], [], []
+        for b0 in range(0, q_len, block):
+            b1 = min(q_len, b0 + block)
+            qb, q_start = q[:, b0:b1], inputs.q_start + b0
+            t0, t1 = b0 // ts, -(-b1 // ts)
+            if anchor:
+                out, idx, counts = kern.anchor_prefill(qb, k, v, q_start, inputs.kv_len, inputs.seq_len, cfg=cfg,
+                                                       k_max=k_max, dense=layer == 0 and cfg.layer0_dense,
+                                                       head_map_row=row, chunk_at_zero=inputs.chunk_at_zero and b0 == 0)
+                idxs.append(idx)
+                counts_all.append(counts)
+            else:
+                out = kern.reuse_prefill(qb, k, v, q_start, inputs.kv_len, state["idx"][:, :, t0:t1],
+                                         state["counts"][:, t0:t1], row, ts)
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+        if anchor:
+            state = {"idx": jnp.concatenate(idxs, axis=2), "counts": jnp.concatenate(counts_all, axis=1)}
+        return out, state

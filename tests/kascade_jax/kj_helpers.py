@@ -1,0 +1,66 @@
+"""Helpers for the kascade_jax tests: random per-layer attention inputs and a model-like layer loop."""
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.reference import attention_reference
+from models.attention import AttentionInputs
+
+
+def random_layer(rng, batch, max_len, q_heads, kv_heads, head_dim, peaky=2.0):
+    """One layer's full-sequence q [b, max_len, hq, d] and k, v caches [b, max_len, kvh, d] (fp32, peaky logits)."""
+    q = rng.normal(size=(batch, max_len, q_heads, head_dim)) * peaky
+    k = rng.normal(size=(batch, max_len, kv_heads, head_dim))
+    v = rng.normal(size=(batch, max_len, kv_heads, head_dim))
+    return tuple(jnp.asarray(a, jnp.float32) for a in (q, k, v))
+
+
+def prefill_inputs(layer_qkv, q_start: int, q_len: int, prompt_lens):
+    """AttentionInputs of a prefill chunk [q_start, q_start + q_len) of right-padded prompts of lengths prompt_lens."""
+    q, k, v = layer_qkv
+    b = q.shape[0]
+    lens = jnp.asarray(prompt_lens, jnp.int32)
+    kv_len = jnp.minimum(lens, q_start + q_len)
+    return AttentionInputs(q[:, q_start:q_start + q_len], k, v, jnp.full((b,), q_start, jnp.int32), kv_len, lens,
+                           "prefill", chunk_at_zero=q_start == 0)
+
+
+def decode_inputs(layer_qkv, kv_len):
+    """AttentionInputs of one decode token per sequence at position kv_len - 1 (q taken from that row)."""
+    q, k, v = layer_qkv
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    qd = jnp.take_along_axis(q, (kv_len - 1)[:, None, None, None], axis=1)
+    return AttentionInputs(qd, k, v, kv_len - 1, kv_len, kv_len, "decode", chunk_at_zero=False)
+
+
+def _run_layers(strategy, inputs_per_layer):
+    state, outs, states = None, [], []
+    for layer, inputs in enumerate(inputs_per_layer):
+        out, state = strategy.attend(layer, inputs, state)
+        outs.append(out)
+        states.append(state)
+    return outs, states
+
+
+_run_layers_jit = jax.jit(_run_layers, static_argnums=0)
+
+
+def run_layers(strategy, inputs_per_layer, jit=True):
+    """Thread state through the layers like the model does (one jitted call, as in the model's forward).
+
+    Returns (outputs, states after each layer)."""
+    if jit:
+        return _run_layers_jit(strategy, list(inputs_per_layer))
+    return _run_layers(strategy, inputs_per_layer)
+
+
+@jax.jit
+def dense_reference(inputs):
+    """attention_reference on the inputs' causal, valid keys."""
+    return attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len)
+
+
+def valid_rows(out, q_start, prompt_lens):
+    """Zero the rows of padded queries (positions >= prompt length), whose outputs nobody reads."""
+    pos = q_start + jnp.arange(out.shape[1])
+    return out * (pos[None, :] < jnp.asarray(prompt_lens)[:, None])[:, :, None, None]
