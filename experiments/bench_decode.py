@@ -16,11 +16,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
 from absl import app, flags
+
+from experiments.timing import cupti_time
 
 CONTEXTS = flags.DEFINE_list("decode_contexts", ["8192", "16384", "32768", "65536", "131072"], "Cache lengths.")
 BATCHES = flags.DEFINE_list("decode_batches", ["8", "64"], "Batch sizes.")
@@ -52,22 +53,6 @@ def _inputs(seed, b, s, hq, kvh, d, dtype, peaky):
         hi = jnp.arange(kvh)[None, :, None]
         k = k.at[bi, pos, hi].set(jnp.broadcast_to(3.0 * qm[:, :, None, :], (b, kvh, 16, d)).astype(dtype))
     return q.astype(dtype), k, v
-
-
-def _timed(fn, args, iters):
-    """Median total kernel time per call (ms) and median per kernel name."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    _, timings = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
-    totals = [sum(t for _, t in it) for it in timings]
-    per = {}
-    for it in timings:
-        for name, t in it:
-            per.setdefault(name, []).append(t)
-    # several launches of one kernel name per iteration add up
-    n_it = len(timings)
-    per = {name: sum(ts) / n_it for name, ts in per.items()}
-    return statistics.median(totals), per
 
 
 def check(seed=0, b=8, s=32768, hq=Q_HEADS, kvh=KV_HEADS, d=HEAD_DIM, dtype="bfloat16", frac=0.1, min_k=128,
@@ -150,7 +135,7 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print):
     row = dict(batch=b, context=s, topk_frac=frac, dtype=dtype, k=int(counts[0]))
     for name, fn, args in (("dense", dense, (q, k, v, kv_len)), ("A0", a0, (q, k, v, kv_len)),
                            ("A", an, (q, k, v, kv_len)), ("R", re, (q, k, v, kv_len, idx, counts, hm))):
-        t, per = _timed(fn, args, iters)
+        t, per = cupti_time(fn, args, iters)
         row[name] = t
         row[name + "_kernels"] = per
     for name in ("A0", "A", "R"):

@@ -16,10 +16,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import sys
 
 from absl import app, flags
+
+from experiments.timing import cupti_time
 
 CONTEXTS = flags.DEFINE_list("prefill_contexts", ["8192", "32768", "131072"], "Prompt lengths.")
 LONG = flags.DEFINE_list("prefill_long_contexts", ["262144"], "Prompt lengths timed at the first top-k and dtype only.")
@@ -49,18 +50,6 @@ def _inputs(seed, s, dtype, peaky=False):
         k = k.at[:, hot].add(3.0 * qm / jnp.abs(qm).mean())
         q = q * 2.0
     return q.astype(dtype), k.astype(dtype), v
-
-
-def _timed(fn, args, iters):
-    from jax.experimental.mosaic.gpu import profiler
-
-    _, timings = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
-    totals = [sum(t for _, t in it) for it in timings]
-    per = {}
-    for it in timings:
-        for name, t in it:
-            per.setdefault(name, []).append(t)
-    return statistics.median(totals), {n: sum(ts) / len(timings) for n, ts in per.items()}
 
 
 def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=False, log=print):
@@ -140,7 +129,7 @@ def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print):
     row["A0_extra_bytes"], _ = _extra_bytes(a0, (q, k, v))
     for name, fn, args in (("dense", dense, (q, k, v)), ("A0", a0, (q, k, v)), ("A", an, (q, k, v)),
                            ("R", re, (q, k, v, idx, counts, hm))):
-        t, per = _timed(fn, args, iters)
+        t, per = cupti_time(fn, args, iters)
         row[name] = t
         row[name + "_kernels"] = per
     for name in ("A0", "A", "R"):

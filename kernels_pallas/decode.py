@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import reference as ref
+from kernels_pallas.dispatch import use_pallas
 from kernels_pallas import topk
 
 _NEG = -1e30  # finite "minus infinity" for running maxima (keeps exp(m_old - m_new) finite)
@@ -82,22 +83,6 @@ DEFAULT_TUNING = DecodeTuning()
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def _use_pallas(impl: str, interpret: bool, q, k_cache, v_cache) -> bool:
-    """impl="pallas" (or interpret) always takes the kernels (unsupported shapes then raise); "auto" takes them on
-    a GPU when the shape is supported and the reference otherwise; "reference" never."""
-    if impl not in ("auto", "pallas", "reference"):
-        raise ValueError(f"impl must be 'auto', 'pallas' or 'reference', got {impl!r}")
-    if impl == "reference":
-        return False
-    if impl == "pallas" or interpret:
-        return True
-    return _on_gpu() and _pallas_supported(q, k_cache, v_cache)
 
 
 def _pallas_supported(q, k_cache, v_cache) -> bool:
@@ -268,7 +253,7 @@ def reuse_decode(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, *, scal
     attended); idx [batch, idx_heads, k_max] int32, distinct indices, -1 past counts; counts [batch] int32;
     head_map_row [kv_heads] int32 in [0, idx_heads). Reference: `reference.sparse_decode_reference`.
     """
-    pallas = _use_pallas(impl, interpret, q, k_cache, v_cache)
+    pallas = use_pallas(impl, interpret, _pallas_supported(q, k_cache, v_cache))
     b, hq, kvh, d, _ = _check_common(q, k_cache, v_cache, kv_len, pallas)
     if idx.ndim != 3 or idx.shape[0] != b or idx.shape[2] < 1:
         raise ValueError(f"idx must be [batch={b}, idx_heads, k_max>=1], got shape {idx.shape}")
@@ -435,7 +420,7 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
     default: identity, or all zeros for pool="all"), or with dense_out=True (anchor layer 0) the dense output.
     Budgets: `reference.decode_counts(kv_len, topk_frac, min_k)`, clipped to k_max.
     """
-    pallas = _use_pallas(impl, interpret, q, k_cache, v_cache)
+    pallas = use_pallas(impl, interpret, _pallas_supported(q, k_cache, v_cache))
     b, hq, kvh, d, group = _check_common(q, k_cache, v_cache, kv_len, pallas)
     if pool not in _POOLS:
         raise ValueError(f"pool must be one of {_POOLS}, got {pool!r}")

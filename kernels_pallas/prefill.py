@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import reference as ref
+from kernels_pallas.dispatch import use_pallas
 
 _LOG2E = 1.4426950408889634
 _NEG = -1e30  # finite start for running maxima: a fully masked block then gives exp2(-inf) = 0, never inf - inf
@@ -445,16 +446,6 @@ def _reuse_call(qp, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_row
 # Public API.
 
 
-def _use_pallas(impl: str, interpret: bool) -> bool:
-    if impl not in ("auto", "pallas", "reference"):
-        raise ValueError(f"impl must be 'auto', 'pallas' or 'reference', got {impl!r}")
-    if impl == "reference":
-        return False
-    if impl == "pallas" or interpret:
-        return True
-    return jax.default_backend() == "gpu"
-
-
 def _ints(x, name, b):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -482,7 +473,7 @@ def reuse_prefill(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_ro
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q_start, kv_len = _ints(q_start, "q_start", b), _ints(kv_len, "kv_len", b)
     head_map_row = _ints(head_map_row, "head_map_row", b)
-    if not _use_pallas(impl, interpret):
+    if not use_pallas(impl, interpret):
         return ref.sparse_prefill_reference(q, k_cache, v_cache, q_start, kv_len, idx, head_map_row, tile_size,
                                             scale=scale)
     _check_pallas(q, k_cache, v_cache)
@@ -518,7 +509,7 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     counts = jnp.minimum(counts, k_max)
     idx_heads = k_cache.shape[2] if pool != "all" else 1
     identity = jnp.arange(k_cache.shape[2], dtype=jnp.int32) if pool != "all" else jnp.zeros(k_cache.shape[2], jnp.int32)
-    if not _use_pallas(impl, interpret):
+    if not use_pallas(impl, interpret):
         scores, _ = ref.pooled_scores_prefill_reference(q, k_cache, q_start, kv_len, tile_size, pool=pool, scale=scale)
         idx = ref.select_topk_reference(scores, counts[:, None, :], k_max)
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, 0), (0, k_max - idx.shape[-1])), constant_values=-1)

@@ -1,5 +1,8 @@
 """Helpers for the kascade_jax tests: random per-layer attention inputs and a model-like layer loop."""
 
+import re
+import zlib
+
 import jax
 import jax.numpy as jnp
 
@@ -64,3 +67,14 @@ def valid_rows(out, q_start, prompt_lens):
     """Zero the rows of padded queries (positions >= prompt length), whose outputs nobody reads."""
     pos = q_start + jnp.arange(out.shape[1])
     return out * (pos[None, :] < jnp.asarray(prompt_lens)[:, None])[:, :, None, None]
+
+
+class FakeTokenizer:
+    """Word/punctuation tokenizer with a ChatML template: fast, and token counts behave like a real BPE."""
+
+    def encode(self, text):
+        return [zlib.crc32(t.encode()) % 50_000 for t in re.findall(r"<\|\w+\|>|\w+|[^\w\s]", text)]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")

@@ -1,8 +1,6 @@
 """Calibration: pooled scores vs the reference, the similarity formula, a planted model, artifacts, flag resolution."""
 
 import json
-import re
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +12,7 @@ from kascade_jax.calibration import resolve
 from kascade_jax.calibration.artifact import CalibrationArtifact
 from kascade_jax.calibration.head_map import check_head_map, head_map_for, load_head_map_file
 from kascade_jax.calibration.stats import CalibrationStrategy, dense_with_pooled, importance, layer_scores
+from tests.kascade_jax.kj_helpers import FakeTokenizer
 from kernels_pallas.reference import attention_reference, pooled_scores_prefill_reference
 from models.attention import AttentionInputs
 
@@ -256,19 +255,13 @@ def test_resolve_anchors_uses_cached_artifact(rng, tmp_path):
     assert resolve.resolve_flags("m", "0,1", "identity", num_layers=5, kv_heads=3) == ((0, 1), None)
 
 
-class _FakeTokenizer:
-    def encode(self, text):
-        return [zlib.crc32(t.encode()) % 50_000 for t in re.findall(r"<\|\w+\|>|\w+|[^\w\s]", text)]
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 def test_builtin_devset_sizes_determinism_and_disjoint_subsets():
     from kascade_jax.calibration.devset import builtin_devset, load_devset
 
-    tok = _FakeTokenizer()
+    tok = FakeTokenizer()
     ps = builtin_devset(tok, 5, min_tokens=500, max_tokens=800, seed=1)
     assert {p.kind for p in ps} == {"niah_multikey_1", "vt", "prose", "niah_multivalue", "niah_multiquery"}
     for p in ps:
@@ -289,7 +282,7 @@ def test_hf_devset_offline_error(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="could not load dataset .*--dataset=builtin"):
-        load_devset("no-such-user/no-such-dataset-kascade", _FakeTokenizer(), 2)
+        load_devset("no-such-user/no-such-dataset-kascade", FakeTokenizer(), 2)
 
 
 def test_collect_statistics_on_a_tiny_model(rng):

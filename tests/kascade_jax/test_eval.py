@@ -10,19 +10,7 @@ import numpy as np
 import pytest
 
 from kascade_jax.eval import harness, report, suite
-
-
-class FakeTokenizer:
-    """Word/punctuation tokenizer with a ChatML-like template (as in test_tasks.py)."""
-
-    def encode(self, text):
-        import re
-        import zlib
-        return [zlib.crc32(t.encode()) % 50_000 for t in re.findall(r"<\|\w+\|>|\w+|[^\w\s]", text)]
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+from tests.kascade_jax.kj_helpers import FakeTokenizer
 
 
 TOK = FakeTokenizer()

@@ -1,23 +1,12 @@
 """RULER-style generators: sizing, seeds/splits, answers present in the prompt, string-match metrics."""
 
 import re
-import zlib
 
 import numpy as np
 import pytest
 
 from kascade_jax.tasks import metrics, prose, ruler
-
-
-class FakeTokenizer:
-    """Word/punctuation tokenizer with a ChatML template: fast, and token counts behave like a real BPE."""
-
-    def encode(self, text):
-        return [zlib.crc32(t.encode()) % 50_000 for t in re.findall(r"<\|\w+\|>|\w+|[^\w\s]", text)]
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+from tests.kascade_jax.kj_helpers import FakeTokenizer
 
 
 TOK = FakeTokenizer()
