@@ -1,6 +1,7 @@
 """Per-token agreement of Kascade greedy decoding with dense greedy decoding on one long document.
 
-`python -m experiments.kascade_agreement --doc=/work/shared/docs/paper-digest.md --doc_tokens=4000`
+`python -m experiments.kascade_agreement --doc=my_long_doc.txt --doc_tokens=4000` (default document: prose built from
+Python standard-library docstrings, kascade_jax.tasks.prose)
 
 The document (truncated to --doc_tokens tokens) is wrapped in a chat prompt asking for a summary. Dense greedy decoding
 gives the reference continuation of --new_tokens tokens. For each --topk_fracs value, Kascade (--anchors,
@@ -22,7 +23,7 @@ import time
 
 from absl import app, flags
 
-DOC = flags.DEFINE_string("doc", "/work/shared/docs/paper-digest.md", "Text file with the long document.")
+DOC = flags.DEFINE_string("doc", None, "Text file with the long document (default: built-in stdlib prose).")
 DOC_TOKENS = flags.DEFINE_integer("doc_tokens", 4000, "Truncate the document to this many tokens.")
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens decoded after the prompt.")
 MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model alias or path.")
@@ -66,7 +67,13 @@ def main(argv):
 
     model, tok = load_model(MODEL.value, "float32")
     cfg = model.config
-    doc_ids = tok.encode(open(DOC.value, encoding="utf-8").read())[: DOC_TOKENS.value]
+    if DOC.value:
+        text = open(DOC.value, encoding="utf-8").read()
+    else:
+        from kascade_jax.tasks.prose import prose_sentences
+
+        text = " ".join(prose_sentences())
+    doc_ids = tok.encode(text)[: DOC_TOKENS.value]
     question = "\n\nSummarize the document above in a few sentences."
     prompt = tok.encode_chat([{"role": "user", "content": tok.decode(doc_ids) + question}])
     print(f"prompt: {len(prompt)} tokens", flush=True)
@@ -98,7 +105,7 @@ def main(argv):
 
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=str(jax.devices()[0]), jax=jax.__version__, command=" ".join(sys.argv), model=MODEL.value,
-                doc=DOC.value, prompt_tokens=len(prompt), new_tokens=NEW_TOKENS.value, anchors=ANCHORS.value,
+                doc=DOC.value or "builtin prose", prompt_tokens=len(prompt), new_tokens=NEW_TOKENS.value, anchors=ANCHORS.value,
                 head_map=HEAD_MAP.value or "identity", min_k=MIN_K.value, tile_size=TILE.value, dense_text=dense.text)
     os.makedirs(os.path.dirname(OUT.value) or ".", exist_ok=True)
     with open(OUT.value + ".json", "w") as f:
