@@ -45,7 +45,11 @@ def _prefill_chunk(graphdef, params, tokens, cache, prompt_lens, offset, strateg
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "strategy"), donate_argnames=("cache",))
 def _decode(graphdef, params, tokens, cache, strategy):
-    model = nnx.merge(graphdef, params)
+    return _step(nnx.merge(graphdef, params), tokens, cache, strategy)
+
+
+def _step(model, tokens, cache, strategy):
+    """Traced body of one decode step: tokens [batch] at each sequence's length -> (logits [batch, vocab], cache)."""
     q_start = cache.lengths
     kv_len = q_start + 1
     meta = _meta("decode", None, q_start, kv_len, kv_len, kv_len)
@@ -150,9 +154,7 @@ def _decode_loop(graphdef, params, carry, seed, strategy, steps, temperature, to
         cache, tok, finished, i, out = c
         out = out.at[:, i].set(jnp.where(finished, -1, tok))
         finished = finished | jnp.isin(tok, eos_arr)
-        q_start = cache.lengths
-        meta = _meta("decode", None, q_start, q_start + 1, q_start + 1, q_start + 1)
-        logits, cache, _ = model(tok[:, None], cache, strategy, meta, last_only=jnp.zeros_like(q_start))
+        logits, cache = _step(model, tok, cache, strategy)
         nxt = sample(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_p, top_k)
         return cache, nxt, finished, i + 1, out
 

@@ -142,20 +142,21 @@ def classification_score(prediction: str, ground_truth: str, all_classes=None, *
     return 1.0 / len(matches) if ground_truth in matches else 0.0
 
 
-def retrieval_score(prediction: str, ground_truth: str, **_) -> float:
-    match = re.findall(r"Paragraph (\d+)", ground_truth)
+def _retrieval(prediction: str, ground_truth: str, paragraph: str) -> float:
+    """Share of the numbers in the prediction that equal the paragraph number named in the ground truth."""
+    match = re.findall(paragraph, ground_truth)
     numbers = re.findall(r"\d+", prediction)
     if not match or not numbers:
         return 0.0
     return sum(n == match[0] for n in numbers) / len(numbers)
+
+
+def retrieval_score(prediction: str, ground_truth: str, **_) -> float:
+    return _retrieval(prediction, ground_truth, r"Paragraph (\d+)")
 
 
 def retrieval_zh_score(prediction: str, ground_truth: str, **_) -> float:
-    match = re.findall(r"段落(\d+)", ground_truth)
-    numbers = re.findall(r"\d+", prediction)
-    if not match or not numbers:
-        return 0.0
-    return sum(n == match[0] for n in numbers) / len(numbers)
+    return _retrieval(prediction, ground_truth, r"段落(\d+)")
 
 
 def count_score(prediction: str, ground_truth: str, **_) -> float:
