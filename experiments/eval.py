@@ -44,6 +44,8 @@ flags.DEFINE_integer("fidelity_docs", None, "documents per context length for th
 flags.DEFINE_integer("seed", 0, "base seed of the task generators / subsets")
 flags.DEFINE_enum("split", "test", ["test", "dev"], "generator seed space (calibration uses dev)")
 flags.DEFINE_integer("batch_size", 2, "prompts per generate call")
+flags.DEFINE_integer("batch_tokens", None, "if set, prompts per generate call = max(1, batch_tokens // context "
+                     "length) instead of --batch_size (keeps memory flat across context lengths)")
 flags.DEFINE_integer("max_new_tokens", 32, "cap on generated tokens; 0 = each task's official length")
 flags.DEFINE_string("longbench_dir", None, "folder with the official LongBench <task>.jsonl files")
 flags.DEFINE_string("aime_path", None, "AIME-24 .jsonl/.parquet (problem, answer); default: the hub via datasets")
@@ -96,21 +98,25 @@ def main(argv):
         model=FLAGS.model, strategies=tuple(FLAGS.strategies), topk_fracs=tuple(float(x) for x in FLAGS.topk_frac),
         tasks=tuple(FLAGS.tasks), context_lengths=tuple(int(x) for x in FLAGS.context_lengths),
         num_samples=FLAGS.num_samples, seed=FLAGS.seed, split=FLAGS.split, batch_size=FLAGS.batch_size,
+        batch_tokens=FLAGS.batch_tokens,
         max_new_tokens=FLAGS.max_new_tokens or None, anchors=anchors, head_map=head_map, strategy_kwargs=kw,
         longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aime_runs=FLAGS.aime_runs,
         fidelity_docs=FLAGS.fidelity_docs)
-    rows, records, fid = suite.run(spec, model, tokenizer, progress=FLAGS.progress)
-    env = report.environment(sys.argv)
-    env["total_wall_s"] = round(time.perf_counter() - t_start, 1)
-    sections = [f"- {note}; max_new_tokens: {spec.max_new_tokens or 'task default'}; samples per cell: "
-                f"{spec.num_samples}; seed {spec.seed}, split {spec.split}"]
-    if fid:
-        sections.append(fidelity_section(fid))
-    lb = longbench_section(rows)
-    if lb:
-        sections.append(lb)
-    paths = report.write(rows, FLAGS.output_dir, env=env, examples=records, extra=dict(fidelity=fid),
-                         extra_sections=sections)
+    head = [f"- {note}; max_new_tokens: {spec.max_new_tokens or 'task default'}; samples per cell: "
+            f"{spec.num_samples}; seed {spec.seed}, split {spec.split}"]
+
+    def write(rows, records, fid, *, final: bool):
+        env = report.environment(sys.argv)
+        env["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+        if not final:
+            env["partial"] = True  # a block-by-block checkpoint of a run still in progress
+        sections = head + ([fidelity_section(fid)] if fid else []) + [s for s in [longbench_section(rows)] if s]
+        return env, report.write(rows, FLAGS.output_dir, env=env, examples=records, extra=dict(fidelity=fid),
+                                 extra_sections=sections, plots=final)
+
+    rows, records, fid = suite.run(spec, model, tokenizer, progress=FLAGS.progress,
+                                   on_block=lambda *a: write(*a, final=False))
+    env, paths = write(rows, records, fid, final=True)
     print(report.text_table(rows))
     if fid:
         print(fidelity_section(fid))

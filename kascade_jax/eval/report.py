@@ -195,11 +195,46 @@ def write(rows, output_dir: str, *, env: dict, examples: list[dict] = (), extra:
         writer.writeheader()
         for r in rows:
             writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in ROW_FIELDS})
-    with open(paths["json"], "w") as f:
+    tmp = paths["json"] + ".tmp"  # replaced atomically: a run stopped mid-write leaves the previous checkpoint
+    with open(tmp, "w") as f:
         json.dump(dict(environment=env, rows=list(rows), averages=averages(rows), **(extra or {})), f, indent=1,
                   default=str)
+    os.replace(tmp, paths["json"])
     with open(paths["markdown"], "w") as f:
         f.write(markdown(rows, env, extra_sections))
     if plots:
         paths["plots"] = plot(rows, output_dir)
     return paths
+
+
+def pivot_markdown(rows, *, baseline: str = "dense") -> str:
+    """One line per (strategy, config): the task-average score at each context length (with the difference to
+    `baseline` where it ran) and each task's score per context length; the layout of the paper's RULER tables."""
+    avg = [a for a in averages(rows) if a["family"] == "ruler"]
+    if not avg:
+        return ""
+    ctxs = sorted({a["context_length"] for a in avg})
+    tasks = list(dict.fromkeys(r["task"] for r in rows if r["family"] == "ruler"))
+    base = {a["context_length"]: a["score"] for a in avg if a["strategy"] == baseline}
+    keys = sorted(dict.fromkeys((a["strategy"], a["config"]) for a in avg), key=lambda k: k[0] != baseline)
+    by = {(a["strategy"], a["config"], a["context_length"]): a for a in avg}
+    cell = {(r["strategy"], r["config"], r["task"], r["context_length"]): r for r in rows if r["family"] == "ruler"}
+    head = ["strategy", "config"] + [f"avg {c}" for c in ctxs] + [f"{t} {c}" for t in tasks for c in ctxs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s, cfg in keys:
+        out = [s, cfg]
+        for c in ctxs:
+            a = by.get((s, cfg, c))
+            if a is None:
+                out.append("-")
+                continue
+            txt = f"**{a['score']:.1f}**"
+            if c in base and s != baseline:
+                txt += f" ({a['score'] - base[c]:+.1f})"
+            out.append(txt)
+        for t in tasks:
+            for c in ctxs:
+                r = cell.get((s, cfg, t, c))
+                out.append("-" if r is None else f"{r['score']:.1f} [{_fmt(r['ci_low'], 0)}, {_fmt(r['ci_high'], 0)}]")
+        lines.append("| " + " | ".join(out) + " |")
+    return "\n".join(lines)

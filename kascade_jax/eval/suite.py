@@ -63,6 +63,7 @@ class EvalSpec:
     seed: int = 0
     split: str = "test"
     batch_size: int = 2
+    batch_tokens: int | None = None  # if set: prompts per batch = max(1, batch_tokens // context_length)
     max_new_tokens: int | None = None  # None: each task's own length
     anchors: tuple[int, ...] | None = None  # None: the registry default
     head_map: tuple[tuple[int, ...], ...] | None = None
@@ -83,6 +84,8 @@ class EvalSpec:
             raise ValueError(f"context_lengths must be >= 64 tokens, got {self.context_lengths}")
         if not self.topk_fracs or any(not 0 < f <= 1 for f in self.topk_fracs):
             raise ValueError(f"topk_fracs must lie in (0, 1], got {self.topk_fracs}")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be >= 1 or None, got {self.batch_tokens}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
         if self.split not in ruler.SPLITS:
@@ -90,6 +93,13 @@ class EvalSpec:
         object.__setattr__(self, "tasks", tuple(expand_tasks(self.tasks)))
         if not self.tasks:
             raise ValueError("tasks must name at least one task")
+
+
+    def batch_for(self, context_length: int) -> int:
+        """Prompts per generate call at this context length (memory grows with batch x length)."""
+        if self.batch_tokens is None:
+            return self.batch_size
+        return max(1, self.batch_tokens // max(1, int(context_length)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,49 +172,56 @@ def _contexts_for(spec: EvalSpec, task: str, model_window: int) -> list[int]:
     return [model_window]
 
 
-def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print):
-    """Returns (rows, example records, fidelity results)."""
+def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, on_block=None):
+    """Returns (rows, example records, fidelity results). `on_block(rows, records, fid)` is called after every
+    (task, context length) block, so a caller can write partial results of a long run as it goes."""
     cfg = model.config
     window = int(cfg.max_position_embeddings)
     runs = build_strategies(spec, cfg.num_layers, cfg.kv_heads)
     rows, records, fid = [], [], {}
-    for task in spec.tasks:
-        for ctx in _contexts_for(spec, task, window):
-            if task == "fidelity":
-                n_docs = spec.fidelity_docs or spec.num_samples
-                length = max(128, ctx // fidelity_lib.PROBE_CHUNK * fidelity_lib.PROBE_CHUNK)
-                docs = fidelity_lib.prose_documents(tokenizer, n_docs, length, seed=spec.seed, split=spec.split)
-                t0 = time.perf_counter()
-                res = fidelity_lib.evaluate_fidelity(model, docs, {r.label + " " + r.config: r.strategy for r in runs
-                                                                   if r.label != "dense"}, progress=progress)
-                wall = time.perf_counter() - t0
-                for r in runs:
-                    key = r.label + " " + r.config
-                    if key not in res:
-                        continue
-                    f = res[key]
-                    fid[f"{key} @ {length}"] = dict(f, strategy=r.label, config=r.config, context_length=length)
-                    rows.append(dict(model=spec.model, task="fidelity", family="fidelity", context_length=length,
-                                     strategy=r.label, config=r.config, topk_frac=r.topk_frac, anchors=r.anchors,
-                                     examples=n_docs, failures=f["failures"], score=100 * f["top1"],
-                                     score_ok=100 * f["top1"], ci_low=float("nan"), ci_high=float("nan"),
-                                     prefill_tokens=float(length), decode_tokens=0.0, wall_s=wall, kl=f["kl"],
-                                     kl_late=f["kl_late"], top1_late=100 * f["top1_late"]))
-                continue
-            samples = build_samples(spec, tokenizer, task, ctx, window)
+    # Shortest contexts first (stable in task order): a run cut short still has complete lower lengths.
+    blocks = sorted(((task, ctx) for task in spec.tasks for ctx in _contexts_for(spec, task, window)),
+                    key=lambda b: b[1])
+    for task, ctx in blocks:
+        if task == "fidelity":
+            n_docs = spec.fidelity_docs or spec.num_samples
+            length = max(128, ctx // fidelity_lib.PROBE_CHUNK * fidelity_lib.PROBE_CHUNK)
+            docs = fidelity_lib.prose_documents(tokenizer, n_docs, length, seed=spec.seed, split=spec.split)
+            t0 = time.perf_counter()
+            res = fidelity_lib.evaluate_fidelity(model, docs, {r.label + " " + r.config: r.strategy for r in runs
+                                                               if r.label != "dense"}, progress=progress)
+            wall = time.perf_counter() - t0
             for r in runs:
-                t0 = time.perf_counter()
-                results = harness.run_samples(model, tokenizer, samples, r.strategy, batch_size=spec.batch_size,
-                                              progress=progress, desc=f"{task}@{ctx} {r.label}")
-                wall = time.perf_counter() - t0
-                rows.append(report.make_row(results, model=spec.model, task=task, family=family_of(task),
-                                            context_length=ctx, strategy=r.label, config=r.config,
-                                            topk_frac=r.topk_frac, anchors=r.anchors, wall_s=wall))
-                row = rows[-1]
-                if row["failures"]:
-                    errs = sorted({x.error for x in results if x.failed})
-                    log(f"WARNING: {row['failures']} of {row['examples']} examples failed for {task}@{ctx} "
-                        f"{r.label}: {errs[:3]}")
-                for x in results:
-                    records.append(dict(dataclasses.asdict(x), strategy=r.label, config=r.config))
+                key = r.label + " " + r.config
+                if key not in res:
+                    continue
+                f = res[key]
+                fid[f"{key} @ {length}"] = dict(f, strategy=r.label, config=r.config, context_length=length)
+                rows.append(dict(model=spec.model, task="fidelity", family="fidelity", context_length=length,
+                                 strategy=r.label, config=r.config, topk_frac=r.topk_frac, anchors=r.anchors,
+                                 examples=n_docs, failures=f["failures"], score=100 * f["top1"],
+                                 score_ok=100 * f["top1"], ci_low=float("nan"), ci_high=float("nan"),
+                                 prefill_tokens=float(length), decode_tokens=0.0, wall_s=wall, kl=f["kl"],
+                                 kl_late=f["kl_late"], top1_late=100 * f["top1_late"]))
+            if on_block is not None:
+                on_block(rows, records, fid)
+            continue
+        samples = build_samples(spec, tokenizer, task, ctx, window)
+        for r in runs:
+            t0 = time.perf_counter()
+            results = harness.run_samples(model, tokenizer, samples, r.strategy, batch_size=spec.batch_for(ctx),
+                                          progress=progress, desc=f"{task}@{ctx} {r.label}")
+            wall = time.perf_counter() - t0
+            rows.append(report.make_row(results, model=spec.model, task=task, family=family_of(task),
+                                        context_length=ctx, strategy=r.label, config=r.config,
+                                        topk_frac=r.topk_frac, anchors=r.anchors, wall_s=wall))
+            row = rows[-1]
+            if row["failures"]:
+                errs = sorted({x.error for x in results if x.failed})
+                log(f"WARNING: {row['failures']} of {row['examples']} examples failed for {task}@{ctx} "
+                    f"{r.label}: {errs[:3]}")
+            for x in results:
+                records.append(dict(dataclasses.asdict(x), strategy=r.label, config=r.config))
+        if on_block is not None:
+            on_block(rows, records, fid)
     return rows, records, fid

@@ -173,6 +173,46 @@ def test_run_with_stub_generation(monkeypatch, tmp_path):
     assert len(records) == 8 and all(r["examples"] == 2 for r in rows) and fid == {}
 
 
+def test_batch_tokens_and_block_checkpoints(monkeypatch):
+    """--batch_tokens sizes batches per context length; on_block sees the rows of every finished block."""
+    calls = []
+    stub = make_stub()
+
+    def spy(model, tok, prompts, strategy, key, max_len):
+        calls.append(len(prompts))
+        return stub(model, tok, prompts, strategy, key, max_len)
+
+    monkeypatch.setattr(harness, "_generate", spy)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096, num_layers=4, kv_heads=1))
+    spec = suite.EvalSpec(tasks=("niah_single_1", "vt"), context_lengths=(600, 1200), num_samples=3,
+                          strategies=("dense",), max_new_tokens=8, batch_tokens=1300)
+    assert (spec.batch_for(600), spec.batch_for(1200), spec.batch_for(5000)) == (2, 1, 1)
+    seen = []
+    rows, _, _ = suite.run(spec, model, TOK, progress=False, on_block=lambda r, rec, fid: seen.append(len(r)))
+    assert seen == [1, 2, 3, 4] and len(rows) == 4
+    assert sorted(set(calls)) == [1, 2]  # batches of 2 at 600 tokens, 1 at 1200
+    with pytest.raises(ValueError, match="batch_tokens"):
+        suite.EvalSpec(batch_tokens=0)
+
+
+def test_pivot_and_merge(tmp_path):
+    from experiments import merge_eval
+
+    rows = _rows()
+    pivot = report.pivot_markdown(rows)
+    assert pivot.splitlines()[0].startswith("| strategy | config | avg 1024 | avg 2048 |")
+    assert "| kascade | k=0.1 | **50.0** (+0.0) |" in pivot
+    env = dict(date="d", device="cpu", backend="cpu", jax="x", command="c")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    report.write(rows[:4], a, env=env, examples=[dict(strategy="dense", x=1)], plots=False)
+    report.write(rows[4:8], b, env=dict(env, partial=True), examples=[dict(strategy="kascade", x=2)], plots=False)
+    got, records, fid, envs = merge_eval.merge([a, b], {b: "kascade_even"})
+    assert [r["strategy"] for r in got] == ["dense"] * 4 + ["kascade_even"] * 4
+    assert [r["strategy"] for r in records] == ["dense", "kascade_even"] and envs[1]["partial"]
+    with pytest.raises(ValueError, match="results.json"):
+        merge_eval.merge([str(tmp_path / "missing")], {})
+
+
 # ----------------------------------------------------------------------------- real model
 @pytest.mark.slow
 def test_end_to_end_real_smollm2(tmp_path):

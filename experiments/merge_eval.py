@@ -1,0 +1,77 @@
+"""`python -m experiments.merge_eval --inputs=a,b,c --merged_dir=d`: one report from several eval runs.
+
+Long evaluations run as several `experiments.eval` processes (e.g. in parallel on one GPU, one strategy group
+each); this joins their results.json / examples.jsonl into one results.csv / results.json / examples.jsonl /
+summary.md (with a strategy x context pivot table) and the plots. `--labels=b:kascade_even` renames the
+strategy of every row that came from input b (e.g. the evenly spaced anchors ablation), so it gets its own line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("inputs", [], "eval output directories (each holding results.json)")
+flags.DEFINE_list("labels", [], "input:strategy_label pairs that rename the strategy of that input's rows")
+flags.DEFINE_string("merged_dir", "results/merged", "where the merged report goes")
+flags.DEFINE_string("title_note", "", "a line for the top of summary.md (how the inputs were produced)")
+
+
+def merge(inputs, labels: dict[str, str]):
+    rows, records, fid, envs = [], [], {}, []
+    for d in inputs:
+        path = os.path.join(d, "results.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"{d!r} holds no results.json")
+        with open(path) as f:
+            res = json.load(f)
+        rename = labels.get(d) or labels.get(os.path.basename(os.path.normpath(d)))
+        for r in res["rows"]:
+            rows.append(dict(r, strategy=rename or r["strategy"]))
+        for k, v in (res.get("fidelity") or {}).items():
+            fid[(rename + " " + k.split(" ", 1)[1]) if rename else k] = dict(v, strategy=rename or v["strategy"])
+        ex = os.path.join(d, "examples.jsonl")
+        if os.path.isfile(ex):
+            with open(ex) as f:
+                records += [dict(json.loads(line), strategy=rename or json.loads(line)["strategy"]) for line in f]
+        envs.append(dict(res.get("environment", {}), source=d))
+    return rows, records, fid, envs
+
+
+def main(argv):
+    del argv
+    from experiments.eval import fidelity_section  # noqa: PLC0415
+    from kascade_jax.eval import report  # noqa: PLC0415
+
+    if not FLAGS.inputs:
+        raise ValueError("--inputs must name at least one eval output directory")
+    labels = {}
+    for item in FLAGS.labels:
+        if ":" not in item:
+            raise ValueError(f"--labels entries look like input:label, got {item!r}")
+        d, label = item.rsplit(":", 1)
+        labels[d] = label
+    rows, records, fid, envs = merge(FLAGS.inputs, labels)
+    partial = [e["source"] for e in envs if e.get("partial")]
+    env = dict(envs[0], command="merged: " + ", ".join(e.get("command", "") for e in envs),
+               total_wall_s=sum(float(e.get("total_wall_s", 0)) for e in envs))
+    sections = ([FLAGS.title_note] if FLAGS.title_note else [])
+    if partial:
+        sections.append(f"- unfinished runs (their finished blocks are included): {', '.join(partial)}")
+    pivot = report.pivot_markdown(rows)
+    if pivot:
+        sections.append("## Strategy x context (task average, difference to dense; per task: score [95% CI])\n\n"
+                        + pivot)
+    if fid:
+        sections.append(fidelity_section(fid))
+    paths = report.write(rows, FLAGS.merged_dir, env=env, examples=records, extra=dict(fidelity=fid, sources=envs),
+                         extra_sections=sections)
+    print(pivot)
+    print(f"Wrote {', '.join(str(p) for p in paths.values())}")
+
+
+if __name__ == "__main__":
+    app.run(main)
