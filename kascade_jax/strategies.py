@@ -133,7 +133,7 @@ def _pallas_kernels() -> Kernels:
                                              head_map_row=head_map_row, chunk_at_zero=chunk_at_zero)
         return pp.anchor_prefill(q, k, v, q_start, kv_len, seq_len, cfg.tile_size, topk_frac=cfg.topk_frac,
                                  min_k=cfg.min_k, k_max=k_max, rolling=cfg.rolling_prefill, dense_out=dense,
-                                 pool=cfg.pool)
+                                 pool=cfg.pool, chunk_at_zero=chunk_at_zero)
 
     return Kernels(anchor_decode=anchor_decode, reuse_decode=pd.reuse_decode, anchor_prefill=anchor_prefill,
                    reuse_prefill=pp.reuse_prefill, query_block=None)

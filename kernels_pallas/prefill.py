@@ -14,7 +14,16 @@ Design (all kernels are Pallas `pallas_call`s with the Triton lowering, the only
   (tile, head): a `select_nb`-way (16) bisection on the fp32 bit patterns (non-negative floats order like their int32 bits),
   stopping as soon as the bracket holds exactly the budget, then one compaction pass (cumsum + scatter) that takes
   every key above the bracket and, among exact ties at the threshold, the lowest positions. No sort, no lax.top_k.
+  Options: start from the row's [min, max] bits (`select_range`), and once the bracket holds <= `select_cand` keys,
+  compact them into a small buffer so the remaining passes skip the full row (same result, fewer full-row reads).
   (4) The reuse kernel on its own indices (identity head map), unless `dense_out`.
+- Anchor layer 0 may instead take its dense output and LSE from cuDNN flash attention (`anchor0_cudnn`, chunks at
+  position 0 on a GPU): cuDNN returns fp32 softmax statistics (natural log), repacked to the kernels' base-2 rows.
+- The reuse kernel is a gather of K/V rows; its launch order (`reuse_order`), row split (`reuse_rows`) and index
+  prefetch (`reuse_prefetch`) are options so that they can be A/B-timed in one run. Offline compiles (Triton 3.9,
+  sm_90) of the default show why it runs at memory + compute time: the pipeliner spends one stage on the index ->
+  gather chain, so at 3 stages block j+1's gathers are issued after block j's matmuls and awaited at once. With the
+  indices carried one block ahead the gathers get the full depth (3 stages, 64-key blocks: 128 KB of shared memory).
 - Block sizes / pipelining live in `PrefillTuning`; measurements, floors and limits: benchmarks/notes_prefill.md.
 
 Deliberately not done here: `pool="pre_softmax"` (reference only), fp8, paged caches, Mosaic-GPU (wgmma/TMA)
@@ -29,6 +38,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -44,17 +54,21 @@ _HEAD_DIMS = (64, 128)
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _INF_BITS = 0x7F800000  # int32 bits of +inf: every finite non-negative fp32 score is below it
 _SCORE_CHUNK_BYTES = 1 << 30  # fp32 pooled scores held at once by the anchor pipeline
+_REUSE_ORDERS = ("tile_major", "head_major")
+_REUSE_ROWS = (16, 32, 64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillTuning:
     """Block sizes and Triton pipelining per kernel. Defaults: the H200 tuning of 2026-11-29 (bench_prefill.py
-    --prefill_tune=32768, benchmarks/prefill.json), the configuration of the committed benchmark."""
+    --prefill_tune=32768) plus the winners of the 128K sweep (benchmarks/prefill_sweep.md): LSE pass 128/2,
+    candidate-buffer + range select, head-major reuse order, anchor 0 through cuDNN. Index prefetch in the reuse
+    kernel measured slower (53.0 vs 48.8 ms) and stays off."""
 
     dense_block_k: int = 64  # keys per step of the dense pass (anchor layer 0: output + LSE)
     dense_stages: int = 3
-    lse_block_k: int = 64  # keys per step of the LSE-only pass (other anchors)
-    lse_stages: int = 3
+    lse_block_k: int = 128  # keys per step of the LSE-only pass (other anchors)
+    lse_stages: int = 2
     scores_block_k: int = 128  # keys per step of the pooled-score pass
     scores_stages: int = 2
     scores_transposed: bool = True  # K.Q^T so the pool over rows is an in-warp reduction (no shared-memory round trip)
@@ -62,12 +76,82 @@ class PrefillTuning:
     select_warps: int = 4
     select_stages: int = 3
     select_nb: int = 16  # thresholds per bisection pass: log2(nb) bits per pass, nb compares per score
+    # 0: every bisection pass reads the whole row of scores. C > 0: once the bracket holds <= C keys, one pass takes
+    # the keys above it and compacts the bracket's keys (bits + position) into a C-wide buffer; the remaining passes
+    # read only that buffer (~3-4 full-row reads instead of ~7-8 at 128K).
+    select_cand: int = 2048
+    # Start the bisection from the row's [min, max] score bits (one cheap min/max pass) instead of all non-negative
+    # floats: the pooled scores of a row span a few binades of the 255, so this saves ~2 counting passes.
+    select_range: bool = True
     reuse_block_k: int = 128  # gathered keys per step of the reuse kernel
     reuse_stages: int = 3
     reuse_warps: int = 0  # 0: 4 for <= 64 rows, else 8
+    # Launch order of the reuse programs. "tile_major": for each tile all KV heads (the CUDA block order of the
+    # (batch, heads, tiles) grid), so the programs resident at one time gather from the prefixes of all 8 heads
+    # (8 x 64 MB of K+V at 128K, far above the ~50 MB L2). "head_major": all tiles of one KV head (and sequence)
+    # before the next, so resident programs share one head's K+V (<= 64 MB at 128K) and neighbouring tiles hit
+    # rows their neighbours just pulled into L2.
+    reuse_order: str = "head_major"
+    # Rows (tile tokens x heads) per reuse program; a program holds at least one tile. 64 splits a tile's GQA group
+    # over two sibling programs (adjacent in launch order, so the second one's gathers mostly hit L2) with half the
+    # accumulators: more programs per SM to overlap one's gathers with another's matmuls.
+    reuse_rows: int = 128
+    # Load block j+1's indices in iteration j (loop carry). Then the K/V gathers depend on a loop-carried value instead
+    # of a load of the same iteration, and Triton's pipeliner gives them the full `reuse_stages` depth (the indirect
+    # index -> gather chain otherwise costs one stage: at 3 stages the gathers of block j+1 are issued after block j's
+    # matmuls and awaited right away, so memory and compute never overlap).
+    reuse_prefetch: bool = False
+    # Anchor layer 0 (dense_out) with chunk_at_zero on a GPU, bf16/fp16: dense output and per-row LSE from cuDNN
+    # flash attention instead of the Triton dense pass; elsewhere the Triton/interpret path.
+    anchor0_cudnn: bool = True
+
+    def __post_init__(self):
+        for name in ("dense_block_k", "lse_block_k", "scores_block_k", "reuse_block_k", "select_block"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        for name in ("dense_stages", "lse_stages", "scores_stages", "select_stages", "reuse_stages"):
+            if not 1 <= getattr(self, name) <= 8:
+                raise ValueError(f"{name} must be in [1, 8], got {getattr(self, name)}")
+        if self.select_warps not in (1, 2, 4, 8, 16) or self.reuse_warps not in (0, 1, 2, 4, 8, 16):
+            raise ValueError(f"select_warps / reuse_warps must be a power of two <= 16 (reuse_warps 0: automatic), "
+                             f"got {self.select_warps} / {self.reuse_warps}")
+        if self.select_nb not in (2, 4, 8, 16, 32):
+            raise ValueError(f"select_nb must be one of 2, 4, 8, 16, 32, got {self.select_nb}")
+        if self.select_cand and (self.select_cand < 16 or self.select_cand & (self.select_cand - 1)):
+            raise ValueError(f"select_cand must be 0 or a power of two >= 16, got {self.select_cand}")
+        if self.reuse_order not in _REUSE_ORDERS:
+            raise ValueError(f"reuse_order must be one of {_REUSE_ORDERS}, got {self.reuse_order!r}")
+        if self.reuse_rows not in _REUSE_ROWS:
+            raise ValueError(f"reuse_rows must be one of {_REUSE_ROWS}, got {self.reuse_rows}")
 
 
 DEFAULT_TUNING = PrefillTuning()
+
+
+def tuning_from_string(spec: str, base: PrefillTuning | None = None) -> PrefillTuning:
+    """"field=value,field=value" -> PrefillTuning (for benchmark flags); values parsed by the field's type."""
+    base = base or DEFAULT_TUNING
+    fields = {f.name: f for f in dataclasses.fields(PrefillTuning)}
+    over = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, val = item.partition("=")
+        name = name.strip()
+        if not sep or name not in fields:
+            raise ValueError(f"tuning override must be field=value with field in {sorted(fields)}, got {item!r}")
+        cur = getattr(base, name)
+        val = val.strip()
+        if isinstance(cur, bool):
+            if val.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{name} takes true/false, got {val!r}")
+            over[name] = val.lower() in ("true", "1")
+        elif isinstance(cur, int):
+            if not val.lstrip("-").isdigit():
+                raise ValueError(f"{name} takes an integer, got {val!r}")
+            over[name] = int(val)
+        else:
+            over[name] = val
+    return dataclasses.replace(base, **over)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +205,11 @@ def _check_pallas(q, k_cache, v_cache):
             raise ValueError(f"cache dtype {c.dtype} must equal q dtype {q.dtype}")
 
 
-def _layout(q, k_cache, tile_size) -> _Layout:
+def _layout(q, k_cache, tile_size, row_cap=_ROW_CAP) -> _Layout:
     b, t, hq, d = q.shape
     kvh = k_cache.shape[2]
     g = hq // kvh
-    g_sub = max(s for s in range(1, g + 1) if g % s == 0 and tile_size * s <= _ROW_CAP)
+    g_sub = max(s for s in range(1, g + 1) if g % s == 0 and tile_size * s <= max(row_cap, tile_size))
     rows = tile_size * g_sub
     return _Layout(batch=b, q_len=t, kv_heads=kvh, group=g, d=d, max_len=k_cache.shape[1], tile=tile_size,
                    n_tiles=-(-t // tile_size), g_sub=g_sub, n_sub=g // g_sub, rows=rows,
@@ -288,8 +372,38 @@ def _scores_kernel(c_ref, qs_ref, kvl_ref, q_ref, lse_ref, k_ref, sc_ref, *, lay
 # Kernel 3: exact top-`count` per (tile, head) by bisection on the fp32 bit patterns, then compaction.
 
 
-def _select_kernel(c_ref, qs_ref, kvl_ref, cnt_ref, sc_ref, idx_in_ref, idx_ref, *, lay: _Layout, block, chunk, width,
-                   nb):
+def _bisect(keys, n_blk, k, state, nb, cap=None):
+    """`nb`-way bisection of the int32 score bits read block by block through `keys(j)` -> (kidx, bits; -1 = none).
+
+    Invariant: c_lo = #bits >= lo >= k > #bits >= hi = c_hi. Stops when c_lo == k, when the bracket is one value, or
+    (cap) once the bracket holds <= cap keys."""
+    ii = _iota(nb)
+
+    def step(state):
+        lo, hi, c_lo, c_hi = state
+        width = (hi - lo + nb - 1) // nb
+        thr = jnp.minimum(lo + ii * width, hi)
+
+        def count(j, acc):
+            _, kb = keys(j)
+            return acc + jnp.sum((kb[None, :] >= thr[:, None]).astype(jnp.int32), axis=1)
+
+        cnt = lax.fori_loop(0, n_blk, count, jnp.zeros((nb,), jnp.int32))
+        sel = jnp.sum((cnt >= k).astype(jnp.int32)) - 1  # counts fall with the threshold; cnt[0] = c_lo > k
+        last = sel == nb - 1
+        pick = lambda v, i: jnp.sum(jnp.where(ii == i, v, 0))
+        return (pick(thr, sel), jnp.where(last, hi, pick(thr, sel + 1)),
+                pick(cnt, sel), jnp.where(last, c_hi, pick(cnt, sel + 1)))
+
+    def cond(s):
+        go = (s[2] > k) & (s[1] - s[0] > 1)
+        return go if cap is None else go & (s[2] - s[3] > cap)
+
+    return lax.while_loop(cond, step, state)
+
+
+def _select_kernel(c_ref, qs_ref, kvl_ref, cnt_ref, sc_ref, idx_in_ref, idx_ref, *cand_refs, lay: _Layout, block, chunk,
+                   width, nb, cap, use_range, interpret):
     del idx_in_ref  # aliased with idx_ref: tiles of other chunks stay as they are
     b = pl.program_id(0)
     h = pl.program_id(1)
@@ -306,40 +420,69 @@ def _select_kernel(c_ref, qs_ref, kvl_ref, cnt_ref, sc_ref, idx_in_ref, idx_ref,
         bits = lax.bitcast_convert_type(sc_ref[b, h, tl, pl.ds(j * block, block)], jnp.int32)
         return kidx, jnp.where(kidx < e, bits, -1)
 
-    ii = _iota(nb)
-
-    def bisect(state):
-        lo, hi, c_lo, c_hi = state
-        step = (hi - lo + nb - 1) // nb
-        thr = jnp.minimum(lo + ii * step, hi)
-
-        def count(j, acc):
+    if use_range:
+        def extent(j, carry):
             _, kb = keys(j)
-            return acc + jnp.sum((kb[None, :] >= thr[:, None]).astype(jnp.int32), axis=1)
+            return (jnp.minimum(carry[0], jnp.min(jnp.where(kb >= 0, kb, _INF_BITS))),
+                    jnp.maximum(carry[1], jnp.max(kb)))
 
-        cnt = lax.fori_loop(0, n_blk, count, jnp.zeros((nb,), jnp.int32))
-        sel = jnp.sum((cnt >= k).astype(jnp.int32)) - 1  # counts fall with the threshold; cnt[0] = c_lo > k
-        last = sel == nb - 1
-        pick = lambda v, i: jnp.sum(jnp.where(ii == i, v, 0))
-        return (pick(thr, sel), jnp.where(last, hi, pick(thr, sel + 1)),
-                pick(cnt, sel), jnp.where(last, c_hi, pick(cnt, sel + 1)))
+        mn, mx = lax.fori_loop(0, n_blk, extent, (jnp.int32(_INF_BITS), jnp.int32(-1)))
+        init = (jnp.minimum(mn, mx + 1), mx + 1, e, jnp.int32(0))  # every eligible key >= mn, none >= mx + 1
+    else:
+        init = (jnp.int32(0), jnp.int32(_INF_BITS), e, jnp.int32(0))
+    lo, hi, c_lo, c_hi = _bisect(keys, n_blk, k, init, nb, cap or None)
+    # Final bracket: take every key above it and the lowest positions inside it. Otherwise (cap: the bracket holds
+    # <= cap keys but more than needed) take the keys above it and compact the bracket's keys into the candidate
+    # buffer, in position order, for the remaining passes.
+    final = (c_lo <= k) | (hi - lo <= 1) if cap else True
+    need = k - c_hi
 
-    # Invariant: c_lo = #keys >= lo >= k > #keys >= hi = c_hi; stop when c_lo == k or the bracket is one value.
-    lo, hi, _, c_hi = lax.while_loop(lambda s: (s[2] > k) & (s[1] - s[0] > 1), bisect,
-                                     (jnp.int32(0), jnp.int32(_INF_BITS), e, jnp.int32(0)))
-    need = k - c_hi  # keys to take from the bracket [lo, hi): all of it, or the lowest positions among exact ties
+    def emit(kidx, take, off):
+        take_i = take.astype(jnp.int32)
+        pos = jnp.where(take, off + jnp.cumsum(take_i) - 1, width + _iota(take.shape[0]))  # masked: out of bounds
+        plgpu.store(idx_ref.at[b, h, t, pos], kidx, mask=take)
+        return off + jnp.sum(take_i)
 
     def compact(j, carry):
-        off, taken = carry
+        off, taken, n_c = carry
         kidx, kb = keys(j)
-        inb = ((kb >= lo) & (kb < hi)).astype(jnp.int32)
-        take = (kb >= hi) | ((inb > 0) & (taken + jnp.cumsum(inb) - 1 < need))
-        take_i = take.astype(jnp.int32)
-        pos = jnp.where(take, off + jnp.cumsum(take_i) - 1, width + lanes)  # masked lanes point out of bounds
-        plgpu.store(idx_ref.at[b, h, t, pos], kidx, mask=take)
-        return off + jnp.sum(take_i), taken + jnp.sum(inb)
+        inb = (kb >= lo) & (kb < hi)
+        inb_i = inb.astype(jnp.int32)
+        off = emit(kidx, (kb >= hi) | (final & inb & (taken + jnp.cumsum(inb_i) - 1 < need)), off)
+        if cap:
+            cand = inb & jnp.logical_not(final)
+            cand_i = cand.astype(jnp.int32)
+            cpos = jnp.where(cand, n_c + jnp.cumsum(cand_i) - 1, cap + lanes)
+            plgpu.store(cand_refs[0].at[b, h, tl, cpos], kb, mask=cand)
+            plgpu.store(cand_refs[1].at[b, h, tl, cpos], kidx, mask=cand)
+            n_c = n_c + jnp.sum(cand_i)
+        return off, taken + jnp.sum(inb_i), n_c
 
-    lax.fori_loop(0, n_blk, compact, (jnp.int32(0), jnp.int32(0)))
+    off, _, n_c = lax.fori_loop(0, n_blk, compact, (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+
+    if cap:  # bisect and emit among the <= cap candidates only (cheap re-reads of a small buffer)
+        if not interpret:
+            plgpu.debug_barrier()  # the candidates written above by other threads of this program are visible
+        cblock = min(block, cap)
+        clanes = _iota(cblock)
+
+        def ckeys(j):
+            p = j * cblock + clanes
+            cb = cand_refs[0][b, h, tl, pl.ds(j * cblock, cblock)]
+            return cand_refs[1][b, h, tl, pl.ds(j * cblock, cblock)], jnp.where(p < n_c, cb, -1)
+
+        nc_blk = (n_c + cblock - 1) // cblock
+        lo2, hi2, _, c_hi2 = _bisect(ckeys, nc_blk, need, (lo, hi, c_lo - c_hi, jnp.int32(0)), nb)
+        need2 = need - c_hi2
+
+        def cemit(j, carry):
+            off, taken = carry
+            kidx, cb = ckeys(j)
+            inb = ((cb >= lo2) & (cb < hi2)).astype(jnp.int32)
+            take = (cb >= hi2) | ((inb > 0) & (taken + jnp.cumsum(inb) - 1 < need2))
+            return emit(kidx, take, off), taken + jnp.sum(inb)
+
+        lax.fori_loop(0, nc_blk, cemit, (off, jnp.int32(0)))
 
     def fill(j, carry):
         p = j * block + lanes
@@ -367,10 +510,13 @@ def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scal
         out_shape=jax.ShapeDtypeStruct((lay.batch, lay.kv_heads, chunk, width_s), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=lay.warps, num_stages=tuning.scores_stages),
         interpret=interpret, name="kascade_prefill_pooled_scores")
+    cap = tuning.select_cand
+    cand_shape = [jax.ShapeDtypeStruct((lay.batch, idx_heads, chunk, cap), jnp.int32)] * (2 if cap else 0)
     select_call = pl.pallas_call(
-        lambda *r: _select_kernel(*r, lay=lay, block=block_s, chunk=chunk, width=k_max, nb=tuning.select_nb),
+        lambda *r: _select_kernel(*r, lay=lay, block=block_s, chunk=chunk, width=k_max, nb=tuning.select_nb,
+                                  cap=cap, use_range=tuning.select_range, interpret=interpret),
         grid=(lay.batch, idx_heads, chunk),
-        out_shape=jax.ShapeDtypeStruct((lay.batch, idx_heads, n_pad, k_max), jnp.int32),
+        out_shape=[jax.ShapeDtypeStruct((lay.batch, idx_heads, n_pad, k_max), jnp.int32)] + cand_shape,
         input_output_aliases={5: 0},
         compiler_params=plgpu.CompilerParams(num_warps=tuning.select_warps, num_stages=tuning.select_stages),
         interpret=interpret, name="kascade_prefill_select")
@@ -380,7 +526,7 @@ def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scal
         sc = scores_call(cv, q_start, kv_len, qp, lse, k_cache)
         if pool == "all":
             sc = jnp.sum(sc, axis=1, keepdims=True)
-        return select_call(cv, q_start, kv_len, counts_p, sc, idx)
+        return select_call(cv, q_start, kv_len, counts_p, sc, idx)[0]  # (candidate buffers: scratch)
 
     idx = jnp.full((lay.batch, idx_heads, n_pad, k_max), -1, jnp.int32)
     idx = lax.fori_loop(0, n_chunks, one_chunk, idx)
@@ -391,22 +537,35 @@ def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scal
 # Kernel 4: sparse reuse prefill.
 
 
+def _reuse_ids(lay: _Layout, order):
+    """(batch, KV head, sub-group, tile) of this program. Later tiles select more keys: they start first."""
+    if order == "head_major":  # grid (tiles * n_sub, kv_heads, batch): CUDA launches axis 0 fastest
+        p = pl.program_id(0)
+        return pl.program_id(2), pl.program_id(1), p % lay.n_sub, lay.n_tiles - 1 - p // lay.n_sub
+    hs = pl.program_id(1)  # grid (batch, kv_heads * n_sub, tiles): all heads of a tile, then the next tile
+    return pl.program_id(0), hs // lay.n_sub, hs % lay.n_sub, lay.n_tiles - 1 - pl.program_id(2)
+
+
+def _reuse_grid(lay: _Layout, order):
+    if order == "head_major":
+        return (lay.n_tiles * lay.n_sub, lay.kv_heads, lay.batch)
+    return (lay.batch, lay.kv_heads * lay.n_sub, lay.n_tiles)
+
+
 def _reuse_kernel(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref, o_ref, *, lay: _Layout, scale2,
-                  block_k, width, interpret):
-    b = pl.program_id(0)
-    hs = pl.program_id(1)
-    t = lay.n_tiles - 1 - pl.program_id(2)  # later tiles select more keys: start them first
-    h, s = hs // lay.n_sub, hs % lay.n_sub
+                  block_k, width, order, prefetch, interpret):
+    b, h, s, t = _reuse_ids(lay, order)
     src = hm_ref[h]
     q_start, kv_len = qs_ref[b], kvl_ref[b]
     cnt = cnt_ref[b, t]
     q = q_ref[b, h, s, t]
     pos, _ = _row_pos(lay, q_start, t)
     tile_start = q_start + t * lay.tile
+    lanes = _iota(block_k)
+    load_ix = lambda j: idx_ref[b, src, t, jnp.minimum(j * block_k + lanes, width - 1)]
 
-    def body(j, carry):
-        lane = j * block_k + _iota(block_k)
-        ix = idx_ref[b, src, t, jnp.minimum(lane, width - 1)]
+    def step(j, carry, ix):
+        lane = j * block_k + lanes
         ok = (lane < cnt) & (ix >= 0) & (ix < jnp.minimum(kv_len, tile_start))
         safe = jnp.where(ok, ix, 0)
         kb = _gather_rows(k_ref, b, safe, h, lay.d, interpret)
@@ -416,7 +575,15 @@ def _reuse_kernel(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref
 
     carry = (jnp.full((lay.rows_pad,), _NEG, jnp.float32), jnp.zeros((lay.rows_pad,), jnp.float32),
              jnp.zeros((lay.rows_pad, lay.d), jnp.float32))
-    carry = lax.fori_loop(0, (jnp.maximum(cnt, 0) + block_k - 1) // block_k, body, carry)
+    n_blk = (jnp.maximum(cnt, 0) + block_k - 1) // block_k
+    if prefetch:
+        def body(j, c):
+            nxt = load_ix(j + 1)
+            return step(j, c[:3], c[3]) + (nxt,)
+
+        carry = lax.fori_loop(0, n_blk, body, carry + (load_ix(0),))[:3]
+    else:
+        carry = lax.fori_loop(0, n_blk, lambda j, c: step(j, c, load_ix(j)), carry)
     # The causal diagonal tile, always attended.
     kidx = tile_start + _iota(lay.tile)
     safe = jnp.clip(kidx, 0, lay.max_len - 1)
@@ -430,16 +597,58 @@ def _reuse_kernel(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref
 
 def _reuse_call(qp, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_row, lay: _Layout, scale, tuning,
                 interpret):
+    """qp packed with `lay` (whose row cap is tuning.reuse_rows) -> packed out."""
     block_k = tuning.reuse_block_k
     width = idx.shape[-1]
     kernel = lambda *r: _reuse_kernel(*r, lay=lay, scale2=scale * _LOG2E, block_k=block_k, width=width,
-                                      interpret=interpret)
+                                      order=tuning.reuse_order, prefetch=tuning.reuse_prefetch, interpret=interpret)
     return pl.pallas_call(
-        kernel, grid=(lay.batch, lay.kv_heads * lay.n_sub, lay.n_tiles),
+        kernel, grid=_reuse_grid(lay, tuning.reuse_order),
         out_shape=jax.ShapeDtypeStruct(qp.shape, qp.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.reuse_warps or lay.warps, num_stages=tuning.reuse_stages),
         interpret=interpret, name="kascade_prefill_reuse",
     )(q_start, kv_len, counts, head_map_row, qp, k_cache, v_cache, idx)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Anchor layer 0 through cuDNN: dense output + per-row LSE (softmax statistics) from one cuDNN flash attention.
+
+
+def cudnn_lse_ok(q, k_cache, interpret=False) -> bool:
+    """cuDNN flash attention can serve this call: a GPU backend, bf16/fp16, head_dim a multiple of 8 up to 256."""
+    return (not interpret and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+            and k_cache.dtype == q.dtype and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+
+
+def cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale):
+    """Causal attention of a chunk that starts at position 0 -> (out [batch, q_len, q_heads, d], lse [batch, q_len,
+    q_heads] fp32, natural log of the scaled logits: the convention of models/README.md).
+
+    `jax.nn.dot_product_attention(..., return_residual=True)` casts the LSE to the output dtype (bf16 would move
+    every probability by up to ~3%), so this calls the cuDNN wrapper underneath it, which returns the fp32 softmax
+    statistics [batch, q_heads, q_len]. All q_len query rows are kept (query lengths = q_len): rows at positions
+    >= kv_len (padding) then attend every valid key, as in the reference.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    b, t = q.shape[:2]
+    kk, vv = k_cache[:, :t], v_cache[:, :t]  # keys past the chunk are never causally visible from it
+    q_len = jnp.full((b,), t, jnp.int32)
+    kv = jnp.clip(kv_len, 0, t).astype(jnp.int32)
+    out, stats = fa.dot_product_attention(q, kk, vv, None, None, q_len, kv, scale=scale,
+                                          mask_type=fa.MaskType.PADDING_CAUSAL, return_residual=True)
+    return out, jnp.transpose(stats.astype(jnp.float32), (0, 2, 1))
+
+
+def pack_lse(lse, lay: _Layout):
+    """Natural-log lse [batch, q_len, q_heads] -> the kernels' base-2 packed layout [batch, kv_heads, n_sub, tiles,
+    rows_pad] (row = tile_row * g_sub + head, as `_pack_q`); padding rows hold -inf (never pooled)."""
+    b, t, _ = lse.shape
+    x = jnp.pad(lse.astype(jnp.float32) * _LOG2E, ((0, 0), (0, lay.n_tiles * lay.tile - t), (0, 0)),
+                constant_values=-jnp.inf)
+    x = x.reshape(b, lay.n_tiles, lay.tile, lay.kv_heads, lay.n_sub, lay.g_sub)
+    x = x.transpose(0, 3, 4, 1, 2, 5).reshape(b, lay.kv_heads, lay.n_sub, lay.n_tiles, lay.rows)
+    return jnp.pad(x, ((0, 0),) * 4 + ((0, lay.rows_pad - lay.rows),), constant_values=-jnp.inf)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -477,23 +686,28 @@ def reuse_prefill(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_ro
         return ref.sparse_prefill_reference(q, k_cache, v_cache, q_start, kv_len, idx, head_map_row, tile_size,
                                             scale=scale)
     _check_pallas(q, k_cache, v_cache)
-    lay = _layout(q, k_cache, tile_size)
+    tuning = tuning or DEFAULT_TUNING
+    lay = _layout(q, k_cache, tile_size, tuning.reuse_rows)
     qp = _pack_q(q, lay)
     counts = jnp.minimum(_ints(counts, "counts", b), idx.shape[-1])  # never read past the index buffer
     o = _reuse_call(qp, k_cache, v_cache, q_start, kv_len, idx.astype(jnp.int32), counts,
-                    head_map_row, lay, scale, tuning or DEFAULT_TUNING, interpret)
+                    head_map_row, lay, scale, tuning, interpret)
     return _unpack_out(o, lay)
 
 
 def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, topk_frac, min_k, k_max, rolling=True,
                    dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
-                   tuning: PrefillTuning | None = None):
+                   tuning: PrefillTuning | None = None, chunk_at_zero=False):
     """Anchor prefill: pooled post-softmax scores per (tile, head), exact rolling top-k, then attention.
 
     Returns (out [batch, q_len, q_heads, d], idx [batch, idx_heads, tiles, k_max], counts [batch, tiles]); out is
     the sparse output on the layer's own indices, or the dense causal output with dense_out=True (anchor layer 0).
+    chunk_at_zero (static): the caller guarantees q_start == 0 for every sequence, which lets anchor layer 0 take
+    its dense output and LSE from cuDNN (tuning.anchor0_cudnn, GPU only).
     """
     _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
+    if chunk_at_zero and not isinstance(q_start, jax.core.Tracer) and np.any(np.asarray(q_start) != 0):
+        raise ValueError(f"chunk_at_zero=True needs q_start == 0 for every sequence, got {q_start}")
     if pool not in ("gqa", "all", "pre_softmax"):
         raise ValueError(f"pool must be 'gqa', 'all' or 'pre_softmax', got {pool!r}")
     if k_max < 1:
@@ -525,11 +739,18 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     lay = _layout(q, k_cache, tile_size)
     qp = _pack_q(q, lay)
     tuning = tuning or DEFAULT_TUNING
-    lse, o = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out, tuning=tuning,
-                         interpret=interpret)
+    if dense_out and chunk_at_zero and tuning.anchor0_cudnn and cudnn_lse_ok(q, k_cache, interpret):
+        out, lse_nat = cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale)
+        lse = pack_lse(lse_nat, lay)
+    else:
+        lse, out = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out, tuning=tuning,
+                               interpret=interpret)
+        out = _unpack_out(out, lay) if dense_out else None
     idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret)
     assert idx.shape[1] == idx_heads
     if dense_out:
-        return _unpack_out(o, lay), idx, counts
-    o = _reuse_call(qp, k_cache, v_cache, q_start, kv_len, idx, counts, identity, lay, scale, tuning, interpret)
-    return _unpack_out(o, lay), idx, counts
+        return out, idx, counts
+    lay_r = _layout(q, k_cache, tile_size, tuning.reuse_rows)
+    qp_r = qp if lay_r == lay else _pack_q(q, lay_r)
+    o = _reuse_call(qp_r, k_cache, v_cache, q_start, kv_len, idx, counts, identity, lay_r, scale, tuning, interpret)
+    return _unpack_out(o, lay_r), idx, counts

@@ -24,33 +24,28 @@ export XLA_FLAGS="--xla_gpu_autotune_level=0"  # compile time, not run time, is 
 TASKS=${TASKS:-niah_single_2,niah_multikey_1,vt}
 CTX=${CTX:-2048,4096,8192}
 COMMON=(--dtype=bfloat16 --tasks="$TASKS" --context_lengths="$CTX" --num_samples="${N:-100}"
-        --batch_tokens="${BATCH_TOKENS:-16384}" --max_new_tokens=32 --noprogress)
+        --batch_tokens="${BATCH_TOKENS:-16384}" --max_new_tokens=32 --noprogress ${EXTRA:-})
 mkdir -p "$OUT_DIR"
 run() {  # name, then eval flags
   local name=$1; shift
-  ( python3 -m experiments.eval "${COMMON[@]}" --output_dir="$OUT_DIR/$name" "$@" > "$OUT_DIR/$name.log" 2>&1
+  ( python3 -m experiments.eval "${COMMON[@]}" --output_dir="$OUT_DIR/$name" "$@" < /dev/null > "$OUT_DIR/$name.log" 2>&1
     echo "=== $name exit $? after $(( $(date +%s) - T0 )) s" ) &
 }
-run dense --strategies=dense
-run kascade --strategies=kascade --topk_frac=0.1 --anchors=auto
-run kascade_20 --strategies=kascade --topk_frac=0.2 --anchors=auto
-run no_remap --strategies=no_remap --topk_frac=0.1 --anchors=auto
-run all_heads_pooled --strategies=all_heads_pooled --topk_frac=0.1 --anchors=auto
-run oracle_topk --strategies=oracle_topk --topk_frac=0.1
-run streaming_llm --strategies=streaming_llm
-run decode_baselines --strategies=quest,omnikv,less_is_more --topk_frac=0.1
-run kascade_even --strategies=kascade --topk_frac=0.1 --anchors=even --num_anchors=5 --head_map=auto
-run fidelity --strategies=kascade,no_remap,all_heads_pooled,oracle_topk --topk_frac=0.1 --anchors=auto \
-    --tasks=fidelity --fidelity_docs="${FID_DOCS:-50}" --context_lengths="${FID_CTX:-4096}"
+PLAN=${PLAN:-results/eval_plan_full.txt}  # one run per line: name, then its eval flags ('#' starts a comment)
+NAMES=""
+while read -r name flags; do
+  case "$name" in ""|\#*) continue;; esac
+  eval "run $name $flags"
+  NAMES="$NAMES $name"
+done < "$PLAN"
 ( sleep $(( DEADLINE - ($(date +%s) - T0) )); pkill -TERM -f experiments.eval ) &
 KILLER=$!
 wait $(jobs -p | grep -v "^$KILLER$") 2>/dev/null
 kill $KILLER 2>/dev/null
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$OUT_DIR/nvidia-smi.txt" 2>&1
 for f in "$OUT_DIR"/*.log; do echo "--- $f"; grep -v "^[IW]1\|^  warnings" "$f" | tail -4; done
-ORDER="dense kascade kascade_20 kascade_even no_remap all_heads_pooled oracle_topk streaming_llm decode_baselines fidelity"
-INPUTS=$(for d in $ORDER; do [ -f "$OUT_DIR/$d/results.json" ] && printf '%s,' "$OUT_DIR/$d"; done)
+INPUTS=$(for d in $NAMES; do [ -f "$OUT_DIR/$d/results.json" ] && printf '%s,' "$OUT_DIR/$d"; done)
 python3 -m experiments.merge_eval --inputs="${INPUTS%,}" --merged_dir="$OUT_DIR/merged" \
-  --labels="$OUT_DIR/kascade_even:kascade_even_anchors" 2>&1 | grep -v "^[IW]1" | tail -30
+  --labels="${LABELS:-}" 2>&1 | grep -v "^[IW]1" | tail -30
 tar czf "$TGZ" -C "$OUT_DIR" . && ls -la "$TGZ"
 echo "total $(( $(date +%s) - T0 )) s"

@@ -63,20 +63,25 @@ def _group_key(s: dict):
             int(s.get("sample_seed", 0)), tuple(s.get("stop") or ()))
 
 
-def _generate(model, tokenizer, prompts, strategy, key, max_len):
+def _generate(model, tokenizer, prompts, strategy, key, max_len, chunk_size=None):
     from models import generate as gen  # noqa: PLC0415  (models is heavy; tasks-only users never import it)
 
     max_new, temperature, top_p, seed, stop = key
     return gen.generate(model, tokenizer, prompts, strategy, max_new_tokens=max_new, temperature=temperature,
-                        top_p=top_p, seed=seed, stop=stop, chat=False, max_len=max_len)
+                        top_p=top_p, seed=seed, stop=stop, chat=False, max_len=max_len, chunk_size=chunk_size)
 
 
 def run_samples(model, tokenizer, samples: list[dict], strategy, *, batch_size: int = 1, progress: bool = True,
-                desc: str = "", generate_fn=None) -> list[ExampleResult]:
-    """Generate and score every sample; results come back in the order of `samples`."""
+                desc: str = "", generate_fn=None, prefill_chunk: int | None = None) -> list[ExampleResult]:
+    """Generate and score every sample; results come back in the order of `samples`. `prefill_chunk` bounds the
+    prefill's working set (None: the generator's default, the whole prompt on GPU)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    generate_fn = generate_fn or _generate
+    if generate_fn is None and prefill_chunk is None:
+        generate_fn = _generate
+    elif generate_fn is None:
+        def generate_fn(*args):
+            return _generate(*args, chunk_size=prefill_chunk)
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     ids = [prompt_lib.encode(tokenizer, s["input"]) for s in samples]
     groups: dict = {}

@@ -215,7 +215,9 @@ def pivot_markdown(rows, *, baseline: str = "dense") -> str:
         return ""
     ctxs = sorted({a["context_length"] for a in avg})
     tasks = list(dict.fromkeys(r["task"] for r in rows if r["family"] == "ruler"))
-    base = {a["context_length"]: a["score"] for a in avg if a["strategy"] == baseline}
+    # An average over fewer tasks than the most complete line at that length is not comparable: shown in brackets.
+    full = {c: max(a["tasks"] for a in avg if a["context_length"] == c) for c in ctxs}
+    base = {a["context_length"]: a["score"] for a in avg if a["strategy"] == baseline and a["tasks"] == full[a["context_length"]]}
     keys = sorted(dict.fromkeys((a["strategy"], a["config"]) for a in avg), key=lambda k: k[0] != baseline)
     by = {(a["strategy"], a["config"], a["context_length"]): a for a in avg}
     cell = {(r["strategy"], r["config"], r["task"], r["context_length"]): r for r in rows if r["family"] == "ruler"}
@@ -227,6 +229,9 @@ def pivot_markdown(rows, *, baseline: str = "dense") -> str:
             a = by.get((s, cfg, c))
             if a is None:
                 out.append("-")
+                continue
+            if a["tasks"] < full[c]:
+                out.append(f"({a['tasks']}/{full[c]} tasks)")
                 continue
             txt = f"**{a['score']:.1f}**"
             if c in base and s != baseline:

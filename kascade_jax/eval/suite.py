@@ -64,6 +64,7 @@ class EvalSpec:
     split: str = "test"
     batch_size: int = 2
     batch_tokens: int | None = None  # if set: prompts per batch = max(1, batch_tokens // context_length)
+    prefill_chunk: int | None = None  # prefill chunk length (None: the generator's default)
     max_new_tokens: int | None = None  # None: each task's own length
     anchors: tuple[int, ...] | None = None  # None: the registry default
     head_map: tuple[tuple[int, ...], ...] | None = None
@@ -210,7 +211,8 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
         for r in runs:
             t0 = time.perf_counter()
             results = harness.run_samples(model, tokenizer, samples, r.strategy, batch_size=spec.batch_for(ctx),
-                                          progress=progress, desc=f"{task}@{ctx} {r.label}")
+                                          progress=progress, desc=f"{task}@{ctx} {r.label}",
+                                          prefill_chunk=spec.prefill_chunk)
             wall = time.perf_counter() - t0
             rows.append(report.make_row(results, model=spec.model, task=task, family=family_of(task),
                                         context_length=ctx, strategy=r.label, config=r.config,

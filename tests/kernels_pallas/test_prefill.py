@@ -55,13 +55,13 @@ def _check_idx(idx, counts, scores, rtol=2e-4):
 
 
 def _case(seed, b, t, hq, kvh, d, tile, dtype, peaky, frac, min_k, q_start, kv_len, max_len, dense_out, interpret,
-          out_tol):
+          out_tol, **extra):
     rng = np.random.default_rng(seed)
     q, k, v = _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky)
     q_start = jnp.asarray(q_start, jnp.int32)
     kv_len = jnp.asarray(kv_len, jnp.int32)
     k_max = R.max_budget(max_len, frac, min_k)
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, dense_out=dense_out)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, dense_out=dense_out, **extra)
     out, idx, counts = P.anchor_prefill(q, k, v, q_start, kv_len, kv_len, tile, impl="pallas", interpret=interpret, **kw)
     rc = R.prefill_counts(q_start, kv_len, kv_len, t, tile, frac, min_k)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(rc))
@@ -99,6 +99,21 @@ def test_anchor_and_reuse_interpret(tile, group, t, dtype, peaky, dense_out):
     assert exact > 0.9
 
 
+def _random_indices(rng, qs, kl, kvh, nt, tile, kmax):
+    """Random distinct keys strictly before each tile (random counts <= kmax), -1 past the counts."""
+    b = len(qs)
+    idx = np.full((b, kvh, nt, kmax), -1, np.int32)
+    counts = np.zeros((b, nt), np.int32)
+    for bi in range(b):
+        for ti in range(nt):
+            elig = max(0, min(int(qs[bi]) + ti * tile, int(kl[bi])))
+            c = min(elig, int(rng.integers(0, kmax + 1)))
+            counts[bi, ti] = c
+            for h in range(kvh):
+                idx[bi, h, ti, :c] = rng.choice(elig, size=c, replace=False) if c else []
+    return jnp.asarray(idx), jnp.asarray(counts)
+
+
 def test_reuse_random_indices_interpret():
     """Reuse on arbitrary (not top-k) index sets, batch 2, ragged, tile 32, group 3, with -1 gaps past the counts."""
     rng = np.random.default_rng(SEED + 1)
@@ -107,36 +122,130 @@ def test_reuse_random_indices_interpret():
     q, k, v = _inputs(rng, b, t, kvh * g, kvh, d, max_len, jnp.bfloat16)
     qs = jnp.asarray([32, 0], jnp.int32)
     kl = jnp.asarray([122, 80], jnp.int32)
-    nt, kmax = -(-t // tile), 40
-    idx = np.full((b, kvh, nt, kmax), -1, np.int32)
-    counts = np.zeros((b, nt), np.int32)
-    for bi in range(b):
-        for ti in range(nt):
-            start = int(qs[bi]) + ti * tile
-            elig = min(start, int(kl[bi]))
-            c = min(elig, int(rng.integers(0, kmax + 1)))
-            counts[bi, ti] = c
-            for h in range(kvh):
-                idx[bi, h, ti, :c] = rng.choice(elig, size=c, replace=False) if c else []
+    idx, counts = _random_indices(rng, [32, 0], [122, 80], kvh, -(-t // tile), tile, 40)
     hm = jnp.asarray([1, 1], jnp.int32)  # a non-identity head map
-    out = P.reuse_prefill(q, k, v, qs, kl, jnp.asarray(idx), jnp.asarray(counts), hm, tile, impl="pallas",
-                          interpret=True)
-    ref_out = R.sparse_prefill_reference(q, k, v, qs, kl, jnp.asarray(idx), hm, tile)
+    out = P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, tile, impl="pallas", interpret=True)
+    ref_out = R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, tile)
     assert _rel(out, ref_out) < 2e-2
 
 
-def test_select_exact_ties_interpret():
+REUSE_VARIANTS = [  # (tile, group, tuning overrides): every launch order / row split / index prefetch
+    (16, 4, "reuse_order=head_major,reuse_rows=32,reuse_block_k=16"),  # 2 sub-groups per tile, many blocks
+    (32, 4, "reuse_order=head_major,reuse_rows=64,reuse_prefetch=true,reuse_block_k=32"),
+    (64, 2, "reuse_order=tile_major,reuse_rows=64,reuse_prefetch=true,reuse_block_k=16"),  # rows cap < tile x group
+    (32, 3, "reuse_order=head_major,reuse_rows=16,reuse_block_k=64"),  # cap below the tile: one tile per program
+]
+
+
+@pytest.mark.parametrize("tile,group,spec", REUSE_VARIANTS)
+def test_reuse_tuning_variants_interpret(tile, group, spec):
+    """The reuse tuning options change launch order / work split only: output equals the reference."""
+    rng = np.random.default_rng(SEED + 11 + tile + group)
+    tuning = P.tuning_from_string(spec)
+    b, kvh, d = 2, 2, 64
+    t = 2 * tile + 9  # a partial last tile
+    max_len = t + tile + 5
+    qs, kl = [tile, 0], [t + tile - 3, t - 6]  # chunk at an offset; ragged with padding queries
+    q, k, v = _inputs(rng, b, t, kvh * group, kvh, d, max_len, jnp.float32)
+    idx, counts = _random_indices(rng, qs, kl, kvh, -(-t // tile), tile, 3 * tile // 2)
+    hm = jnp.asarray([1, 0], jnp.int32)
+    qs, kl = jnp.asarray(qs, jnp.int32), jnp.asarray(kl, jnp.int32)
+    out = P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, tile, impl="pallas", interpret=True, tuning=tuning)
+    assert _rel(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, tile)) < 1e-5
+
+
+def test_anchor_reuse_rows_and_cudnn_flag_interpret():
+    """Anchor pipeline with a reuse row split different from the anchor layout (q repacked), and anchor layer 0 with
+    anchor0_cudnn + chunk_at_zero: off a GPU that flag must fall back to the Triton/interpret dense pass."""
+    tuning = P.tuning_from_string("reuse_order=head_major,reuse_rows=32,anchor0_cudnn=true")
+    t = 80
+    for dense_out in (False, True):
+        _, _, _, _, _, idx, _, exact = _case(SEED + 21, 1, t, 8, 2, 64, 16, jnp.bfloat16, False, 0.25, 8, [0],
+                                             [t - 3], t, dense_out, True, 2e-2, tuning=tuning, chunk_at_zero=True)
+        assert exact > 0.9
+
+
+def test_anchor0_external_lse_path_interpret(monkeypatch):
+    """The anchor0_cudnn glue (slice, stats transpose, pack_lse, scores, select) end to end on CPU, with a stand-in for
+    the cuDNN call that follows its interface: stats [batch, q_heads, q_len] fp32, natural log."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    calls = []
+
+    def fake_cudnn(q, k, v, bias, mask, q_seqlen, kv_seqlen, *, scale, mask_type, return_residual):
+        assert bias is None and mask is None and return_residual and mask_type == fa.MaskType.PADDING_CAUSAL
+        assert k.shape[1] == q.shape[1] and np.all(np.asarray(q_seqlen) == q.shape[1])
+        calls.append(1)
+        out, lse = R.attention_reference(q, k, v, jnp.zeros_like(kv_seqlen), kv_seqlen, scale=scale, return_lse=True)
+        return out, jnp.transpose(lse, (0, 2, 1))
+
+    monkeypatch.setattr(fa, "dot_product_attention", fake_cudnn)
+    monkeypatch.setattr(P, "cudnn_lse_ok", lambda *a: True)
+    t = 75
+    _, _, _, _, _, idx, _, exact = _case(SEED + 22, 2, t, 8, 2, 64, 16, jnp.bfloat16, True, 0.25, 8, [0, 0],
+                                         [t - 2, t - 20], t + 9, True, True, 2e-2,
+                                         tuning=P.PrefillTuning(anchor0_cudnn=True), chunk_at_zero=True)
+    assert calls and exact > 0.9
+
+
+def test_pack_lse_matches_dense_pass_interpret():
+    """pack_lse (the cuDNN LSE adapter) on the reference natural-log LSE == the kernels' own base-2 packed LSE."""
+    rng = np.random.default_rng(SEED + 31)
+    b, t, kvh, g, d, tile = 2, 70, 2, 4, 64, 16
+    q, k, v = _inputs(rng, b, t, kvh * g, kvh, d, t, jnp.float32)
+    qs, kl = jnp.zeros((b,), jnp.int32), jnp.asarray([t, t - 9], jnp.int32)
+    lay = P._layout(q, k, tile)
+    lse2, _ = P._dense_pass(P._pack_q(q, lay), k, v, qs, kl, lay, 1 / np.sqrt(d), with_out=False,
+                            tuning=P.DEFAULT_TUNING, interpret=True)
+    _, lse_ref = R.attention_reference(q, k, v, qs, kl, return_lse=True)  # [b, t, q_heads], natural log
+    mine = np.asarray(P.pack_lse(lse_ref, lay))
+    real = np.isfinite(mine)
+    assert real.sum() == b * t * kvh * g  # exactly the real rows are finite
+    np.testing.assert_allclose(mine[real], np.asarray(lse2)[real], rtol=1e-5, atol=1e-5)
+
+
+def test_tuning_errors():
+    for spec, match in (("reuse_order=diagonal", "reuse_order"), ("reuse_rows=48", "reuse_rows"),
+                        ("reuse_block_k=100", "reuse_block_k"), ("reuse_stages=0", "reuse_stages"),
+                        ("select_nb=3", "select_nb"), ("reuse_warps=3", "warps"), ("nope=1", "field=value"),
+                        ("select_cand=100", "select_cand"), ("select_cand=8", "select_cand"),
+                        ("reuse_rows=big", "integer"),
+                        ("reuse_prefetch=maybe", "true/false"), ("reuse_rows", "field=value")):
+        with pytest.raises(ValueError, match=match):
+            P.tuning_from_string(spec)
+    q = jnp.ones((1, 32, 4, 64), jnp.bfloat16)
+    k = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="chunk_at_zero"):
+        P.anchor_prefill(q, k, k, jnp.asarray([32], jnp.int32), jnp.asarray([64], jnp.int32), 64, 32, topk_frac=0.1,
+                         min_k=4, k_max=8, dense_out=True, chunk_at_zero=True)
+
+
+@pytest.mark.parametrize("spec", ["select_nb=8,select_block=32",
+                                  "select_nb=4,select_block=32,select_cand=16,select_range=true"])
+def test_select_exact_ties_interpret(spec):
     """Duplicated keys give exactly tied pooled scores: the select must still return exactly `count` distinct keys."""
     rng = np.random.default_rng(SEED + 2)
     b, t, kvh, g, d, tile = 1, 64, 1, 4, 64, 16
     q, k, v = _inputs(rng, b, t, kvh * g, kvh, d, t, jnp.float32)
     k = k.at[:, 8:40].set(k[:, 0:1])  # 32 identical keys (before the last tiles): massive exact ties
     qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
-    tuning = P.PrefillTuning(select_nb=8, select_block=32)  # the non-default select path: 8-way, small blocks
+    tuning = P.tuning_from_string(spec)  # non-default select paths: 8-way small blocks; 4-way with candidates
     out, idx, counts = P.anchor_prefill(q, k, v, qs, kl, kl, tile, topk_frac=0.2, min_k=4, k_max=16, impl="pallas",
                                         interpret=True, tuning=tuning)
     scores, _ = R.pooled_scores_prefill_reference(q, k, qs, kl, tile)
     _check_idx(idx, counts, scores, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec,peaky", [("select_cand=16,select_block=16", False),
+                                        ("select_cand=32,select_nb=2,select_block=64,select_range=true", True),
+                                        ("select_range=true,select_block=32", False)])
+def test_select_candidates_interpret(spec, peaky):
+    """select_cand: full-row passes until the bracket holds <= cap keys, then passes over the compacted candidates.
+    Batch 2 with a chunk at an offset and ragged lengths, so rows of every size (some below the cap from the start)."""
+    t, tile = 150, 16
+    *_, exact = _case(SEED + 51, 2, t, 4, 1, 64, tile, jnp.float32, peaky, 0.3, 4, [0, tile], [t - 4, t + 5],
+                      t + tile + 8, True, True, 1e-5, tuning=P.tuning_from_string(spec))
+    assert exact > 0.9
 
 
 def test_reference_impl_matches_pieces():
@@ -225,3 +334,80 @@ def test_gpu_ragged_batch_fp16_d64():
     _, _, _, _, _, _, _, exact = _case(SEED + 5, 2, 1000, 12, 4, 64, 16, jnp.float16, True, 0.2, 32, [0, 512],
                                        [990, 1400], 1600, False, False, 2e-2)
     assert exact > 0.9
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_lse_convention():
+    """cuDNN's softmax statistics, as returned by cudnn_attention_lse, are the natural-log LSE of the scaled logits
+    (models/README.md); the other conventions are printed so a failure says which one cuDNN uses."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(SEED + 41)
+    b, t, kvh, g, d = 2, 2048, 8, 4, 128
+    q, k, v = _inputs(rng, b, t, kvh * g, kvh, d, t + 64, jnp.bfloat16)
+    qs, kl = jnp.zeros((b,), jnp.int32), jnp.asarray([t, t - 300], jnp.int32)  # ragged: padding queries in seq 1
+    scale = 1 / np.sqrt(d)
+    assert P.cudnn_lse_ok(q, k)
+    out, lse = jax.jit(lambda q, k, v, kl: P.cudnn_attention_lse(q, k, v, kl, scale))(q, k, v, kl)
+    ref_out, ref_lse = R.attention_reference(q, k, v, qs, kl, return_lse=True)
+    lse, ref_lse = np.asarray(lse, np.float64), np.asarray(ref_lse, np.float64)
+    real = (np.arange(t)[None, :] < np.asarray(kl)[:, None])[:, :, None] & np.ones_like(lse, bool)
+    for name, conv in (("natural", lse), ("log2", lse / P._LOG2E), ("unscaled", lse * scale)):
+        print(f"cuDNN lse read as {name}: max |diff| real rows {np.max(np.abs(conv - ref_lse)[real]):.3e}, "
+              f"padding rows {np.max(np.abs(conv - ref_lse)[~real]) if (~real).any() else 0:.3e}")
+    np.testing.assert_allclose(lse[real], ref_lse[real], atol=5e-3, rtol=0)
+    np.testing.assert_allclose(lse[~real], ref_lse[~real], atol=5e-3, rtol=0)  # padding queries see all valid keys
+    assert _rel(out, ref_out) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peaky", [False, True])
+def test_gpu_anchor0_cudnn_8k(peaky):
+    """Anchor layer 0 through cuDNN (output + LSE): same index sets as the reference, dense output within bf16."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    t = 8192
+    tuning = P.PrefillTuning(anchor0_cudnn=True)
+    *_, exact = _case(SEED + 7, 1, t, 32, 8, 128, 32, jnp.bfloat16, peaky, 0.1, 128, [0], [t], t, True, False, 2e-2,
+                      tuning=tuning, chunk_at_zero=True)
+    print(f"anchor0 cuDNN 8K peaky={peaky}: exact-set fraction {exact:.4f}")
+    assert exact > 0.9
+
+
+@pytest.mark.gpu
+def test_gpu_anchor0_cudnn_ragged_fp16():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    tuning = P.PrefillTuning(anchor0_cudnn=True)
+    *_, exact = _case(SEED + 8, 2, 1000, 12, 4, 64, 16, jnp.float16, True, 0.2, 32, [0, 0], [990, 700], 1100, True,
+                      False, 2e-2, tuning=tuning, chunk_at_zero=True)
+    assert exact > 0.9
+
+
+GPU_SPECS = [  # every option of the benchmark sweeps, compiled for the GPU (orthogonal kernels share a spec)
+    "reuse_order=head_major,reuse_prefetch=true,reuse_block_k=64,select_cand=2048,select_range=true,lse_block_k=128,"
+    "lse_stages=2",
+    "reuse_order=head_major,reuse_prefetch=true,reuse_block_k=32,reuse_rows=64,reuse_stages=4,select_cand=4096,"
+    "select_nb=8,lse_block_k=128,lse_stages=3",
+    "select_range=true",
+    "reuse_prefetch=true,reuse_block_k=64,reuse_rows=64",
+    "reuse_order=head_major,reuse_block_k=32,reuse_stages=5",
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", GPU_SPECS)
+def test_gpu_tuning_variants_8k(spec):
+    """Every tuning option the benchmark sweeps, compiled for the GPU: anchor indices and outputs as the reference."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    t = 8192
+    tuning = P.tuning_from_string(spec)
+    peaky = "select_nb=8" in spec
+    q, k, v, qs, kl, idx, counts, exact = _case(SEED + 9, 1, t, 32, 8, 128, 32, jnp.bfloat16, peaky, 0.1, 128, [0],
+                                                [t], t, False, False, 2e-2, tuning=tuning)
+    print(f"{spec} (peaky={peaky}): exact-set fraction {exact:.4f}")
+    assert exact > 0.9
+    hm = jnp.asarray([3, 3, 0, 1, 2, 7, 6, 5], jnp.int32)
+    out = P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, 32, impl="pallas", tuning=tuning)
+    assert _rel(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 32)) < 2e-2
