@@ -31,7 +31,8 @@ MIN_K = flags.DEFINE_integer("decode_min_k", 128, "Minimum Top-k budget.")
 ITERS = flags.DEFINE_integer("decode_iterations", 10, "CUPTI iterations per measurement (median reported).")
 CHECK = flags.DEFINE_boolean("decode_check", True, "Check the kernels against the references first.")
 OUT = flags.DEFINE_string("decode_out", "benchmarks", "Output folder for decode.md/json/png.")
-SELECT_VERSION = flags.DEFINE_integer("decode_select_version", 2, "Top-k select version (2: measured, 3: leaner).")
+SELECT_VERSION = flags.DEFINE_integer("decode_select_version", 4,
+                                      "Top-k select version (4: default; 2 and 3: earlier versions, notes_decode.md).")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

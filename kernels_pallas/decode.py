@@ -62,7 +62,7 @@ class DecodeTuning:
     stream_warps: int = 4
     stream_stages: int = 3
     target_programs: int = 1056  # ~8 programs per SM of an H200 (132 SMs)
-    select_version: int = 2  # 2: measured (benchmarks/decode.md); 3: leaner select, same results, not yet timed
+    select_version: int = 4  # 4: sub-bucketed window (default, benchmarks/decode.md); 2: decode_v2.md; 3: no gain
 
     def __post_init__(self):
         blocks = {"stream_block": self.stream_block}
@@ -71,8 +71,8 @@ class DecodeTuning:
         for name, v in blocks.items():
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-        if self.select_version not in (2, 3):
-            raise ValueError(f"select_version must be 2 or 3, got {self.select_version}")
+        if self.select_version not in (2, 3, 4):
+            raise ValueError(f"select_version must be 2, 3 or 4, got {self.select_version}")
         for name in ("reuse_splits", "stream_splits"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

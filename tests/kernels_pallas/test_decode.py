@@ -60,11 +60,13 @@ def _assert_same_selection(idx, ref_idx, scores, counts, kv_len):
                 assert gap <= 1e-4 * abs(sc[theirs].min()), (b, h, only_a, only_r, gap)
 
 
-def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa", interpret=True, tol=2e-2, full=True):
+def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa", interpret=True, tol=2e-2, full=True,
+                  select_version=dec.DEFAULT_TUNING.select_version):
     """Anchor (indices + sparse output) vs the references; with `full` also anchor-0 and reuse through a head map."""
     q, k, v, kv_len = _inputs(seed, b, s, hq, kvh, d, dtype, peaky)
     k_max = ref.max_budget(s, frac, min_k)
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, pool=pool, interpret=interpret)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, pool=pool, interpret=interpret,
+              tuning=dec.DecodeTuning(select_version=select_version))
     impl = "pallas"
     out, idx, counts = jax.jit(lambda *a: dec.anchor_decode(*a, impl=impl, **kw))(q, k, v, kv_len)
     ih = 1 if pool == "all" else kvh
@@ -89,13 +91,15 @@ def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa",
 @pytest.mark.parametrize("case", [
     dict(b=2, s=300, hq=6, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.1, min_k=16),  # group 3
     dict(b=2, s=203, hq=8, kvh=2, d=64, dtype=jnp.float16, peaky=False, frac=0.3, min_k=7, pool="all", full=False),
+    dict(b=2, s=150, hq=8, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.2, min_k=5, full=False,
+         select_version=2),  # the whole pipeline with the earlier select (the default is version 4)
 ])
 def test_anchor_and_reuse_match_reference(case):
     print("seed", SEED)
     _check_anchor(SEED, **case)
 
 
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, 4])
 def test_select_window_path_exact(monkeypatch, version):
     """Rows longer than the buffer go through the sampled window; with the fallback off it must still be exact."""
     print("seed", SEED)
@@ -115,6 +119,70 @@ def test_select_window_path_exact(monkeypatch, version):
     for bi in range(b):  # identical sets, ties included (both take the lowest index first)
         assert set(idx[bi, 0][idx[bi, 0] >= 0].tolist()) == set(ref_idx[bi, 0][ref_idx[bi, 0] >= 0].tolist())
         assert (idx[bi, 0] >= 0).sum() == counts[bi]
+
+
+def _select_rows(rng, b, h, s, quantise):
+    """Scores [b, h, s] with ragged lengths and -inf (ineligible) keys inside them; optionally quantised (ties).
+    Row (b-1, 0) has 1/9 of its keys tied at the 10% quantile: the k-th score's sub-bucket holds hundreds."""
+    sc = rng.exponential(size=(b, h, s)).astype(np.float32)
+    if quantise:
+        sc = np.round(sc * 16.0) / 16.0  # ~1/16 of the row shares each value: ties straddle the threshold
+    sc[-1, 0, ::9] = np.float32(np.log(10.0))
+    sc[rng.random((b, h, s)) < 0.05] = -np.inf  # masked keys (bits -1) inside the valid length
+    kv_len = rng.integers(s // 2, s + 1, size=b).astype(np.int32)
+    kv_len[0] = s
+    kv_len = jnp.asarray(kv_len)
+    return jnp.where(jnp.arange(s)[None, None] < kv_len[:, None, None], jnp.asarray(sc), -jnp.inf), kv_len
+
+
+def _assert_exact(sc, kv_len, counts, k_max, tuning):
+    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=tuning))
+    ref_idx = np.asarray(ref.select_topk_reference(sc, counts[:, None], k_max))
+    n_valid = np.asarray(jnp.sum(jnp.isfinite(sc), axis=-1))
+    for bi in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            mine, theirs = idx[bi, h], ref_idx[bi, h]
+            assert set(mine[mine >= 0].tolist()) == set(theirs[theirs >= 0].tolist()), (bi, h)
+            assert (mine >= 0).sum() == min(int(counts[bi]), n_valid[bi, h]), (bi, h)
+            assert np.all(mine[int(counts[bi]):] == -1)
+
+
+@pytest.mark.parametrize("finish_block, long_row", [(512, None), (256, 4096), (32, None)])
+def test_select_v4_window_path_exact(monkeypatch, finish_block, long_row):
+    """Version 4 with the fallback off: several chunks per row (chunk offsets), ragged lengths, budgets that divide
+    no block, masked keys, ties. Smaller finish blocks make the buffered sub-bucket span several blocks (selected
+    from registers up to FAST_BLOCKS, by the looping path beyond); long_row=4096 gives these rows 16 sub-buckets."""
+    print("seed", SEED)
+    monkeypatch.setattr(topk, "FALLBACK", False)
+    monkeypatch.setattr(topk, "V4_BLOCKS", dict(topk.V4_BLOCKS, finish=finish_block))
+    if long_row:
+        monkeypatch.setattr(topk, "LONG_ROW", long_row)
+    rng = np.random.default_rng(SEED)
+    b, h = 2, 2
+    tuning = dec.DecodeTuning(select_version=4)
+    # 9000 keys: two count/compact chunks per row; 3000: rows of <= 2048 keys are their own window, longer ones
+    # take the sample (positions repeat) although they fit the buffer.
+    cases = [(9000, False, 0.1, 64), (9000, True, 0.13, 37)] + [(3000, False, 0.05, 3)] * (long_row is None)
+    for s, quantise, frac, min_k in cases:
+        sc, kv_len = _select_rows(rng, b, h, s, quantise)
+        counts = ref.decode_counts(kv_len, frac, min_k)
+        _assert_exact(sc, kv_len, counts, ref.max_budget(s, frac, min_k), tuning)
+
+
+def test_select_v4_fallback_exact():
+    """Rows where the sampled window misses the k-th score (sample positions planted high) or where one value is
+    shared by the whole row (sub-bucket over the buffer) take the full-row fallback, which must be exact too.
+    An empty row (kv_len 0, budget 0) selects nothing."""
+    print("seed", SEED)
+    rng = np.random.default_rng(SEED)
+    s = 8192  # >= SAMPLE: sample position j is 2 * j
+    sc = rng.exponential(size=(3, 1, s)).astype(np.float32)
+    sc[0, 0, ::2] += 20.0  # the sample sees only these: its window lies far above the row's k-th score
+    sc[1, 0, :] = 0.75  # all tied: the lowest indices win
+    kv_len = jnp.asarray([s, s - 333, 0], jnp.int32)
+    sc = jnp.where(jnp.arange(s)[None, None] < kv_len[:, None, None], jnp.asarray(sc), -jnp.inf)
+    counts = jnp.asarray([s // 2 + 101, 1000, 0], jnp.int32)  # row 0: the k-th lies among the unplanted keys
+    _assert_exact(sc, kv_len, counts, s // 2 + 200, dec.DecodeTuning(select_version=4))
 
 
 def test_reference_impl_and_auto_on_cpu():
@@ -161,6 +229,10 @@ def test_errors():
         dec.DecodeTuning(reuse_block=48)
     with pytest.raises(ValueError, match="select_version"):
         dec.DecodeTuning(select_version=1)
+    with pytest.raises(ValueError, match="select_version"):
+        dec.DecodeTuning(select_version=5)
+    with pytest.raises(ValueError, match="select version must be 2, 3 or 4"):
+        topk.select_topk_bits(jnp.zeros((1, 1, 2048), jnp.int32), kv_len[:1], cnt[:1], 8, chunks=1, version=1)
 
 
 def test_triton_modules_verify_for_sm90(monkeypatch):
@@ -184,7 +256,7 @@ def test_triton_modules_verify_for_sm90(monkeypatch):
     q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
     kc = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b,), jnp.int32)
-    for version in (2, 3):
+    for version in (2, 3, 4):
         tuning = dec.DecodeTuning(select_version=version)
         fn = lambda q, k, v, l, t=tuning: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600,
                                                             impl="pallas", tuning=t)
@@ -192,7 +264,7 @@ def test_triton_modules_verify_for_sm90(monkeypatch):
     fn0 = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600, impl="pallas",
                                                dense_out=True)
     jax.jit(fn0).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
-    assert len(verified) == 6 + 6 + 5  # stream, 4 select kernels, reuse; anchor-0 has no reuse
+    assert len(verified) == 3 * 6 + 5  # stream, 4 select kernels, reuse; anchor-0 has no reuse
 
 
 @pytest.mark.gpu
@@ -200,3 +272,11 @@ def test_triton_modules_verify_for_sm90(monkeypatch):
 def test_gpu_realistic(peaky):
     print("seed", SEED)
     _check_anchor(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peaky", [False, True])
+def test_gpu_select_v4(peaky):
+    print("seed", SEED)
+    _check_anchor(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128, interpret=False, full=False,
+                  select_version=4)
