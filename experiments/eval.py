@@ -48,6 +48,8 @@ flags.DEFINE_integer("batch_tokens", None, "if set, prompts per generate call = 
                      "length) instead of --batch_size (keeps memory flat across context lengths)")
 flags.DEFINE_integer("prefill_chunk", None, "prefill chunk length in tokens (a multiple of 64; default: whole "
                      "prompt on GPU, 1024 on CPU); smaller chunks bound the memory of the reference kernels")
+flags.DEFINE_enum("kernels", "reference", ["reference", "pallas"], "Kascade-family kernels: the pure-JAX "
+                  "reference semantics, or the Pallas GPU kernels (bf16/fp16 on a GPU; their references elsewhere)")
 flags.DEFINE_integer("max_new_tokens", 32, "cap on generated tokens; 0 = each task's official length")
 flags.DEFINE_string("longbench_dir", None, "folder with the official LongBench <task>.jsonl files")
 flags.DEFINE_string("aime_path", None, "AIME-24 .jsonl/.parquet (problem, answer); default: the hub via datasets")
@@ -100,7 +102,7 @@ def main(argv):
         model=FLAGS.model, strategies=tuple(FLAGS.strategies), topk_fracs=tuple(float(x) for x in FLAGS.topk_frac),
         tasks=tuple(FLAGS.tasks), context_lengths=tuple(int(x) for x in FLAGS.context_lengths),
         num_samples=FLAGS.num_samples, seed=FLAGS.seed, split=FLAGS.split, batch_size=FLAGS.batch_size,
-        batch_tokens=FLAGS.batch_tokens, prefill_chunk=FLAGS.prefill_chunk,
+        batch_tokens=FLAGS.batch_tokens, prefill_chunk=FLAGS.prefill_chunk, kernels=FLAGS.kernels,
         max_new_tokens=FLAGS.max_new_tokens or None, anchors=anchors, head_map=head_map, strategy_kwargs=kw,
         longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aime_runs=FLAGS.aime_runs,
         fidelity_docs=FLAGS.fidelity_docs)

@@ -65,6 +65,7 @@ class EvalSpec:
     batch_size: int = 2
     batch_tokens: int | None = None  # if set: prompts per batch = max(1, batch_tokens // context_length)
     prefill_chunk: int | None = None  # prefill chunk length (None: the generator's default)
+    kernels: str = "reference"  # Kascade-family kernel bundle: "reference" (pure JAX) or "pallas" (GPU kernels)
     max_new_tokens: int | None = None  # None: each task's own length
     anchors: tuple[int, ...] | None = None  # None: the registry default
     head_map: tuple[tuple[int, ...], ...] | None = None
@@ -89,6 +90,8 @@ class EvalSpec:
             raise ValueError(f"batch_tokens must be >= 1 or None, got {self.batch_tokens}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
+        if self.kernels not in ("reference", "pallas"):
+            raise ValueError(f"kernels must be 'reference' or 'pallas', got {self.kernels!r}")
         if self.split not in ruler.SPLITS:
             raise ValueError(f"split must be one of {sorted(ruler.SPLITS)}, got {self.split!r}")
         object.__setattr__(self, "tasks", tuple(expand_tasks(self.tasks)))
@@ -126,7 +129,7 @@ def build_strategies(spec: EvalSpec, num_layers: int, kv_heads: int) -> list[Str
     for name in spec.strategies:
         if name in KASCADE_FAMILY:
             for frac in spec.topk_fracs:
-                kw = dict(spec.strategy_kwargs, topk_frac=frac)
+                kw = dict(spec.strategy_kwargs, topk_frac=frac, kernels=spec.kernels)
                 if name != "oracle_topk" and spec.anchors is not None:
                     kw["anchors"] = spec.anchors
                 if name in ("kascade", "pre_softmax_pooling", "decode_only") and spec.head_map is not None:

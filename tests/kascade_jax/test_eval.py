@@ -1,6 +1,7 @@
 """Harness plumbing (stub generator), reporting, suite spec, the CLI, and one real-SmolLM2 end-to-end run."""
 
 import csv
+import dataclasses
 import json
 import os
 import random
@@ -143,7 +144,7 @@ def test_expand_tasks_and_spec_errors():
     for kw, msg in ((dict(num_samples=0), "num_samples"), (dict(batch_size=0), "batch_size"),
                     (dict(context_lengths=(10,)), "context_lengths"), (dict(topk_fracs=(0.0,)), "topk_fracs"),
                     (dict(max_new_tokens=0), "max_new_tokens"), (dict(split="train"), "split"),
-                    (dict(strategies=()), "strategies"), (dict(tasks=()), "tasks")):
+                    (dict(strategies=()), "strategies"), (dict(tasks=()), "tasks"), (dict(kernels="cuda"), "kernels")):
         with pytest.raises(ValueError, match=msg):
             suite.EvalSpec(**kw)
 
@@ -157,6 +158,9 @@ def test_build_strategies_configs():
                       ("streaming_llm", None), ("oracle_topk", 0.1), ("oracle_topk", 0.2)]
     assert runs[1].anchors == "0,3,6" and runs[1].strategy.config.topk_frac == 0.1
     assert runs[3].strategy.budget_frac == 0.1 and runs[6].anchors == ""
+    assert runs[1].strategy.kernels == "reference"
+    pallas = suite.build_strategies(dataclasses.replace(spec, kernels="pallas"), num_layers=8, kv_heads=2)
+    assert [r.strategy.kernels for r in pallas if r.label in ("kascade", "oracle_topk")] == ["pallas"] * 4
     for r in runs:
         hash(r.strategy)
 
