@@ -203,7 +203,7 @@ def write(rows, output_dir: str, *, env: dict, examples: list[dict] = (), extra:
     with open(paths["markdown"], "w") as f:
         f.write(markdown(rows, env, extra_sections))
     if plots:
-        paths["plots"] = plot(rows, output_dir)
+        paths["plots"] = plot(rows, output_dir) + plot_fidelity((extra or {}).get("fidelity") or {}, output_dir)
     return paths
 
 
@@ -243,3 +243,39 @@ def pivot_markdown(rows, *, baseline: str = "dense") -> str:
                 out.append("-" if r is None else f"{r['score']:.1f} [{_fmt(r['ci_low'], 0)}, {_fmt(r['ci_high'], 0)}]")
         lines.append("| " + " | ".join(out) + " |")
     return "\n".join(lines)
+
+
+def plot_fidelity(fid: dict, output_dir: str) -> list[str]:
+    """Per-layer attention mass recovered vs the oracle Top-k (one line per strategy) and, per strategy, a
+    (layer x KV head) heatmap: where a strategy loses mass. Returns the PNG paths."""
+    entries = [(k, f) for k, f in fid.items() if f.get("mass_ratio")]
+    if not entries:
+        return []
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1 + len(entries), 1, figsize=(8, 2.6 * (1 + len(entries))), squeeze=False)
+    ax = axes[0, 0]
+    for key, f in entries:
+        ratio = f["mass_ratio"]
+        ax.plot(range(len(ratio)), ratio, marker="o", ms=3, label=f"{f['strategy']} {f['config']} ({f['documents']} docs)")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mass / oracle Top-k mass")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    for i, (key, f) in enumerate(entries, start=1):
+        heads = np.asarray(f.get("mass_ratio_heads") or [f["mass_ratio"]], np.float64).reshape(len(f["mass_ratio"]), -1)
+        ax = axes[i, 0]
+        im = ax.imshow(heads.T, aspect="auto", cmap="viridis", vmin=min(0.7, float(heads.min())), vmax=1.0)
+        ax.set_title(f"{f['strategy']} {f['config']}", fontsize=7)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("KV head")
+        ax.set_yticks(range(heads.shape[1]))
+        fig.colorbar(im, ax=ax, fraction=0.03)
+    fig.tight_layout()
+    path = os.path.join(output_dir, "fidelity_mass_by_layer.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

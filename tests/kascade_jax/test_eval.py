@@ -199,6 +199,15 @@ def test_batch_tokens_and_block_checkpoints(monkeypatch):
         suite.EvalSpec(batch_tokens=0)
 
 
+def test_fidelity_plot(tmp_path):
+    rng = np.random.default_rng(0)
+    fid = {"k @ 256": dict(strategy="kascade", config="k=0.1", documents=2, mass_ratio=list(rng.uniform(0.8, 1, 6)),
+                           mass_ratio_heads=rng.uniform(0.8, 1, (6, 3)).tolist())}
+    paths = report.plot_fidelity(fid, str(tmp_path))
+    assert len(paths) == 1 and os.path.getsize(paths[0]) > 5000
+    assert report.plot_fidelity({"d": dict(strategy="dense", mass_ratio=None)}, str(tmp_path)) == []
+
+
 def test_pivot_and_merge(tmp_path):
     from experiments import merge_eval
 
