@@ -90,6 +90,8 @@ class EvalSpec:
             raise ValueError(f"batch_tokens must be >= 1 or None, got {self.batch_tokens}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
+        if self.prefill_chunk is not None and (self.prefill_chunk < 64 or self.prefill_chunk % 64):
+            raise ValueError(f"prefill_chunk must be a positive multiple of 64 or None, got {self.prefill_chunk}")
         if self.kernels not in ("reference", "pallas"):
             raise ValueError(f"kernels must be 'reference' or 'pallas', got {self.kernels!r}")
         if self.split not in ruler.SPLITS:
@@ -97,7 +99,6 @@ class EvalSpec:
         object.__setattr__(self, "tasks", tuple(expand_tasks(self.tasks)))
         if not self.tasks:
             raise ValueError("tasks must name at least one task")
-
 
     def batch_for(self, context_length: int) -> int:
         """Prompts per generate call at this context length (memory grows with batch x length)."""

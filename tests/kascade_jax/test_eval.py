@@ -144,7 +144,8 @@ def test_expand_tasks_and_spec_errors():
     for kw, msg in ((dict(num_samples=0), "num_samples"), (dict(batch_size=0), "batch_size"),
                     (dict(context_lengths=(10,)), "context_lengths"), (dict(topk_fracs=(0.0,)), "topk_fracs"),
                     (dict(max_new_tokens=0), "max_new_tokens"), (dict(split="train"), "split"),
-                    (dict(strategies=()), "strategies"), (dict(tasks=()), "tasks"), (dict(kernels="cuda"), "kernels")):
+                    (dict(strategies=()), "strategies"), (dict(tasks=()), "tasks"), (dict(kernels="cuda"), "kernels"),
+                    (dict(prefill_chunk=100), "prefill_chunk")):
         with pytest.raises(ValueError, match=msg):
             suite.EvalSpec(**kw)
 
