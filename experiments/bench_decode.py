@@ -14,14 +14,12 @@ Does not: time prefill (bench_prefill.py), or run without a GPU (it refuses: CPU
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import sys
 import time
 
 from absl import app, flags
 
-from experiments.timing import cupti_time
+from experiments.timing import cupti_time, write_outputs
 
 CONTEXTS = flags.DEFINE_list("decode_contexts", ["8192", "16384", "32768", "65536", "131072"], "Cache lengths.")
 BATCHES = flags.DEFINE_list("decode_batches", ["8", "64"], "Batch sizes.")
@@ -216,13 +214,8 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
                         rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log))
                     except Exception as e:  # keep the sweep going; the failure is reported
                         log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "decode.json"), "w") as fh:
-        json.dump(dict(meta=meta, checks=checks, rows=rows), fh, indent=1)
-    with open(os.path.join(out_dir, "decode.md"), "w") as fh:
-        fh.write(_markdown(rows, meta))
-    if rows:
-        _plot(rows, os.path.join(out_dir, "decode.png"))
+    write_outputs(out_dir, "decode", dict(meta=meta, checks=checks, rows=rows), _markdown(rows, meta),
+                  (lambda path: _plot(rows, path)) if rows else None)
     return rows
 
 

@@ -17,13 +17,11 @@ Does not: run without a GPU (CPU timings would mean nothing), or time the decode
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import sys
 
 from absl import app, flags
 
-from experiments.timing import cupti_time
+from experiments.timing import cupti_time, write_outputs
 
 CONTEXTS = flags.DEFINE_list("prefill_contexts", ["8192", "32768", "131072"], "Prompt lengths.")
 LONG = flags.DEFINE_list("prefill_long_contexts", ["262144"], "Prompt lengths timed at the first top-k and dtype only.")
@@ -371,15 +369,11 @@ def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=
     if check_first:
         for peaky in (False, True):
             check(peaky=peaky, tuning=pf.tuning_from_string(tuning_spec), log=log)
-    os.makedirs(out_dir, exist_ok=True)
     if sweep_specs:
         srows = sweep(sweep_contexts, sweep_specs, dtypes[0], fracs[0], min_k, tile, iters, base_spec=tuning_spec,
                       log=log)
         meta = _meta()
-        with open(os.path.join(out_dir, "prefill_sweep.json"), "w") as fh:
-            json.dump(dict(meta=meta, rows=srows), fh, indent=1)
-        with open(os.path.join(out_dir, "prefill_sweep.md"), "w") as fh:
-            fh.write(_sweep_markdown(srows, meta))
+        write_outputs(out_dir, "prefill_sweep", dict(meta=meta, rows=srows), _sweep_markdown(srows, meta))
     tuning, tuning_runs = pf.DEFAULT_TUNING, []
     if tune_at:
         tuning, tuning_runs = tune(tune_at, dtypes[0], min_k, tile, iters, log=log)
@@ -395,12 +389,8 @@ def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=
     if not rows:  # e.g. a sweep-only call: keep the last table
         return rows
     meta = _meta(tuning=dataclasses.asdict(tuning), tuning_runs=tuning_runs)
-    with open(os.path.join(out_dir, "prefill.json"), "w") as fh:
-        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
-    with open(os.path.join(out_dir, "prefill.md"), "w") as fh:
-        fh.write(_markdown(rows, meta))
-    if rows:
-        _plot(rows, os.path.join(out_dir, "prefill.png"))
+    write_outputs(out_dir, "prefill", dict(meta=meta, rows=rows), _markdown(rows, meta),
+                  lambda path: _plot(rows, path))
     return rows
 
 

@@ -36,7 +36,9 @@ def merge(inputs, labels: dict[str, str]):
         ex = os.path.join(d, "examples.jsonl")
         if os.path.isfile(ex):
             with open(ex) as f:
-                records += [dict(json.loads(line), strategy=rename or json.loads(line)["strategy"]) for line in f]
+                for line in f:
+                    rec = json.loads(line)
+                    records.append(dict(rec, strategy=rename or rec["strategy"]))
         envs.append(dict(res.get("environment", {}), source=d))
     return rows, records, fid, envs
 

@@ -1,7 +1,9 @@
-"""CUPTI kernel timing shared by the benchmarks (device time only, no Python dispatch)."""
+"""CUPTI kernel timing shared by the benchmarks (device time only, no Python dispatch), and their output files."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 
 
@@ -16,3 +18,15 @@ def cupti_time(fn, args, iters: int):
         for name, t in it:
             per.setdefault(name, []).append(t)
     return statistics.median(totals), {name: sum(ts) / len(timings) for name, ts in per.items()}
+
+
+def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str, plot=None) -> None:
+    """<out_dir>/<stem>.json (payload), <stem>.md and, if `plot` is given, <stem>.png written by plot(path)."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, stem)
+    with open(base + ".json", "w") as fh:
+        json.dump(payload, fh, indent=1)
+    with open(base + ".md", "w") as fh:
+        fh.write(markdown)
+    if plot is not None:
+        plot(base + ".png")

@@ -43,6 +43,12 @@ def _dense(inputs):
                            phase=inputs.phase, chunk_at_zero=inputs.chunk_at_zero)
 
 
+def _shared_keys(inputs, keys):
+    """Attention restricted to one key set shared by every head: keys [batch, keys] bool."""
+    return attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
+                               mask=keys[:, None, None, :])
+
+
 def _check_pos_int(name, value, lo=1):
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
@@ -198,9 +204,7 @@ class OmniKVStrategy:
             state = self.select(inputs.q, inputs.k_cache, inputs.kv_len)
         if self.is_dense(layer) or state is None:
             return _dense(inputs), state
-        out = attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
-                                  mask=state[:, None, None, :])
-        return out, state
+        return _shared_keys(inputs, state), state
 
     def post_attention(self, layer, x, attn_out, state):
         return state
@@ -251,9 +255,7 @@ class LessIsMoreStrategy:
             return _dense(inputs), self.select(inputs.q, inputs.k_cache, inputs.kv_len)
         if state is None:
             return _dense(inputs), state
-        out = attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
-                                  mask=state[:, None, None, :])
-        return out, state
+        return _shared_keys(inputs, state), state
 
     def post_attention(self, layer, x, attn_out, state):
         return state

@@ -147,15 +147,9 @@ def plot(rows, output_dir: str) -> list[str]:
         pts = sorted((a["context_length"], a["score"]) for a in avg
                      if (a["strategy"], a["config"]) == (strategy, config))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{strategy} {config}".strip())
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("score (%), mean over tasks")
     ax.set_xscale("log", base=2)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(output_dir, "score_vs_context.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, ax, "context length (tokens)", "score (%), mean over tasks",
+                       os.path.join(output_dir, "score_vs_context.png")))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     dense = [a for a in avg if a["topk_frac"] is None]
@@ -169,15 +163,23 @@ def plot(rows, output_dir: str) -> list[str]:
     for strategy in sorted({a["strategy"] for a in dense}):
         ax.axhline(np.mean([a["score"] for a in dense if a["strategy"] == strategy]), ls="--", color="k", lw=1,
                    label=f"{strategy} (no Top-k)")
-    ax.set_xlabel("Top-k (% of context)")
-    ax.set_ylabel("score (%), mean over tasks and lengths")
+    paths.append(_save(fig, ax, "Top-k (% of context)", "score (%), mean over tasks and lengths",
+                       os.path.join(output_dir, "score_vs_topk.png")))
+    return paths
+
+
+def _save(fig, ax, xlabel: str, ylabel: str, path: str) -> str:
+    """Label, grid and legend one score plot, write it to `path` and close it."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(os.path.join(output_dir, "score_vs_topk.png"))
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path
 
 
 def write(rows, output_dir: str, *, env: dict, examples: list[dict] = (), extra: dict | None = None,

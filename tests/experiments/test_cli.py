@@ -34,3 +34,18 @@ def test_generate_requires_a_prompt():
     res = subprocess.run([sys.executable, "-m", "experiments.generate"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert res.returncode != 0 and "--prompt" in (res.stderr + res.stdout)
+
+
+def test_bench_write_outputs(tmp_path):
+    import json
+
+    from experiments.timing import write_outputs
+
+    rows = [dict(context=8192, speedup=3.5)]
+    write_outputs(str(tmp_path / "out"), "decode", dict(rows=rows), "# table\n",
+                  plot=lambda path: open(path, "wb").write(b"png"))
+    assert json.load(open(tmp_path / "out" / "decode.json")) == dict(rows=rows)
+    assert open(tmp_path / "out" / "decode.md").read() == "# table\n"
+    assert open(tmp_path / "out" / "decode.png", "rb").read() == b"png"
+    write_outputs(str(tmp_path / "out"), "sweep", dict(rows=[]), "x")
+    assert not (tmp_path / "out" / "sweep.png").exists()

@@ -348,6 +348,13 @@ def write_gguf(path: Path, arch: str, hf: dict[str, np.ndarray], qtype=Q.F32, ti
             else:
                 data = quants.quantize(x, qtype)
             w.add_tensor(_gguf_name(name), data, raw_dtype=qtype)  # data: uint8 [rows, row_bytes]
+    _finish_gguf(w)
+
+
+def _finish_gguf(w, hf: dict[str, np.ndarray] | None = None) -> None:
+    """Add `hf` tensors as F32 under their GGUF names (no q/k permutation), then write the file and close it."""
+    for name, x in (hf or {}).items():
+        w.add_tensor(_gguf_name(name), x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -456,10 +463,7 @@ def test_gguf_missing_metadata(tmp_path, request):
     path = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, H)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish_gguf(w)
     with pytest.raises(ValueError, match=r"missing required key 'llama\.embedding_length'"):
         load_checkpoint(path)
 
@@ -512,12 +516,7 @@ def test_gguf_rope_freqs_and_config_errors(tmp_path, request):
         w.add_uint32(f"qwen2.{k}", v)
     w.add_array("qwen2.attention.head_count_kv", [KV])  # per-layer list form, all equal
     w.add_tensor("rope_freqs.weight", factors)
-    for name, x in hf.items():
-        w.add_tensor(_gguf_name(name), x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish_gguf(w, hf)
     c = load_checkpoint(path).config
     assert c["num_key_value_heads"] == KV and c["rope_theta"] == 10000.0
     assert c["rope_scaling"]["rope_type"] == "freq_factors"
@@ -566,12 +565,7 @@ def test_gguf_llama3_rope_freqs_recovered(tmp_path, request):
         w.add_uint32(f"llama.{k}", v)
     w.add_float32("llama.rope.freq_base", theta)
     w.add_tensor("rope_freqs.weight", (base / scaled).astype(np.float32))  # what llama.cpp's converter writes
-    for name, x in _hf_tensors(rng, "llama").items():
-        w.add_tensor(_gguf_name(name), x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish_gguf(w, _hf_tensors(rng, "llama"))
     c = load_checkpoint(path).config
     assert c["rope_scaling"] == {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
                                  "high_freq_factor": high, "original_max_position_embeddings": orig}
