@@ -16,6 +16,15 @@ Variants (the paper's ablations) are fields rather than subclasses, so one strat
 - `decode_only`: dense prefill, Kascade decode;
 - no head remapping is simply `head_map=None` (identity).
 
+Recipe levers (all off by default, i.e. the paper's method; see results/accuracy/NOTES.md for what each measured):
+- `sink_tokens` / `recent_window`: every anchor's selection always contains the first `sink_tokens` keys and the
+  `recent_window` keys just before the query (decode) or the query tile (prefill). They are forced into the
+  Top-k, so they count against the same budget k (no extra keys, no extra kernel work); reuse layers inherit
+  them through the head map. Their sum must not exceed `min_k`, so they always fit.
+- `dense_suffix`: in prefill, the last `dense_suffix` prompt tokens of every sequence (in the usual long-context
+  layout: the question after the document) attend densely in every layer; the rest of the prompt stays sparse.
+  Cost: about dense_suffix / L of a dense prefill's attention.
+
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
 
@@ -55,6 +64,9 @@ class KascadeConfig:
     pool: str = "gqa"  # "gqa" | "all" | "pre_softmax"
     oracle_topk: bool = False  # every layer is its own anchor
     decode_only: bool = False  # dense prefill
+    sink_tokens: int = 0  # first keys forced into every anchor selection
+    recent_window: int = 0  # keys just before the query / tile forced into every anchor selection
+    dense_suffix: int = 0  # last prompt tokens that attend densely in prefill
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size"):
@@ -66,6 +78,13 @@ class KascadeConfig:
         frac_numerator(self.topk_frac)  # raises for topk_frac outside (0, 1]
         if self.pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        for name in ("sink_tokens", "recent_window", "dense_suffix"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.sink_tokens + self.recent_window > self.min_k:
+            raise ValueError(f"sink_tokens + recent_window ({self.sink_tokens} + {self.recent_window}) must not exceed "
+                             f"min_k ({self.min_k}): forced keys count against the budget and must always fit")
         for name in ("rolling_prefill", "layer0_dense", "oracle_topk", "decode_only"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -26,11 +26,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kascade_jax.config import KascadeConfig
 from kernels_pallas.dense import dense_attention
 from kernels_pallas.reference import (
+    attention_reference,
     decode_counts,
     max_budget,
     pooled_scores_decode_reference,
@@ -73,7 +76,8 @@ class Kernels:
 
 def _anchor_decode_reference(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
     counts = decode_budget(cfg, kv_len)
-    scores = pooled_scores_decode_reference(q, k, kv_len, pool=cfg.pool)  # [batch, idx_heads, keys]
+    scores = pooled_scores_decode_reference(q, k, kv_len, pool=cfg.pool, sinks=cfg.sink_tokens,
+                                            window=cfg.recent_window)  # [batch, idx_heads, keys]
     idx = select_topk_reference(scores, counts[:, None], k_max)
     if dense:
         out = dense_attention(q, k, v, kv_len - 1, kv_len, phase="decode", chunk_at_zero=False)
@@ -89,7 +93,8 @@ def _reuse_decode_reference(q, k, v, kv_len, idx, counts, head_map_row):
 
 def _anchor_prefill_reference(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero):
     counts = prefill_budget(cfg, q_start, kv_len, seq_len, q.shape[1])  # [batch, tiles]
-    scores, _ = pooled_scores_prefill_reference(q, k, q_start, kv_len, cfg.tile_size, pool=cfg.pool)
+    scores, _ = pooled_scores_prefill_reference(q, k, q_start, kv_len, cfg.tile_size, pool=cfg.pool,
+                                                sinks=cfg.sink_tokens, window=cfg.recent_window)
     idx = select_topk_reference(scores, counts[:, None, :], k_max)  # [batch, idx_heads, tiles, k_max]
     if dense:
         out = dense_attention(q, k, v, q_start, kv_len, phase="prefill", chunk_at_zero=chunk_at_zero)
@@ -124,7 +129,8 @@ def _pallas_kernels() -> Kernels:
     def anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
         check(cfg)
         return pd.anchor_decode(q, k, v, kv_len, topk_frac=cfg.topk_frac, min_k=cfg.min_k, k_max=k_max,
-                                head_map_row=head_map_row, dense_out=dense, pool=cfg.pool)
+                                head_map_row=head_map_row, dense_out=dense, pool=cfg.pool, sinks=cfg.sink_tokens,
+                                window=cfg.recent_window)
 
     def anchor_prefill(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero):
         check(cfg)
@@ -133,7 +139,8 @@ def _pallas_kernels() -> Kernels:
                                              head_map_row=head_map_row, chunk_at_zero=chunk_at_zero)
         return pp.anchor_prefill(q, k, v, q_start, kv_len, seq_len, cfg.tile_size, topk_frac=cfg.topk_frac,
                                  min_k=cfg.min_k, k_max=k_max, rolling=cfg.rolling_prefill, dense_out=dense,
-                                 pool=cfg.pool, chunk_at_zero=chunk_at_zero)
+                                 pool=cfg.pool, chunk_at_zero=chunk_at_zero, sinks=cfg.sink_tokens,
+                                 window=cfg.recent_window)
 
     return Kernels(anchor_decode=anchor_decode, reuse_decode=pd.reuse_decode, anchor_prefill=anchor_prefill,
                    reuse_prefill=pp.reuse_prefill, query_block=None)
@@ -190,6 +197,37 @@ def prefill_budget(cfg: KascadeConfig, q_start, kv_len, seq_len, q_len: int):
     eligible = jnp.minimum(q_start[:, None] + jnp.arange(n_tiles)[None, :] * cfg.tile_size, kv_len[:, None])
     # Rounding after clamping to the eligible keys equals clamping after rounding, since eligible <= base L.
     return _round_up(counts, cfg.k_multiple, eligible)
+
+
+_SUFFIX_BLOCK = 32  # query rows per block of the dense-suffix attention (bounds its materialised scores)
+
+
+def _dense_suffix(inputs, out, n: int):
+    """Replace the rows of the last `n` prompt tokens of every sequence by dense causal attention.
+
+    A static window of w = min(q_len, n rounded up to 32) rows per sequence, placed so that it holds the part of
+    [seq_len - n, seq_len) that lies in this chunk (a suffix that straddles two chunks is covered by both);
+    attention_reference in blocks of 32 rows, so at most [batch, q_heads, 32, keys] scores exist at once.
+    """
+    q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
+    b, t = q.shape[:2]
+    w = min(t, -(-n // _SUFFIX_BLOCK) * _SUFFIX_BLOCK)
+    seq_len = jnp.broadcast_to(jnp.asarray(inputs.seq_len, jnp.int32), (b,))
+    start = jnp.clip(seq_len - n - inputs.q_start, 0, t - w)  # [batch] window start within the chunk
+    take = jax.vmap(lambda x, s: lax.dynamic_slice_in_dim(x, s, w, axis=0))
+    qw, pos0 = take(q, start), inputs.q_start + start
+    blk = min(w, _SUFFIX_BLOCK)
+
+    def block(i):
+        qs = lax.dynamic_slice_in_dim(qw, i * blk, blk, axis=1)
+        return attention_reference(qs, k, v, pos0 + i * blk, inputs.kv_len)
+
+    dense = lax.map(block, jnp.arange(w // blk))  # [blocks, batch, blk, q_heads, d]
+    dense = jnp.moveaxis(dense, 0, 1).reshape(qw.shape)
+    rows = pos0[:, None] + jnp.arange(w)[None, :]
+    keep = (rows >= seq_len[:, None] - n) & (rows < seq_len[:, None])
+    new = jnp.where(keep[:, :, None, None], dense.astype(out.dtype), take(out, start))
+    return jax.vmap(lambda o, x, s: lax.dynamic_update_slice_in_dim(o, x, s, axis=0))(out, new, start)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -268,6 +306,8 @@ class KascadeStrategy:
                                          state["counts"][:, t0:t1], row, ts)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+        if cfg.dense_suffix and not (layer == 0 and cfg.layer0_dense):
+            out = _dense_suffix(inputs, out, cfg.dense_suffix)
         if anchor:
             state = {"idx": jnp.concatenate(idxs, axis=2), "counts": jnp.concatenate(counts_all, axis=1)}
         return out, state

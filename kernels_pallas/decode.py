@@ -363,14 +363,21 @@ def _stream_pallas(q, k_cache, v_cache, kv_len, scale, dense_out: bool, interpre
     return logits, lse, out
 
 
-def _pooled_bits(logits, lse, kv_len, group: int, pool: str, pad_to: int):
+def _force(scores, kv_len, sinks: int, window: int):
+    """Forced keys (sinks, recent window) score reference.FORCED_SCORE (part of the same XLA fusion)."""
+    if not (sinks or window):
+        return scores
+    forced = ref.forced_decode_mask(kv_len, scores.shape[-1], sinks, window)[:, None, :]
+    return jnp.where(forced, ref.FORCED_SCORE, scores)
+
+
+def _pooled_bits(logits, lse, kv_len, group: int, pool: str, sinks: int, window: int, pad_to: int):
     """Pooled probabilities as int32 bit patterns [batch, idx_heads, keys padded to pad_to]; -1 = not eligible."""
-    s_len = logits.shape[-1]
     p = jnp.exp(logits[:, :, :group] - lse[..., None])  # [batch, kv_heads, group, keys]
     pooled = jnp.sum(p, axis=2)
     if pool == "all":
         pooled = jnp.sum(pooled, axis=1, keepdims=True)
-    return _scores_to_bits(pooled, kv_len, pad_to)
+    return _scores_to_bits(_force(pooled, kv_len, sinks, window), kv_len, pad_to)
 
 
 def _scores_to_bits(scores, kv_len, pad_to: int):
@@ -412,14 +419,16 @@ def select_topk(scores, kv_len, counts, k_max: int, *, interpret=False, tuning: 
 
 def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, k_max: int, head_map_row=None,
                   dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
-                  tuning: DecodeTuning = DEFAULT_TUNING):
+                  tuning: DecodeTuning = DEFAULT_TUNING, sinks: int = 0, window: int = 0):
     """Anchor decode: pooled scores over the whole cache, exact top-k, then attention.
 
     Returns (out [batch, 1, q_heads, d], idx [batch, idx_heads, min(k_max, max_len)] int32 (-1 past counts),
     counts [batch] int32). out is the sparse attention over the anchor's own indices (through head_map_row,
     default: identity, or all zeros for pool="all"), or with dense_out=True (anchor layer 0) the dense output.
-    Budgets: `reference.decode_counts(kv_len, topk_frac, min_k)`, clipped to k_max.
+    Budgets: `reference.decode_counts(kv_len, topk_frac, min_k)`, clipped to k_max. `sinks` / `window`: forced keys
+    (the first `sinks` and the last `window` valid keys score `reference.FORCED_SCORE` before the select).
     """
+    ref.check_forced(sinks, window)
     pallas = use_pallas(impl, interpret, _pallas_supported(q, k_cache, v_cache))
     b, hq, kvh, d, group = _check_common(q, k_cache, v_cache, kv_len, pallas)
     if pool not in _POOLS:
@@ -442,7 +451,8 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
     counts = jnp.minimum(ref.decode_counts(kv_len, topk_frac, min_k), k_eff).astype(jnp.int32)
 
     if not pallas:
-        scores = ref.pooled_scores_decode_reference(q, k_cache, kv_len, pool=pool, scale=scale)
+        scores = ref.pooled_scores_decode_reference(q, k_cache, kv_len, pool=pool, scale=scale, sinks=sinks,
+                                                    window=window)
         idx = ref.select_topk_reference(scores, counts[:, None], k_eff)  # counts per batch row
         if dense_out:
             out = ref.attention_reference(q, k_cache, v_cache, kv_len - 1, kv_len, scale=scale)
@@ -455,13 +465,14 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
         scores = ref.pooled_scores_decode_reference(q, k_cache, kv_len, pool=pool, scale=scale)
         # logits can be negative: shift to >= 0 (order kept; values within an ulp may merge into ties)
         scores = scores - jnp.min(jnp.where(jnp.isfinite(scores), scores, jnp.inf), axis=-1, keepdims=True)
+        scores = _force(scores, kv_len, sinks, window)
         bits_fn = functools.partial(_scores_to_bits, scores, kv_len)
         dense = None
         if dense_out:
             _, _, dense = _stream_pallas(q, kp, vp, kv_len, scale, True, interpret, tuning)
     else:
         logits, lse, dense = _stream_pallas(q, kp, vp, kv_len, scale, dense_out, interpret, tuning)
-        bits_fn = functools.partial(_pooled_bits, logits[..., :s_len], lse, kv_len, group, pool)
+        bits_fn = functools.partial(_pooled_bits, logits[..., :s_len], lse, kv_len, group, pool, sinks, window)
     idx = _select(bits_fn, kv_len, counts, k_eff, b * ih, s_len, interpret, tuning)
     if dense_out:
         return dense, idx, counts

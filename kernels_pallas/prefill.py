@@ -336,7 +336,7 @@ def _eligible(lay: _Layout, q_start, kv_len, t):
 
 
 def _scores_kernel(c_ref, qs_ref, kvl_ref, q_ref, lse_ref, k_ref, sc_ref, *, lay: _Layout, scale2, block_k, chunk,
-                   transposed, interpret):
+                   transposed, interpret, sinks=0, window=0):
     b = pl.program_id(0)
     h = pl.program_id(1)
     tl = chunk - 1 - pl.program_id(2)
@@ -361,6 +361,10 @@ def _scores_kernel(c_ref, qs_ref, kvl_ref, q_ref, lse_ref, k_ref, sc_ref, *, lay
                 tot = tot + jnp.sum(jnp.exp2(_dot_t(kb, q) * scale2 - lse[None, :]), axis=1)
             else:
                 tot = tot + jnp.sum(jnp.exp2(_dot_t(q, kb) * scale2 - lse[:, None]), axis=0)
+        if sinks or window:  # forced keys (reference.forced_prefill_mask): the first `sinks`, the `window` before the tile
+            ts = q_start + t * lay.tile
+            forced = (kidx < e) & ((kidx < sinks) | ((kidx >= ts - window) & (kidx < ts)))
+            tot = jnp.where(forced, ref.FORCED_SCORE, tot)
         sc_ref[b, h, tl, pl.ds(j * block_k, block_k)] = tot
         return carry  # (returning a literal breaks the Triton lowering of the loop)
 
@@ -493,7 +497,8 @@ def _select_kernel(c_ref, qs_ref, kvl_ref, cnt_ref, sc_ref, idx_in_ref, idx_ref,
     lax.fori_loop(jnp.maximum(k, 0) // block, (width + block - 1) // block, fill, jnp.int32(0))
 
 
-def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scale, k_max, pool, tuning, interpret):
+def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scale, k_max, pool, tuning, interpret,
+                   sinks=0, window=0):
     """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]."""
     block_k, block_s = tuning.scores_block_k, tuning.select_block
     width_s = -(-lay.max_len // max(block_s, block_k)) * max(block_s, block_k)  # whole blocks of both kernels
@@ -505,7 +510,8 @@ def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scal
     counts_p = jnp.pad(counts, ((0, 0), (0, n_pad - lay.n_tiles)))
     scores_call = pl.pallas_call(
         lambda *r: _scores_kernel(*r, lay=lay, scale2=scale * _LOG2E, block_k=block_k, chunk=chunk,
-                                  transposed=tuning.scores_transposed, interpret=interpret),
+                                  transposed=tuning.scores_transposed, interpret=interpret, sinks=sinks,
+                                  window=window),
         grid=(lay.batch, lay.kv_heads, chunk),
         out_shape=jax.ShapeDtypeStruct((lay.batch, lay.kv_heads, chunk, width_s), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=lay.warps, num_stages=tuning.scores_stages),
@@ -697,14 +703,16 @@ def reuse_prefill(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_ro
 
 def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, topk_frac, min_k, k_max, rolling=True,
                    dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
-                   tuning: PrefillTuning | None = None, chunk_at_zero=False):
+                   tuning: PrefillTuning | None = None, chunk_at_zero=False, sinks: int = 0, window: int = 0):
     """Anchor prefill: pooled post-softmax scores per (tile, head), exact rolling top-k, then attention.
 
     Returns (out [batch, q_len, q_heads, d], idx [batch, idx_heads, tiles, k_max], counts [batch, tiles]); out is
     the sparse output on the layer's own indices, or the dense causal output with dense_out=True (anchor layer 0).
     chunk_at_zero (static): the caller guarantees q_start == 0 for every sequence, which lets anchor layer 0 take
-    its dense output and LSE from cuDNN (tuning.anchor0_cudnn, GPU only).
+    its dense output and LSE from cuDNN (tuning.anchor0_cudnn, GPU only). `sinks` / `window`: forced keys of every
+    tile (the first `sinks` keys and the `window` keys before the tile score `reference.FORCED_SCORE`).
     """
+    ref.check_forced(sinks, window)
     _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
     if chunk_at_zero and not isinstance(q_start, jax.core.Tracer) and np.any(np.asarray(q_start) != 0):
         raise ValueError(f"chunk_at_zero=True needs q_start == 0 for every sequence, got {q_start}")
@@ -724,7 +732,8 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     idx_heads = k_cache.shape[2] if pool != "all" else 1
     identity = jnp.arange(k_cache.shape[2], dtype=jnp.int32) if pool != "all" else jnp.zeros(k_cache.shape[2], jnp.int32)
     if not use_pallas(impl, interpret):
-        scores, _ = ref.pooled_scores_prefill_reference(q, k_cache, q_start, kv_len, tile_size, pool=pool, scale=scale)
+        scores, _ = ref.pooled_scores_prefill_reference(q, k_cache, q_start, kv_len, tile_size, pool=pool, scale=scale,
+                                                        sinks=sinks, window=window)
         idx = ref.select_topk_reference(scores, counts[:, None, :], k_max)
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, 0), (0, k_max - idx.shape[-1])), constant_values=-1)
         if dense_out:
@@ -746,7 +755,8 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
         lse, out = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out, tuning=tuning,
                                interpret=interpret)
         out = _unpack_out(out, lay) if dense_out else None
-    idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret)
+    idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret,
+                         sinks, window)
     assert idx.shape[1] == idx_heads
     if dense_out:
         return out, idx, counts

@@ -8,7 +8,7 @@ Layouts follow `models/README.md`.
 Rules fixed here and used by the kernels too:
 - Budget: `k = min(max(floor(topk_frac * L), min_k), L)`, computed exactly in integers (`topk_budget`).
   Decode: L is the cache length (current token included); every valid key may be selected; nothing is
-  forced. Prefill: tile t (start s_t) selects among keys strictly before s_t; with rolling budgets
+  forced unless asked (below). Prefill: tile t (start s_t) selects among keys strictly before s_t; with rolling budgets
   L = s_t, else L = the sequence's length; the tile's own causal block is always attended on top.
   So a tile whose prefix fits in its budget (s_t <= min_k) is exactly dense.
 - Pooled scores are post-softmax probabilities (fp32, per query row normalised over all keys it may see)
@@ -16,6 +16,11 @@ Rules fixed here and used by the kernels too:
   over the valid queries of the tile. `pool="pre_softmax"` ranks keys by the logits of the mean query
   vector of the group (and tile) instead, the paper's pre-softmax ablation.
 - Indices are a set: order unspecified, ranks past the count hold -1.
+- Forced keys (`sinks`, `window`, both default 0): the first `sinks` keys and the `window` keys just before the
+  query (decode: the last `window` valid keys, the current token included; prefill: the `window` keys just
+  before the tile) get the score `FORCED_SCORE` before the Top-k, so they are always selected and count against
+  the budget (callers keep sinks + window <= min_k, so they always fit). FORCED_SCORE = 2**20 exceeds every
+  post-softmax pooled score (a sum of at most q_heads * tile_size <= 2**20 probabilities).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+FORCED_SCORE = float(2 ** 20)  # the score of a forced key (sinks, recent window): above any pooled probability
 _FRAC_DEN = 10_000  # topk_frac resolution: budgets are exact integer arithmetic in units of 1e-4
 
 
@@ -49,6 +55,27 @@ def topk_budget(length, topk_frac: float, min_k: int):
 def max_budget(max_len: int, topk_frac: float, min_k: int) -> int:
     """Static width of an index buffer that can hold the budget of any length <= max_len."""
     return max(1, topk_budget(max_len, topk_frac, min_k))
+
+
+def check_forced(sinks: int, window: int) -> None:
+    for name, v in (("sinks", sinks), ("window", window)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+
+
+def forced_decode_mask(kv_len, num_keys: int, sinks: int, window: int):
+    """[batch, keys] bool: the first `sinks` keys and the last `window` valid keys (current token included)."""
+    keys = jnp.arange(num_keys)[None, :]
+    kv_len = jnp.asarray(kv_len, jnp.int32)[:, None]
+    return (keys < kv_len) & ((keys < sinks) | (keys >= kv_len - window))
+
+
+def forced_prefill_mask(tile_start, eligible, num_keys: int, sinks: int, window: int):
+    """[batch, tiles, keys] bool: among each tile's eligible keys [0, eligible), the first `sinks` and the `window`
+    keys just before the tile start."""
+    keys = jnp.arange(num_keys)[None, None, :]
+    ts, el = tile_start[:, :, None], eligible[:, :, None]
+    return (keys < el) & ((keys < sinks) | ((keys >= ts - window) & (keys < ts)))
 
 
 def _group(q_heads: int, kv_heads: int) -> int:
@@ -105,11 +132,13 @@ def _probs(q, k, q_start, kv_len, scale):
     return jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
 
 
-def pooled_scores_decode_reference(q, k, kv_len, *, pool="gqa", scale=None):
+def pooled_scores_decode_reference(q, k, kv_len, *, pool="gqa", scale=None, sinks=0, window=0):
     """Anchor scores of one decode token per sequence: [batch, idx_heads, keys] fp32, -inf on invalid keys.
 
-    q: [batch, 1, q_heads, d] at position kv_len - 1. idx_heads = kv_heads, or 1 for pool="all".
+    q: [batch, 1, q_heads, d] at position kv_len - 1. idx_heads = kv_heads, or 1 for pool="all". Forced keys
+    (sinks / window, see the module docstring) score FORCED_SCORE.
     """
+    check_forced(sinks, window)
     b, t, hq, d = q.shape
     if t != 1:
         raise ValueError(f"decode takes one query token per sequence, got q_len={t}")
@@ -126,16 +155,21 @@ def pooled_scores_decode_reference(q, k, kv_len, *, pool="gqa", scale=None):
             s = s.sum(axis=1, keepdims=True)
         elif pool != "gqa":
             raise ValueError(f"pool must be 'gqa', 'all' or 'pre_softmax', got {pool!r}")
+    if sinks or window:
+        s = jnp.where(forced_decode_mask(kv_len, k.shape[1], sinks, window)[:, None, :], FORCED_SCORE, s)
     return jnp.where(valid[:, None, :], s, -jnp.inf)
 
 
-def pooled_scores_prefill_reference(q, k, q_start, kv_len, tile_size: int, *, pool="gqa", scale=None):
+def pooled_scores_prefill_reference(q, k, q_start, kv_len, tile_size: int, *, pool="gqa", scale=None, sinks=0,
+                                    window=0):
     """Anchor scores of a prefill chunk, pooled per query tile.
 
     Returns (scores [batch, idx_heads, tiles, keys] fp32 with -inf on keys not strictly before the tile or
     invalid, diag [batch, idx_heads, tiles] fp32: the pooled mass the tile puts on its own causal block).
     q_start must be a multiple of tile_size; queries at positions >= kv_len (padding) are left out of the pool.
+    Forced keys (sinks / window before each tile) score FORCED_SCORE.
     """
+    check_forced(sinks, window)
     b, t, hq, d = q.shape
     kvh, s_len = k.shape[2], k.shape[1]
     g = _group(hq, kvh)
@@ -165,6 +199,9 @@ def pooled_scores_prefill_reference(q, k, q_start, kv_len, tile_size: int, *, po
             raise ValueError(f"pool must be 'gqa', 'all' or 'pre_softmax', got {pool!r}")
         diag = jnp.sum(jnp.where(in_diag[:, None], p, 0.0), axis=-1)
         sc = p
+    if sinks or window:
+        eligible = jnp.minimum(tile_start, kv_len[:, None])
+        sc = jnp.where(forced_prefill_mask(tile_start, eligible, s_len, sinks, window)[:, None], FORCED_SCORE, sc)
     return jnp.where(before[:, None], sc, -jnp.inf), diag
 
 

@@ -23,6 +23,7 @@ from flax import nnx
 from models.cache import KVCache
 
 CHUNK_MULTIPLE = 64
+OUT_MULTIPLE = 128  # generated-token buffers are this wide a multiple, so nearby max_new_tokens share a compile
 
 
 def _meta(phase, offset, q_start, kv_len, seq_len, lengths, chunk_at_zero=False):
@@ -138,13 +139,15 @@ def sample(logits, key, temperature: float, top_p: float, top_k: int):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "strategy", "steps", "temperature", "top_p", "top_k", "eos"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "strategy", "temperature", "top_p", "top_k", "eos"),
                    donate_argnames=("carry",))
-def _decode_loop(graphdef, params, carry, seed, strategy, steps, temperature, top_p, top_k, eos):
-    """Run up to `steps` decode steps. carry = (cache, tok [batch] (sampled, not yet recorded), finished, i, out)."""
+def _decode_loop(graphdef, params, carry, seed, strategy, steps, limit, temperature, top_p, top_k, eos):
+    """Run up to `steps` decode steps, never past token `limit`. carry = (cache, tok [batch] (sampled, not yet
+    recorded), finished, i, out). `steps` and `limit` are traced: one compilation serves every generation length
+    whose output buffer (`out`, OUT_MULTIPLE-rounded) has the same width."""
     model = nnx.merge(graphdef, params)
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
-    stop_at = carry[3] + steps
+    stop_at = jnp.minimum(carry[3] + steps, limit)
 
     def cond(c):
         _, _, finished, i, out = c
@@ -219,7 +222,7 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, t
     logits, cache = prefill(model, tokens, lens, cache, strategy, chunk_size=chunk_size)
     tok = sample(logits, jax.random.fold_in(jax.random.key(seed), 1 << 30), temperature, top_p, top_k)
     b = len(ids)
-    out = jnp.full((b, max_new_tokens), -1, jnp.int32)
+    out = jnp.full((b, _round_up(max_new_tokens, OUT_MULTIPLE)), -1, jnp.int32)
     carry = (cache, tok, jnp.zeros((b,), bool), jnp.asarray(0, jnp.int32), out)
     tok_eos = getattr(tokenizer, "eos_token_ids", None)
     eos = tuple(sorted(set(cfg.eos_token_ids if tok_eos is None else tok_eos)))
@@ -227,8 +230,8 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, t
     steps = max_new_tokens if not stop else segment
     stopped = [None] * b
     while True:
-        carry = _decode_loop(graphdef, params, carry, seed, strategy, steps, float(temperature), float(top_p),
-                             int(top_k), eos)
+        carry = _decode_loop(graphdef, params, carry, seed, strategy, jnp.int32(steps), jnp.int32(max_new_tokens),
+                             float(temperature), float(top_p), int(top_k), eos)
         i = int(carry[3])
         if i >= max_new_tokens or bool(jnp.all(carry[2])):
             break
@@ -239,7 +242,7 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, t
                     stopped[j] = True
             if all(s or f for s, f in zip(stopped, np.asarray(carry[2]))):
                 break
-    out = np.asarray(carry[4])
+    out = np.asarray(carry[4])[:, :max_new_tokens]
     results = []
     for j in range(b):
         row = [int(t) for t in out[j] if t >= 0]

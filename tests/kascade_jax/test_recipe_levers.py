@@ -1,0 +1,139 @@
+"""Recipe levers of KascadeConfig: forced sink / recent-window keys and the dense prompt suffix.
+
+Checked against their definitions on fresh random (peaky) inputs: the forced keys are in every anchor's selection
+(reference and Pallas kernels in interpret mode, decode and prefill), the budget is unchanged, and the dense suffix
+makes exactly the last n prompt rows dense while every earlier row keeps the plain Kascade output.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kascade_jax.config import KascadeConfig
+from kascade_jax.registry import make_strategy
+from kernels_pallas import decode as dec
+from kernels_pallas import prefill as pre
+from kernels_pallas import reference as ref
+from kj_helpers import decode_inputs, dense_reference, prefill_inputs, random_layer, run_layers, valid_rows
+
+
+def _sets(idx):
+    return [set(int(i) for i in row if i >= 0) for row in np.asarray(idx).reshape(-1, idx.shape[-1])]
+
+
+def test_config_rejects_forced_keys_beyond_min_k():
+    with pytest.raises(ValueError, match="must not exceed min_k"):
+        KascadeConfig(num_layers=4, kv_heads=2, min_k=16, sink_tokens=8, recent_window=9)
+    for name in ("sink_tokens", "recent_window", "dense_suffix"):
+        with pytest.raises(ValueError, match=name):
+            KascadeConfig(num_layers=4, kv_heads=2, **{name: -1})
+    with pytest.raises(ValueError, match="sinks"):
+        ref.pooled_scores_decode_reference(jnp.zeros((1, 1, 2, 8)), jnp.zeros((1, 8, 1, 8)), jnp.asarray([8]),
+                                           sinks=-2)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_decode_forced_keys_selected(rng, impl):
+    b, s, hq, kvh, d, sinks, window = 2, 300, 4, 2, 64, 4, 16
+    q = jnp.asarray(rng.normal(size=(b, 1, hq, d)) * 3, jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(b, s, kvh, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(b, s, kvh, d)), jnp.bfloat16)
+    kv_len = jnp.asarray([s, int(rng.integers(150, s - 10))], jnp.int32)
+    kw = dict(topk_frac=0.1, min_k=24, k_max=ref.max_budget(s, 0.1, 24), impl=impl, interpret=True)
+    _, idx0, c0 = dec.anchor_decode(q, k, v, kv_len, **kw)
+    _, idx, c = dec.anchor_decode(q, k, v, kv_len, sinks=sinks, window=window, **kw)
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(c0))  # same budget
+    sets, sets0 = _sets(idx), _sets(idx0)
+    for row, (got, plain) in enumerate(zip(sets, sets0)):
+        n = int(kv_len[row // kvh])
+        forced = set(range(sinks)) | set(range(n - window, n))
+        assert forced <= got, (row, sorted(forced - got))
+        assert len(got) == int(c[row // kvh])
+        assert all(0 <= i < n for i in got)
+        # the rest of the budget is the plain selection's best keys (forced ones displace its weakest)
+        assert len(got - forced - plain) == 0 or impl == "pallas" and len(got - forced - plain) <= 1
+    assert any(sets[r] != sets0[r] for r in range(len(sets)))  # the lever changed something on these inputs
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_prefill_forced_keys_selected(rng, impl):
+    b, t, hq, kvh, d, tile, sinks, window = 2, 192, 6, 2, 64, 32, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)) * 3, jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(b, t, kvh, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(b, t, kvh, d)), jnp.bfloat16)
+    q_start = jnp.zeros((b,), jnp.int32)
+    kv_len = jnp.asarray([t, t - 40], jnp.int32)
+    kw = dict(topk_frac=0.25, min_k=12, k_max=ref.max_budget(t, 0.25, 12), impl=impl, interpret=True)
+    _, idx, counts = pre.anchor_prefill(q, k, v, q_start, kv_len, kv_len, tile, sinks=sinks, window=window, **kw)
+    rc = ref.prefill_counts(q_start, kv_len, kv_len, t, tile, 0.25, 12)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(rc))
+    idx = np.asarray(idx)
+    for bi in range(b):
+        for h in range(kvh):
+            for ti in range(idx.shape[2]):
+                start = ti * tile
+                eligible = min(start, int(kv_len[bi]))
+                got = set(int(i) for i in idx[bi, h, ti] if i >= 0)
+                assert len(got) == int(counts[bi, ti])
+                forced = ({j for j in range(sinks)} | set(range(start - window, start))) & set(range(eligible))
+                assert forced <= got, (bi, h, ti, sorted(forced - got))
+
+
+def test_strategy_forced_keys_reach_reuse_layers(rng):
+    """Through the strategy: a reuse layer's decode output equals sparse attention over a set holding the forced keys."""
+    num_layers, kvh, group, d, max_len = 3, 2, 2, 16, 96
+    layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    lens = [max_len, 70]
+    st = make_strategy("kascade", num_layers, kvh, anchors=(0,), topk_frac=0.1, min_k=12, sink_tokens=3,
+                       recent_window=5)
+    _, states = run_layers(st, [decode_inputs(lay, lens) for lay in layers])
+    for row, got in enumerate(_sets(states[-1]["idx"])):
+        n = lens[row // kvh]
+        assert set(range(3)) | set(range(n - 5, n)) <= got
+
+
+def test_dense_suffix_rows(rng):
+    """Rows before the suffix keep the plain Kascade output; the suffix rows equal dense attention in a layer whose
+    inputs are the same (layer 1 of one forward), and a suffix covering the prompt makes prefill dense."""
+    num_layers, kvh, group, d, max_len, tile = 3, 2, 2, 16, 128, 16
+    layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    lens = [max_len, 101]
+    n = 20
+    kw = dict(anchors=(0, 2), topk_frac=0.1, min_k=4, tile_size=tile)
+    plain = make_strategy("kascade", num_layers, kvh, **kw)
+    suffix = make_strategy("kascade", num_layers, kvh, dense_suffix=n, **kw)
+    for q0, q1 in ((0, max_len), (0, 64), (64, max_len)):  # whole prompt, and the two chunks of a chunked prefill
+        inputs = [prefill_inputs(lay, q0, q1 - q0, lens) for lay in layers]
+        outs_p, _ = run_layers(plain, inputs)
+        outs_s, _ = run_layers(suffix, inputs)
+        pos = q0 + np.arange(q1 - q0)
+        for li in (1, 2):
+            dense = np.asarray(dense_reference(inputs[li]))
+            op, os_ = np.asarray(outs_p[li]), np.asarray(outs_s[li])
+            for bi, L in enumerate(lens):
+                in_sfx = (pos >= L - n) & (pos < L)
+                before = pos < L - n
+                np.testing.assert_allclose(os_[bi, in_sfx], dense[bi, in_sfx], rtol=1e-5, atol=1e-5)
+                np.testing.assert_array_equal(os_[bi, before], op[bi, before])
+                if in_sfx.any():
+                    assert not np.allclose(op[bi, in_sfx], dense[bi, in_sfx], atol=1e-4)  # the lever mattered
+    full = make_strategy("kascade", num_layers, kvh, dense_suffix=max_len, **kw)
+    inputs = [prefill_inputs(lay, 0, max_len, lens) for lay in layers]
+    outs, _ = run_layers(full, inputs)
+    for li, lay in enumerate(layers):
+        np.testing.assert_allclose(valid_rows(outs[li], 0, lens), valid_rows(dense_reference(inputs[li]), 0, lens),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_levers_through_pallas_strategy_match_reference(rng):
+    """kernels='pallas' (interpret mode on CPU runs their references) and 'reference' give the same outputs."""
+    num_layers, kvh, group, d, max_len = 3, 2, 2, 64, 128
+    layers = [random_layer(rng, 1, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    lens = [max_len]
+    kw = dict(anchors=(0, 2), topk_frac=0.1, min_k=16, sink_tokens=4, recent_window=8, dense_suffix=32)
+    a = make_strategy("kascade", num_layers, kvh, kernels="reference", **kw)
+    b = make_strategy("kascade", num_layers, kvh, kernels="pallas", **kw)
+    inputs = [prefill_inputs(lay, 0, max_len, lens) for lay in layers]
+    for oa, ob in zip(run_layers(a, inputs)[0], run_layers(b, inputs)[0]):
+        np.testing.assert_allclose(np.asarray(oa), np.asarray(ob), rtol=2e-5, atol=2e-5)
