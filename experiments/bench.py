@@ -1,7 +1,8 @@
 """Kernel benchmarks against cuDNN in the same run: `python -m experiments.bench --phase=decode|prefill [flags]`.
 
 Thin dispatcher: the decode and prefill benchmarks live in experiments/bench_decode.py and bench_prefill.py, which
-define their own flags (see `--helpfull`).
+define their own flags (see `--helpfull`); both take the shared `--heads=Q,KV,D`, `--num_layers`, `--num_anchors` and
+`--bench_tag` of experiments/timing.py, e.g. `--phase=decode --heads=14,2,64 --num_layers=24 --bench_tag=qwen05`.
 """
 
 from __future__ import annotations

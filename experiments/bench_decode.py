@@ -4,9 +4,11 @@
 Times with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`, median over iterations, kernel time only) in
 the same run as cuDNN (`jax.nn.dot_product_attention(..., implementation="cudnn")`, distinct K and V buffers).
 Rows: dense, A0 (anchor layer 0: dense output + scores + top-k), A (anchor: scores + top-k + sparse), R (reuse),
-their ratios to dense, and the weighted Kascade time (1*A0 + 4*A + 27*R) / 32 with its speedup.
-Optionally (`--decode_check`) first checks every kernel against the references at realistic shapes, with
-Gaussian and peaky inputs. Writes <out>/decode.md, decode.json and decode.png.
+their ratios to dense, and the weighted Kascade time (1*A0 + (M-1)*A + (L-M)*R) / L with its speedup (default
+Llama-3.1-8B: `--heads=32,8,128 --num_layers=32 --num_anchors=5`, i.e. (1*A0 + 4*A + 27*R) / 32).
+Optionally (`--decode_check`) first checks every kernel against the references at realistic shapes (the `--heads`
+shape), with Gaussian and peaky inputs. Writes <out>/decode.md, decode.json and decode.png, or decode_<tag>.* with
+`--bench_tag` (required at any other shape or layer mix, so the default tables are never overwritten by one).
 
 Does not: time prefill (bench_prefill.py), or run without a GPU (it refuses: CPU timings would mean nothing).
 """
@@ -19,7 +21,7 @@ import time
 
 from absl import app, flags
 
-from experiments.timing import cupti_time, write_outputs
+from experiments.timing import BENCH_TAG, BenchShape, cupti_time, note_overwrite, output_stem, write_outputs
 
 CONTEXTS = flags.DEFINE_list("decode_contexts", ["8192", "16384", "32768", "65536", "131072"], "Cache lengths.")
 BATCHES = flags.DEFINE_list("decode_batches", ["8", "64"], "Batch sizes.")
@@ -28,11 +30,11 @@ DTYPES = flags.DEFINE_list("decode_dtypes", ["bfloat16"], "Cache dtypes (bfloat1
 MIN_K = flags.DEFINE_integer("decode_min_k", 128, "Minimum Top-k budget.")
 ITERS = flags.DEFINE_integer("decode_iterations", 10, "CUPTI iterations per measurement (median reported).")
 CHECK = flags.DEFINE_boolean("decode_check", True, "Check the kernels against the references first.")
-OUT = flags.DEFINE_string("decode_out", "benchmarks", "Output folder for decode.md/json/png.")
+OUT = flags.DEFINE_string("decode_out", "benchmarks", "Output folder for decode[_<bench_tag>].md/json/png.")
 SELECT_VERSION = flags.DEFINE_integer("decode_select_version", 4,
                                       "Top-k select version (4: default; 2 and 3: earlier versions, notes_decode.md).")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
-Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+_DEFAULT = BenchShape()
 
 
 def _inputs(seed, b, s, hq, kvh, d, dtype, peaky):
@@ -54,8 +56,8 @@ def _inputs(seed, b, s, hq, kvh, d, dtype, peaky):
     return q.astype(dtype), k, v
 
 
-def check(seed=0, b=8, s=32768, hq=Q_HEADS, kvh=KV_HEADS, d=HEAD_DIM, dtype="bfloat16", frac=0.1, min_k=128,
-          peaky=False, ragged=True, interpret=False, tuning=None, log=print):
+def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_DEFAULT.head_dim, dtype="bfloat16",
+          frac=0.1, min_k=128, peaky=False, ragged=True, interpret=False, tuning=None, log=print):
     """Compare A0, A, R (Pallas) with the references on fresh inputs; returns a dict of errors (raises on failure)."""
     import jax
     import jax.numpy as jnp
@@ -112,7 +114,12 @@ def check(seed=0, b=8, s=32768, hq=Q_HEADS, kvh=KV_HEADS, d=HEAD_DIM, dtype="bfl
     return errs
 
 
-def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print):
+def _cache_bytes(b, s, shape, itemsize):
+    """Bytes of the K and V caches of b sequences of s tokens."""
+    return 2 * b * s * shape.kv_heads * shape.head_dim * itemsize
+
+
+def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT):
     import jax
     import jax.numpy as jnp
 
@@ -121,17 +128,17 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print):
 
     tuning = tuning or dec.DEFAULT_TUNING
     dt = jnp.dtype(dtype)
-    q, k, v = _inputs(1, b, s, Q_HEADS, KV_HEADS, HEAD_DIM, dt, peaky=False)
+    q, k, v = _inputs(1, b, s, shape.q_heads, shape.kv_heads, shape.head_dim, dt, peaky=False)
     kv_len = jnp.full((b,), s, jnp.int32)
     k_max = ref.max_budget(s, frac, min_k)
-    hm = jnp.arange(KV_HEADS, dtype=jnp.int32)[::-1]
+    hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
     kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning)
     dense = jax.jit(lambda q, k, v, l: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=l, implementation="cudnn"))
     a0 = jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, dense_out=True, **kw))
     an = jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, **kw))
     _, idx, counts = an(q, k, v, kv_len)
     re = jax.jit(lambda q, k, v, l, i, c, m: dec.reuse_decode(q, k, v, l, i, c, m, impl="pallas", tuning=tuning))
-    row = dict(batch=b, context=s, topk_frac=frac, dtype=dtype, k=int(counts[0]))
+    row = dict(batch=b, context=s, topk_frac=frac, dtype=dtype, k=int(counts[0]), **shape.record())
     for name, fn, args in (("dense", dense, (q, k, v, kv_len)), ("A0", a0, (q, k, v, kv_len)),
                            ("A", an, (q, k, v, kv_len)), ("R", re, (q, k, v, kv_len, idx, counts, hm))):
         t, per = cupti_time(fn, args, iters)
@@ -139,9 +146,9 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print):
         row[name + "_kernels"] = per
     for name in ("A0", "A", "R"):
         row[name + "/dense"] = row[name] / row["dense"]
-    row["weighted"] = (row["A0"] + 4 * row["A"] + 27 * row["R"]) / 32
+    row["weighted"] = shape.weighted(row["A0"], row["A"], row["R"])
     row["speedup"] = row["dense"] / row["weighted"]
-    kv_bytes = 2 * b * s * KV_HEADS * HEAD_DIM * dt.itemsize
+    kv_bytes = _cache_bytes(b, s, shape, dt.itemsize)
     row["dense_TBps"] = kv_bytes / row["dense"] / 1e9
     log(f"b={b:3d} s={s:7d} k={frac:.1f} {dtype}: dense {row['dense']:.4f}  A0 {row['A0']:.4f} ({row['A0/dense']:.3f})  "
         f"A {row['A']:.4f} ({row['A/dense']:.3f})  R {row['R']:.4f} ({row['R/dense']:.3f})  "
@@ -151,11 +158,11 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print):
     return row
 
 
-def _markdown(rows, meta):
+def _markdown(rows, meta, shape=_DEFAULT):
     lines = [f"# Kascade decode attention vs cuDNN dense ({meta['gpu']})", "",
              f"Date {meta['date']}, JAX {meta['jax']}, command `{meta['command']}`.",
-             "CUPTI kernel time, median of iterations, ms. 32 q heads, 8 kv heads, d 128, every sequence at full length.",
-             "Weighted = (1*A0 + 4*A + 27*R)/32 (Llama-3.1-8B: 32 layers, 5 anchors).", "",
+             f"CUPTI kernel time, median of iterations, ms. {shape.heads_text()}, every sequence at full length.",
+             f"Weighted = {shape.formula()} ({shape.mix_text()}).", "",
              "| dtype | batch | context | top-k | k | dense | A0 | A | R | A0/dense | A/dense | R/dense | weighted | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -169,7 +176,7 @@ def _markdown(rows, meta):
     return "\n".join(lines) + "\n"
 
 
-def _plot(rows, path):
+def _plot(rows, path, shape=_DEFAULT):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -183,39 +190,44 @@ def _plot(rows, path):
     ax.axhline(4.5, color="gray", ls="--", lw=0.8)
     ax.set_xlabel("context")
     ax.set_ylabel("weighted Kascade speedup over cuDNN")
+    ax.set_title(f"decode, {shape.heads_text()}; weighted {shape.formula()}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=80.0, tuning=None, log=print):
+        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", log=print):
     import jax
 
+    stem = output_stem("decode", tag, shape)  # refuses before any timing: untagged files hold the default shape
     if jax.default_backend() != "gpu":
         raise ValueError(f"bench_decode needs a GPU, found backend {jax.default_backend()!r}")
+    note_overwrite(out_dir, stem, shape, log)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), tuning=repr(tuning))
+                gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), tuning=repr(tuning),
+                shape=shape.record())
     checks = []
     if do_check:
         for peaky in (False, True):
-            checks.append(check(seed=int(time.time()) % 10000, peaky=peaky, tuning=tuning, log=log))
+            checks.append(check(seed=int(time.time()) % 10000, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim,
+                                peaky=peaky, tuning=tuning, log=log))
         checks.append(check(seed=3, b=3, s=20000, hq=12, kvh=4, d=64, dtype="float16", frac=0.2, min_k=16, peaky=True,
                             tuning=tuning, log=log))
     rows = []
     for dtype in dtypes:
         for b in batches:
             for s in contexts:
-                if 2 * b * s * KV_HEADS * HEAD_DIM * 2 / 1e9 > max_cache_gb:
+                if _cache_bytes(b, s, shape, 2) / 1e9 > max_cache_gb:
                     log(f"skip b={b} s={s}: caches over {max_cache_gb} GB")
                     continue
                 for f in fracs:
                     try:
-                        rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log))
+                        rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape))
                     except Exception as e:  # keep the sweep going; the failure is reported
                         log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
-    write_outputs(out_dir, "decode", dict(meta=meta, checks=checks, rows=rows), _markdown(rows, meta),
-                  (lambda path: _plot(rows, path)) if rows else None)
+    write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), _markdown(rows, meta, shape),
+                  (lambda path: _plot(rows, path, shape)) if rows else None)
     return rows
 
 
@@ -225,7 +237,8 @@ def main(argv):
 
     run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [float(f) for f in FRACS.value],
         DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
-        max_cache_gb=MAX_GB.value, tuning=dec.DecodeTuning(select_version=SELECT_VERSION.value))
+        max_cache_gb=MAX_GB.value, tuning=dec.DecodeTuning(select_version=SELECT_VERSION.value),
+        shape=BenchShape.from_flags(), tag=BENCH_TAG.value)
 
 
 if __name__ == "__main__":

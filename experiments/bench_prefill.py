@@ -4,12 +4,15 @@
 Times with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`, median over iterations, kernel time only) in the
 same run as cuDNN (`jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")`). Rows: dense,
 A0 (anchor layer 0: dense output + pooled scores + top-k), A (anchor: LSE + scores + top-k + sparse), R (reuse),
-their ratios, the weighted Kascade time (1*A0 + 4*A + 27*R)/32 and its speedup, plus the anchor pipeline's extra
+their ratios, the weighted Kascade time (1*A0 + (M-1)*A + (L-M)*R)/L and its speedup (default Llama-3.1-8B:
+`--heads=32,8,128 --num_layers=32 --num_anchors=5`, i.e. (1*A0 + 4*A + 27*R)/32), plus the anchor pipeline's extra
 device memory (XLA's temp allocation of the compiled A, outputs excluded). `--prefill_check` first compares the
-kernels with the references at 8K (Gaussian and peaky). Writes <out>/prefill.md, prefill.json, prefill.png.
+kernels with the references at 8K (Gaussian and peaky, the `--heads` shape). Writes <out>/prefill.md, prefill.json,
+prefill.png, or prefill_<tag>.* with `--bench_tag` (required at any other shape or layer mix).
 `--prefill_tuning="field=value,..."` sets the kernels' PrefillTuning; `--prefill_sweep="spec;spec;..."` A/Bs tuning
 variants on top of it at `--prefill_sweep_contexts` (one input set, each variant re-times only the pieces it can
-change) and writes <out>/prefill_sweep.md/json; with `--prefill_contexts= --prefill_long_contexts=` only the sweep runs.
+change) and writes <out>/prefill_sweep[_<tag>].md/json; with `--prefill_contexts= --prefill_long_contexts=` only the
+sweep runs.
 
 Does not: run without a GPU (CPU timings would mean nothing), or time the decode kernels (bench_decode.py).
 """
@@ -21,7 +24,7 @@ import sys
 
 from absl import app, flags
 
-from experiments.timing import cupti_time, write_outputs
+from experiments.timing import BENCH_TAG, BenchShape, cupti_time, note_overwrite, output_stem, write_outputs
 
 CONTEXTS = flags.DEFINE_list("prefill_contexts", ["8192", "32768", "131072"], "Prompt lengths.")
 LONG = flags.DEFINE_list("prefill_long_contexts", ["262144"], "Prompt lengths timed at the first top-k and dtype only.")
@@ -31,27 +34,27 @@ MIN_K = flags.DEFINE_integer("prefill_min_k", 128, "Minimum Top-k budget.")
 TILE = flags.DEFINE_integer("prefill_tile_size", 32, "Query tile size.")
 ITERS = flags.DEFINE_integer("prefill_iterations", 5, "CUPTI iterations per measurement (median reported).")
 CHECK = flags.DEFINE_boolean("prefill_check", False, "Check the kernels against the references at 8K first.")
-OUT = flags.DEFINE_string("prefill_out", "benchmarks", "Output folder for prefill.md/json/png.")
+OUT = flags.DEFINE_string("prefill_out", "benchmarks", "Output folder for prefill[_<bench_tag>].md/json/png.")
 TUNE = flags.DEFINE_integer("prefill_tune", 0, "If > 0: first time the tuning variants at this context and use the "
                             "fastest setting of each kernel for the table.")
 TUNING = flags.DEFINE_string("prefill_tuning", "", "PrefillTuning overrides, 'field=value,...': the table's tuning "
                              "(on top of the defaults, or of the --prefill_tune result) and the --prefill_sweep base.")
 SWEEP = flags.DEFINE_string("prefill_sweep", "", "Tuning variants to A/B, ';'-separated 'field=value,...' specs, "
                             "each applied on top of --prefill_tuning and timed against it at --prefill_sweep_contexts "
-                            "(bf16, first top-k); writes <out>/prefill_sweep.{md,json}. Only the kernels a variant "
-                            "touches are re-timed.")
+                            "(bf16, first top-k); writes <out>/prefill_sweep[_<bench_tag>].{md,json}. Only the "
+                            "kernels a variant touches are re-timed.")
 SWEEP_CONTEXTS = flags.DEFINE_list("prefill_sweep_contexts", ["32768"], "Contexts of the --prefill_sweep.")
-Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+_DEFAULT = BenchShape()
 
 
-def _inputs(seed, s, dtype, peaky=False):
+def _inputs(seed, s, dtype, peaky=False, shape=_DEFAULT):
     import jax
     import jax.numpy as jnp
 
     kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(kq, (1, s, Q_HEADS, HEAD_DIM), jnp.float32)
-    k = jax.random.normal(kk, (1, s, KV_HEADS, HEAD_DIM), jnp.float32)
-    v = jax.random.normal(kv, (1, s, KV_HEADS, HEAD_DIM), dtype)
+    q = jax.random.normal(kq, (1, s, shape.q_heads, shape.head_dim), jnp.float32)
+    k = jax.random.normal(kk, (1, s, shape.kv_heads, shape.head_dim), jnp.float32)
+    v = jax.random.normal(kv, (1, s, shape.kv_heads, shape.head_dim), dtype)
     if peaky:  # 64 keys aligned with the mean query of every head: strongly preferred by all tiles
         hot = jax.random.randint(kp, (64,), 0, s)
         qm = q.mean(axis=(1, 2))[:, None, None, :]
@@ -60,8 +63,10 @@ def _inputs(seed, s, dtype, peaky=False):
     return q.astype(dtype), k.astype(dtype), v
 
 
-def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=False, tuning=None, log=print):
-    """A0, A, R against the references at one shape; returns errors (raises on failure)."""
+def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=False, tuning=None, log=print,
+          shape=_DEFAULT, interpret=False):
+    """A0, A, R against the references at one shape; returns errors (raises on failure). interpret=True runs the
+    Pallas kernels on the CPU (tests, small s)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -69,22 +74,23 @@ def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=
     from kernels_pallas import prefill as pf
     from kernels_pallas import reference as ref
 
-    q, k, v = _inputs(seed, s, jnp.dtype(dtype), peaky)
+    q, k, v = _inputs(seed, s, jnp.dtype(dtype), peaky, shape)
     qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), s, jnp.int32)
     k_max = ref.max_budget(s, frac, min_k)
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning, interpret=interpret)
     out, idx, counts = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, **kw))(q, k, v)
     out0, idx0, _ = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, dense_out=True,
                                                               chunk_at_zero=True, **kw))(q, k, v)
-    hm = jnp.asarray(np.random.default_rng(seed).permutation(KV_HEADS), jnp.int32)
-    reuse = jax.jit(lambda *a: pf.reuse_prefill(*a, tile, impl="pallas", tuning=tuning))
+    hm = jnp.asarray(np.random.default_rng(seed).permutation(shape.kv_heads), jnp.int32)
+    reuse = jax.jit(lambda *a: pf.reuse_prefill(*a, tile, impl="pallas", tuning=tuning, interpret=interpret))
     r_out = reuse(q, k, v, qs, kl, idx, counts, hm)
     scores, _ = jax.jit(lambda q, k: ref.pooled_scores_prefill_reference(q, k, qs, kl, tile))(q, k)
     ref_dense = jax.jit(lambda q, k, v: ref.attention_reference(q, k, v, qs, kl))(q, k, v)
     ref_sparse = jax.jit(lambda q, k, v, i, m: ref.sparse_prefill_reference(q, k, v, qs, kl, i, m, tile))
     rel = lambda a, r: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(r, np.float32))
                              / np.linalg.norm(np.asarray(r, np.float32)))
-    errs = dict(anchor_out=rel(out, ref_sparse(q, k, v, idx, jnp.arange(KV_HEADS))), anchor0_out=rel(out0, ref_dense),
+    errs = dict(anchor_out=rel(out, ref_sparse(q, k, v, idx, jnp.arange(shape.kv_heads))),
+                anchor0_out=rel(out0, ref_dense),
                 reuse_out=rel(r_out, ref_sparse(q, k, v, idx, hm)))
     idx, idx0, counts, scores = map(np.asarray, (idx, idx0, counts, scores))
     ranks = np.arange(k_max)
@@ -106,7 +112,7 @@ def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=
     errs["anchor0_same_idx_as_anchor"] = bool(np.array_equal(idx, idx0))
     if not (tuning and tuning.anchor0_cudnn):
         assert errs["anchor0_same_idx_as_anchor"], "anchor-0 and anchor indices differ"
-    log(f"check s={s} {dtype} tile={tile} peaky={peaky}: {errs}")
+    log(f"check s={s} heads={shape.heads} {dtype} tile={tile} peaky={peaky}: {errs}")
     assert max(errs["anchor_out"], errs["anchor0_out"], errs["reuse_out"]) < 2e-2, errs
     assert max(errs["max_rel_sorted_score_diff"], errs["anchor0_max_rel_sorted_score_diff"]) < 1e-3, errs
     return errs
@@ -121,7 +127,7 @@ def _extra_bytes(fn, args):
         return -1, -1
 
 
-def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print):
+def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print, shape=_DEFAULT):
     import jax
     import jax.numpy as jnp
 
@@ -129,10 +135,10 @@ def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print):
     from kernels_pallas import reference as ref
 
     dt = jnp.dtype(dtype)
-    q, k, v = _inputs(1, s, dt)
+    q, k, v = _inputs(1, s, dt, shape=shape)
     qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), s, jnp.int32)
     k_max = ref.max_budget(s, frac, min_k)
-    hm = jnp.arange(KV_HEADS, dtype=jnp.int32)[::-1]
+    hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
     kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning)
     dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
     a0 = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, dense_out=True, chunk_at_zero=True, **kw))
@@ -140,7 +146,8 @@ def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print):
     re = jax.jit(lambda q, k, v, i, c, m: pf.reuse_prefill(q, k, v, qs, kl, i, c, m, tile, impl="pallas",
                                                            tuning=tuning))
     _, idx, counts = an(q, k, v)
-    row = dict(context=s, topk_frac=frac, dtype=dtype, tile=tile, k_last_tile=int(counts[0, -1]), k_max=k_max)
+    row = dict(context=s, topk_frac=frac, dtype=dtype, tile=tile, k_last_tile=int(counts[0, -1]), k_max=k_max,
+               **shape.record())
     row["A_extra_bytes"], row["A_out_bytes"] = _extra_bytes(an, (q, k, v))
     row["A0_extra_bytes"], _ = _extra_bytes(a0, (q, k, v))
     for name, fn, args in (("dense", dense, (q, k, v)), ("A0", a0, (q, k, v)), ("A", an, (q, k, v)),
@@ -150,9 +157,9 @@ def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print):
         row[name + "_kernels"] = per
     for name in ("A0", "A", "R"):
         row[name + "/dense"] = row[name] / row["dense"]
-    row["weighted"] = (row["A0"] + 4 * row["A"] + 27 * row["R"]) / 32
+    row["weighted"] = shape.weighted(row["A0"], row["A"], row["R"])
     row["speedup"] = row["dense"] / row["weighted"]
-    row["dense_TFLOPs"] = 4 * s * s * HEAD_DIM * Q_HEADS / 2 / row["dense"] / 1e9
+    row["dense_TFLOPs"] = 4 * s * s * shape.head_dim * shape.q_heads / 2 / row["dense"] / 1e9
     log(f"s={s:7d} k={frac:.1f} {dtype}: dense {row['dense']:.3f}  A0 {row['A0']:.3f} ({row['A0/dense']:.3f})  "
         f"A {row['A']:.3f} ({row['A/dense']:.3f})  R {row['R']:.3f} ({row['R/dense']:.3f})  "
         f"weighted {row['weighted']:.3f}  speedup {row['speedup']:.2f}x  A extra {row['A_extra_bytes'] / 1e9:.2f} GB")
@@ -179,14 +186,14 @@ _GROUPS = {"dense": ("kascade_prefill_dense",), "lse": ("kascade_prefill_lse",),
            "select": ("kascade_prefill_select",), "reuse": ("kascade_prefill_reuse",)}
 
 
-def tune(s, dtype, min_k, tile, iters, log=print):
+def tune(s, dtype, min_k, tile, iters, log=print, shape=_DEFAULT):
     """Time every variant at context s (top-k 10%); return the PrefillTuning made of the fastest field groups."""
     from kernels_pallas import prefill as pf
 
     results = []
     for i, var in enumerate(_VARIANTS):
         try:
-            row = bench_one(s, 0.1, dtype, min_k, tile, iters, tuning=pf.PrefillTuning(**var), log=log)
+            row = bench_one(s, 0.1, dtype, min_k, tile, iters, tuning=pf.PrefillTuning(**var), log=log, shape=shape)
         except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
             log(f"variant {i} FAILED {type(e).__name__}: {str(e)[:300]}")
             continue
@@ -198,6 +205,8 @@ def tune(s, dtype, min_k, tile, iters, log=print):
         times = {g: sum(v for kn, v in per.items() if any(kn.startswith(p) for p in pre)) for g, pre in _GROUPS.items()}
         log(f"variant {i}: " + ", ".join(f"{g} {t:.3f}" for g, t in times.items()))
         results.append((var, times))
+    if not results:
+        raise RuntimeError(f"--prefill_tune={s}: every tuning variant failed (see the log above)")
     best = {}
     for g in _GROUPS:
         var, _ = min(results, key=lambda r: r[1][g])
@@ -219,7 +228,7 @@ def _parts(tuning, base):
     return parts
 
 
-def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=print):
+def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=print, shape=_DEFAULT):
     """A/B tuning variants (each applied on top of base_spec) against the base tuning, one context at a time; returns
     rows (one per context x spec).
 
@@ -235,10 +244,10 @@ def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=pr
     rows = []
     for s in contexts:
         dt = jnp.dtype(dtype)
-        q, k, v = _inputs(1, s, dt)
+        q, k, v = _inputs(1, s, dt, shape=shape)
         qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), s, jnp.int32)
         k_max = ref.max_budget(s, frac, min_k)
-        hm = jnp.arange(KV_HEADS, dtype=jnp.int32)[::-1]
+        hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
         base = None
         idx = counts = None
         base_tuning = pf.tuning_from_string(base_spec)
@@ -258,7 +267,7 @@ def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=pr
                     _, idx, counts = fns["A"][0](q, k, v)
                 parts = ("dense", "A0", "A", "R") if base is None else sorted(_parts(tuning, base_tuning))
                 row = dict(context=s, dtype=dtype, topk_frac=frac, spec=spec or f"(base) {base_spec}",
-                           timed=list(parts))
+                           timed=list(parts), **shape.record())
                 for name in parts:
                     fn, extra = fns[name]
                     args = (q, k, v, idx, counts, hm) if extra else (q, k, v)
@@ -268,7 +277,7 @@ def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=pr
                 est = {n: row.get(n, base[n]) for n in ("dense", "A0", "A", "R")}
                 if "R" in row and "A" not in row:
                     est["A"] = base["A"] + row["R"] - base["R"]
-                row["weighted_est"] = (est["A0"] + 4 * est["A"] + 27 * est["R"]) / 32
+                row["weighted_est"] = shape.weighted(est["A0"], est["A"], est["R"])
                 row["speedup_est"] = base["dense"] / row["weighted_est"]
                 for n in ("A0", "A", "R"):
                     row[n + "/dense_est"] = est[n] / base["dense"]
@@ -288,10 +297,11 @@ def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=pr
     return rows
 
 
-def _sweep_markdown(rows, meta):
+def _sweep_markdown(rows, meta, shape=_DEFAULT):
     lines = [f"# Prefill tuning sweep ({meta['gpu']})", "", f"Date {meta['date']}, JAX {meta['jax']}, command "
              f"`{meta['command']}`.", "CUPTI kernel ms (median). Each variant is applied on top of the base row; "
-             "pieces a variant does not touch take the base's time in the estimates; '-' = not re-timed.", "",
+             "pieces a variant does not touch take the base's time in the estimates; '-' = not re-timed.",
+             f"Batch 1, {shape.heads_text()}; weighted = {shape.formula()} ({shape.mix_text()}).", "",
              "| context | variant | dense | A0 | A | R | A0/dense | A/dense | R/dense | weighted (est.) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda r, n: f"{r[n]:.2f}" if n in r else "-"
@@ -308,12 +318,13 @@ def _sweep_markdown(rows, meta):
     return "\n".join(lines) + "\n"
 
 
-def _markdown(rows, meta):
+def _markdown(rows, meta, shape=_DEFAULT):
     lines = [f"# Kascade prefill attention vs cuDNN causal flash attention ({meta['gpu']})", "",
              f"Date {meta['date']}, JAX {meta['jax']}, command `{meta['command']}`.",
              f"Kernel tuning: `{meta['tuning']}`.",
-             "CUPTI kernel time, median of iterations, ms. Batch 1, 32 q heads, 8 kv heads, d 128, rolling budgets, "
-             "tile 32, min_k 128.", "Weighted = (1*A0 + 4*A + 27*R)/32 (Llama-3.1-8B: 32 layers, 5 anchors). "
+             f"CUPTI kernel time, median of iterations, ms. Batch 1, {shape.heads_text()}, rolling budgets, "
+             f"tile {meta.get('tile', 32)}, min_k {meta.get('min_k', 128)}.",
+             f"Weighted = {shape.formula()} ({shape.mix_text()}). "
              "A extra = XLA temp memory of the compiled anchor pipeline; A outputs = its out + idx buffers.", "",
              "| dtype | context | top-k | dense | A0 | A | R | A0/dense | A/dense | R/dense | weighted | speedup | A extra GB | A outputs GB (out+idx) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -330,7 +341,7 @@ def _markdown(rows, meta):
     return "\n".join(lines) + "\n"
 
 
-def _plot(rows, path):
+def _plot(rows, path, shape=_DEFAULT):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -344,6 +355,7 @@ def _plot(rows, path):
     ax.axhline(2.8, color="gray", ls="--", lw=0.8, label="target")
     ax.set_xlabel("context")
     ax.set_ylabel("weighted Kascade prefill speedup over cuDNN")
+    ax.set_title(f"prefill, batch 1, {shape.heads_text()}; weighted {shape.formula()}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -357,40 +369,48 @@ def _meta(**extra):
 
 
 def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=5, out_dir="benchmarks",
-        check_first=False, tune_at=0, tuning_spec="", sweep_specs=(), sweep_contexts=(32768,), log=print):
+        check_first=False, tune_at=0, tuning_spec="", sweep_specs=(), sweep_contexts=(32768,), shape=_DEFAULT, tag="",
+        log=print):
     import dataclasses
 
     import jax
 
     from kernels_pallas import prefill as pf
 
+    # Both stems first: an untagged run at another shape is refused before anything is timed.
+    stem, sweep_stem = output_stem("prefill", tag, shape), output_stem("prefill_sweep", tag, shape)
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_prefill needs a GPU (CPU timings would mean nothing)")
+    if sweep_specs:
+        note_overwrite(out_dir, sweep_stem, shape, log)
+    if contexts or long_contexts:
+        note_overwrite(out_dir, stem, shape, log)
     if check_first:
         for peaky in (False, True):
-            check(peaky=peaky, tuning=pf.tuning_from_string(tuning_spec), log=log)
+            check(peaky=peaky, tuning=pf.tuning_from_string(tuning_spec), log=log, shape=shape)
     if sweep_specs:
         srows = sweep(sweep_contexts, sweep_specs, dtypes[0], fracs[0], min_k, tile, iters, base_spec=tuning_spec,
-                      log=log)
-        meta = _meta()
-        write_outputs(out_dir, "prefill_sweep", dict(meta=meta, rows=srows), _sweep_markdown(srows, meta))
+                      log=log, shape=shape)
+        meta = _meta(shape=shape.record())
+        write_outputs(out_dir, sweep_stem, dict(meta=meta, rows=srows), _sweep_markdown(srows, meta, shape))
     tuning, tuning_runs = pf.DEFAULT_TUNING, []
     if tune_at:
-        tuning, tuning_runs = tune(tune_at, dtypes[0], min_k, tile, iters, log=log)
+        tuning, tuning_runs = tune(tune_at, dtypes[0], min_k, tile, iters, log=log, shape=shape)
     tuning = pf.tuning_from_string(tuning_spec, tuning)
     rows = []
     plan = [(dtypes[0], s, f) for s in contexts for f in fracs] + [(dtypes[0], s, fracs[0]) for s in long_contexts]
     plan += [(dt, s, fracs[0]) for dt in dtypes[1:] for s in contexts]  # further dtypes: the first top-k only
     for dtype, s, f in plan:
         try:
-            rows.append(bench_one(s, f, dtype, min_k, tile, iters, tuning=tuning, log=log))
+            rows.append(bench_one(s, f, dtype, min_k, tile, iters, tuning=tuning, log=log, shape=shape))
         except Exception as e:  # noqa: BLE001 - report and go on (e.g. out of memory at 256K)
             log(f"s={s} k={f} {dtype}: FAILED {type(e).__name__}: {str(e)[:300]}")
     if not rows:  # e.g. a sweep-only call: keep the last table
         return rows
-    meta = _meta(tuning=dataclasses.asdict(tuning), tuning_runs=tuning_runs)
-    write_outputs(out_dir, "prefill", dict(meta=meta, rows=rows), _markdown(rows, meta),
-                  lambda path: _plot(rows, path))
+    meta = _meta(tuning=dataclasses.asdict(tuning), tuning_runs=tuning_runs, shape=shape.record(), tile=tile,
+                 min_k=min_k)
+    write_outputs(out_dir, stem, dict(meta=meta, rows=rows), _markdown(rows, meta, shape),
+                  lambda path: _plot(rows, path, shape))
     return rows
 
 
@@ -400,7 +420,7 @@ def main(argv):
         long_contexts=[int(c) for c in LONG.value], min_k=MIN_K.value,
         tile=TILE.value, iters=ITERS.value, out_dir=OUT.value, check_first=CHECK.value, tune_at=TUNE.value,
         tuning_spec=TUNING.value, sweep_specs=[x for x in SWEEP.value.split(";") if x.strip()],
-        sweep_contexts=[int(c) for c in SWEEP_CONTEXTS.value])
+        sweep_contexts=[int(c) for c in SWEEP_CONTEXTS.value], shape=BenchShape.from_flags(), tag=BENCH_TAG.value)
 
 
 if __name__ == "__main__":

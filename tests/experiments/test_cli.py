@@ -15,7 +15,11 @@ EXPECTED = {
     "eval": ["--model", "--strategies", "--anchors", "--num_anchors", "--topk_frac", "--tasks", "--context_lengths",
              "--num_samples", "--seed", "--batch_size", "--output_dir"],
     "calibrate": ["--model", "--dataset", "--num_prompts", "--k", "--tile_size", "--output_dir"],
-    "bench": ["--phase", "--decode_contexts", "--prefill_contexts"],
+    "bench": ["--phase", "--decode_contexts", "--prefill_contexts", "--heads", "--num_layers", "--num_anchors",
+              "--bench_tag"],
+    "bench_decode": ["--decode_contexts", "--decode_out", "--heads", "--num_layers", "--num_anchors", "--bench_tag"],
+    "bench_prefill": ["--prefill_contexts", "--prefill_out", "--heads", "--num_layers", "--num_anchors",
+                      "--bench_tag"],
     "speed": ["--model", "--prompt_len", "--new_tokens", "--strategy"],
 }
 
@@ -49,3 +53,173 @@ def test_bench_write_outputs(tmp_path):
     assert open(tmp_path / "out" / "decode.png", "rb").read() == b"png"
     write_outputs(str(tmp_path / "out"), "sweep", dict(rows=[]), "x")
     assert not (tmp_path / "out" / "sweep.png").exists()
+
+
+QWEN05 = dict(q_heads=14, kv_heads=2, head_dim=64, num_layers=24, num_anchors=5)
+
+
+def test_bench_shape_weighted_formula():
+    from experiments.timing import BenchShape
+
+    a0, a, r = 3.0, 2.0, 0.5
+    qwen = BenchShape(**QWEN05)
+    assert qwen.weighted(a0, a, r) == pytest.approx((a0 + 4 * a + 19 * r) / 24)
+    assert qwen.formula() == "(1*A0 + 4*A + 19*R)/24"
+    assert qwen.group == 7 and qwen.heads == "14,2,64"
+    llama = BenchShape()
+    assert llama.weighted(a0, a, r) == pytest.approx((a0 + 4 * a + 27 * r) / 32)
+    assert llama.formula() == "(1*A0 + 4*A + 27*R)/32"
+    # the extremes of the mix: only layer 0 is an anchor, or every layer is one
+    assert BenchShape(num_layers=28, num_anchors=1).weighted(a0, a, r) == pytest.approx((a0 + 27 * r) / 28)
+    assert BenchShape(num_layers=4, num_anchors=4).weighted(a0, a, r) == pytest.approx((a0 + 3 * a) / 4)
+    assert BenchShape(**QWEN05).record() == QWEN05
+
+
+def test_bench_shape_parse_and_errors():
+    from experiments.timing import BenchShape
+
+    assert BenchShape.parse("14,2,64", 24, 5) == BenchShape(**QWEN05)
+    assert BenchShape.parse(["12", "2", "128"], 28) == BenchShape(12, 2, 128, 28, 5)
+    assert BenchShape.parse(["32", "8", "128"]) == BenchShape()
+    for heads in ("14,2", "14,2,64,1", "14,x,64", ""):
+        with pytest.raises(ValueError, match="--heads must be q_heads,kv_heads,head_dim"):
+            BenchShape.parse(heads)
+    with pytest.raises(ValueError, match=r"q_heads \(14\) must be a multiple of kv_heads \(3\)"):
+        BenchShape.parse("14,3,64")
+    with pytest.raises(ValueError, match="q_heads must be an int >= 1, got 0"):
+        BenchShape.parse("0,2,64")
+    with pytest.raises(ValueError, match="head_dim must be an int >= 1"):
+        BenchShape(head_dim=-64)
+    with pytest.raises(ValueError, match="num_layers must be an int >= 1, got 0"):
+        BenchShape(num_layers=0, num_anchors=0)
+    with pytest.raises(ValueError, match=r"num_anchors must be an int in \[1, num_layers=24\], got 25"):
+        BenchShape(num_layers=24, num_anchors=25)
+    with pytest.raises(ValueError, match="num_anchors must be an int in"):
+        BenchShape(num_anchors=0)
+
+
+def test_bench_output_stem_keeps_shapes_apart(tmp_path):
+    from experiments.timing import BenchShape, note_overwrite, output_stem, recorded_shape, write_outputs
+
+    qwen = BenchShape(**QWEN05)
+    assert output_stem("decode", "", BenchShape()) == "decode"
+    assert output_stem("decode", "qwen05", qwen) == "decode_qwen05"
+    assert output_stem("prefill_sweep", "qwen05", qwen) == "prefill_sweep_qwen05"
+    assert output_stem("prefill", "llama-v2", BenchShape()) == "prefill_llama-v2"
+    # the untagged files hold the default shape and mix only
+    with pytest.raises(ValueError, match="pass --bench_tag=NAME to write decode_NAME"):
+        output_stem("decode", "", qwen)
+    with pytest.raises(ValueError, match="--num_layers=24"):
+        output_stem("prefill", "", BenchShape(num_layers=24))
+    for bad in ("../x", "a/b", "_x", "a b"):
+        with pytest.raises(ValueError, match="--bench_tag must be"):
+            output_stem("decode", bad, qwen)
+
+    out, logs = str(tmp_path), []
+    note_overwrite(out, "decode_qwen05", qwen, logs.append)
+    assert logs == []  # nothing there yet
+    write_outputs(out, "decode_qwen05", dict(meta=dict(shape=qwen.record()), rows=[]), "x")
+    assert recorded_shape(str(tmp_path / "decode_qwen05.json")) == qwen
+    note_overwrite(out, "decode_qwen05", qwen, logs.append)
+    assert "overwriting" in logs[-1] and "--heads=14,2,64 --num_layers=24" in logs[-1] and "(the same shape)" in logs[-1]
+    note_overwrite(out, "decode_qwen05", BenchShape(12, 2, 128, 28, 5), logs.append)
+    assert "--heads=14,2,64" in logs[-1] and "same shape" not in logs[-1]
+    # files from before --heads hold the default shape
+    write_outputs(out, "decode", dict(meta=dict(date="x"), rows=[]), "x")
+    assert recorded_shape(str(tmp_path / "decode.json")) == BenchShape()
+    (tmp_path / "prefill.json").write_text("not json")
+    assert recorded_shape(str(tmp_path / "prefill.json")) is None
+    note_overwrite(out, "prefill", BenchShape(), logs.append)
+    assert "unreadable shape" in logs[-1]
+
+
+def _fake_rows(shape, decode):
+    from experiments.timing import BenchShape
+
+    assert isinstance(shape, BenchShape)
+    kernels = {"kascade_kernel": 0.1}
+    row = dict(context=16384, topk_frac=0.1, dtype="bfloat16", dense=1.0, A0=1.2, A=0.5, R=0.2, **shape.record())
+    for n in ("A0", "A", "R"):
+        row[n + "/dense"] = row[n] / row["dense"]
+        row[n + "_kernels"] = kernels
+    row["weighted"] = shape.weighted(row["A0"], row["A"], row["R"])
+    row["speedup"] = row["dense"] / row["weighted"]
+    if decode:
+        row.update(batch=8, k=1638)
+    else:
+        row.update(tile=32, A_extra_bytes=1e9, A_out_bytes=2e8)
+    return [row]
+
+
+def test_bench_markdown_labels_shape():
+    from experiments import bench_decode, bench_prefill
+    from experiments.timing import BenchShape
+
+    meta = dict(gpu="H200", date="today", jax="0.11.2", command="bench", tuning="t", tile=32, min_k=128)
+    llama, qwen = BenchShape(), BenchShape(**QWEN05)
+    # the default shape keeps today's header lines
+    md = bench_decode._markdown(_fake_rows(llama, True), meta, llama)
+    assert "CUPTI kernel time, median of iterations, ms. 32 q heads, 8 kv heads, d 128, every sequence at full " \
+           "length.\nWeighted = (1*A0 + 4*A + 27*R)/32 (Llama-3.1-8B: 32 layers, 5 anchors).\n" in md
+    md = bench_decode._markdown(_fake_rows(qwen, True), meta, qwen)
+    assert "14 q heads, 2 kv heads, d 64" in md
+    assert "Weighted = (1*A0 + 4*A + 19*R)/24 (Qwen2.5-Coder-0.5B: 24 layers, 5 anchors)." in md
+    w = (1.2 + 4 * 0.5 + 19 * 0.2) / 24
+    assert f"| {w:.4f} | **{1 / w:.2f}x** |" in md
+
+    md = bench_prefill._markdown(_fake_rows(llama, False), meta, llama)
+    assert "Batch 1, 32 q heads, 8 kv heads, d 128, rolling budgets, tile 32, min_k 128.\nWeighted = " \
+           "(1*A0 + 4*A + 27*R)/32 (Llama-3.1-8B: 32 layers, 5 anchors). A extra" in md
+    one_five = BenchShape(12, 2, 128, 28, 4)
+    md = bench_prefill._markdown(_fake_rows(one_five, False), dict(meta, min_k=64), one_five)
+    assert "12 q heads, 2 kv heads, d 128" in md and "min_k 64" in md
+    assert "(1*A0 + 3*A + 24*R)/28 (Qwen2.5-Coder-1.5B: 28 layers, 4 anchors)" in md
+    srows = [dict(context=32768, spec="(base) ", dense=1.0, A0=1.2, A=0.5, R=0.2, speedup_est=2.0,
+                  **{"A0/dense_est": 1.2, "A/dense_est": 0.5, "R/dense_est": 0.2},
+                  **{n + "_kernels": {"kascade_kernel": 0.1} for n in ("A0", "A", "R")})]
+    md = bench_prefill._sweep_markdown(srows, meta, qwen)
+    assert "14 q heads, 2 kv heads, d 64; weighted = (1*A0 + 4*A + 19*R)/24" in md
+
+
+def test_bench_plots_label_shape(tmp_path):
+    pytest.importorskip("matplotlib")
+    from experiments import bench_decode, bench_prefill
+    from experiments.timing import BenchShape
+
+    qwen = BenchShape(**QWEN05)
+    bench_decode._plot(_fake_rows(qwen, True), str(tmp_path / "d.png"), qwen)
+    bench_prefill._plot(_fake_rows(qwen, False), str(tmp_path / "p.png"), qwen)
+    assert (tmp_path / "d.png").stat().st_size > 0 and (tmp_path / "p.png").stat().st_size > 0
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, "-m", "experiments.bench", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_bench_flags_reach_the_run(phase, tmp_path):
+    """On the CPU the benchmarks stop before timing; what they check first shows that the flags got through."""
+    out = f"--{phase}_out={tmp_path}"
+    res = _bench(f"--phase={phase}", "--heads=14,2,64", "--num_layers=24", out)
+    assert res.returncode != 0 and "pass --bench_tag=NAME" in res.stderr, res.stderr[-2000:]
+    res = _bench(f"--phase={phase}", "--heads=14,2,64", "--num_layers=24", "--bench_tag=qwen05", out)
+    assert res.returncode != 0 and "needs a GPU" in res.stdout + res.stderr, res.stderr[-2000:]
+    res = _bench(f"--phase={phase}", "--heads=14,3,64", "--bench_tag=x", out)
+    assert res.returncode != 0 and "must be a multiple of kv_heads" in res.stderr, res.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_checks_run_at_a_qwen_shape_in_interpret_mode():
+    """The benchmarks' reference checks at the GQA group 7 / head_dim 64 shape of Qwen2.5-Coder-0.5B (small)."""
+    import numpy as np
+
+    from experiments import bench_decode, bench_prefill
+    from experiments.timing import BenchShape
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print("seed", seed)
+    errs = bench_decode.check(seed=seed, b=2, s=1024, hq=14, kvh=2, d=64, min_k=32, peaky=True, interpret=True)
+    assert errs["anchor_out"] < 2e-2
+    errs = bench_prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05))
+    assert errs["exact_set_fraction"] > 0.9
