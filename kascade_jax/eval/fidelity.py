@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kascade_jax.tasks import prompt as prompt_lib
-from kascade_jax.tasks import prose, ruler
+from kascade_jax.tasks import prose, synthetic
 
 PROBE_CHUNK = 64  # query rows probed at the end of each document (a multiple of every tile size we use)
 
@@ -40,7 +40,7 @@ def prose_documents(tokenizer, num_docs: int, length: int, *, seed: int = 0, spl
     sents = prose.prose_sentences()
     docs = []
     for i in range(num_docs):
-        rng = np.random.default_rng(ruler.sample_seed("fidelity", length, i, seed=seed, split=split))
+        rng = np.random.default_rng(synthetic.sample_seed("fidelity", length, i, seed=seed, split=split))
         start, ids, n = int(rng.integers(len(sents))), [], 0
         while len(ids) < length:
             chunk = " ".join(sents[(start + n + j) % len(sents)] for j in range(64))

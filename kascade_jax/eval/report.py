@@ -212,17 +212,18 @@ def write(rows, output_dir: str, *, env: dict, examples: list[dict] = (), extra:
 def pivot_markdown(rows, *, baseline: str = "dense") -> str:
     """One line per (strategy, config): the task-average score at each context length (with the difference to
     `baseline` where it ran) and each task's score per context length; the layout of the paper's RULER tables."""
-    avg = [a for a in averages(rows) if a["family"] == "ruler"]
+    fams = ("ruler", "synthetic")
+    avg = [a for a in averages(rows) if a["family"] in fams]
     if not avg:
         return ""
     ctxs = sorted({a["context_length"] for a in avg})
-    tasks = list(dict.fromkeys(r["task"] for r in rows if r["family"] == "ruler"))
+    tasks = list(dict.fromkeys(r["task"] for r in rows if r["family"] in fams))
     # An average over fewer tasks than the most complete line at that length is not comparable: shown in brackets.
     full = {c: max(a["tasks"] for a in avg if a["context_length"] == c) for c in ctxs}
     base = {a["context_length"]: a["score"] for a in avg if a["strategy"] == baseline and a["tasks"] == full[a["context_length"]]}
     keys = sorted(dict.fromkeys((a["strategy"], a["config"]) for a in avg), key=lambda k: k[0] != baseline)
     by = {(a["strategy"], a["config"], a["context_length"]): a for a in avg}
-    cell = {(r["strategy"], r["config"], r["task"], r["context_length"]): r for r in rows if r["family"] == "ruler"}
+    cell = {(r["strategy"], r["config"], r["task"], r["context_length"]): r for r in rows if r["family"] in fams}
     head = ["strategy", "config"] + [f"avg {c}" for c in ctxs] + [f"{t} {c}" for t in tasks for c in ctxs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, cfg in keys:

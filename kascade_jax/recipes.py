@@ -1,0 +1,142 @@
+"""Recipes: how Kascade is set up for a model (calibration, anchor count, recipe levers), selectable by name.
+
+A recipe fixes everything the user does not pass explicitly: the calibration that chooses anchors and head maps
+(k, reduction over tiles, DP importance weighting, development prompts), the anchor count M, and the
+`KascadeConfig` levers (`sink_tokens`, `recent_window`, `dense_suffix`). Two names exist for every model:
+- `paper`: the paper's method exactly (DP over k = 64 similarity, min over tiles, importance-weighted, M = 5, no
+  levers);
+- `default`: the recipe chosen for this model on the development split (never on test prompts) and shipped in
+  `kascade_jax/data/recipes/<model>.json` with the measurement it rests on; for a model without a shipped file it
+  is the paper recipe (and says so).
+A path to a JSON file with the same fields works too. Explicit flags override the recipe's fields.
+
+Deliberately not here: running calibrations (`calibration.resolve`) or building strategies (`registry`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
+LEVERS = ("sink_tokens", "recent_window", "dense_suffix")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str = "paper"
+    num_anchors: int = 5
+    calib_k: int = 64
+    calib_reduce: str = "min"
+    calib_importance: str = "paper"
+    calib_num_prompts: int = 64
+    calib_max_tokens: int = 4096
+    sink_tokens: int = 0
+    recent_window: int = 0
+    dense_suffix: int = 0
+    note: str = ""  # why this recipe (what it measured on the dev split)
+
+    def __post_init__(self):
+        from kascade_jax.calibration.stats import IMPORTANCE, REDUCES  # noqa: PLC0415
+
+        for f in ("num_anchors", "calib_k", "calib_num_prompts", "calib_max_tokens"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"recipe {self.name!r}: {f} must be an int >= 1, got {v!r}")
+        for f in LEVERS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"recipe {self.name!r}: {f} must be an int >= 0, got {v!r}")
+        if self.calib_reduce not in REDUCES:
+            raise ValueError(f"recipe {self.name!r}: calib_reduce must be one of {REDUCES}, got {self.calib_reduce!r}")
+        if self.calib_importance not in IMPORTANCE:
+            raise ValueError(f"recipe {self.name!r}: calib_importance must be one of {IMPORTANCE}, "
+                             f"got {self.calib_importance!r}")
+
+    def levers(self) -> dict[str, int]:
+        """The KascadeConfig fields this recipe sets."""
+        return {f: getattr(self, f) for f in LEVERS}
+
+    def describe(self) -> str:
+        on = [f"{f}={getattr(self, f)}" for f in LEVERS if getattr(self, f)]
+        calib = f"k{self.calib_k}/{self.calib_reduce}/w={self.calib_importance}"
+        return f"recipe={self.name} M={self.num_anchors} calib={calib}" + (" " + " ".join(on) if on else "")
+
+    def replace(self, **overrides) -> "Recipe":
+        """A copy with the non-None overrides applied (explicit flags win over the recipe); a recipe whose fields
+        an override changed is renamed `<name>*`, so results never attribute it to the original."""
+        over = {k: v for k, v in overrides.items() if v is not None and getattr(self, k) != v}
+        return dataclasses.replace(self, name=self.name.rstrip("*") + "*", **over) if over else self
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], name: str) -> "Recipe":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known - {"measured"})
+        if unknown:
+            raise ValueError(f"recipe {name!r}: unknown fields {unknown}; allowed: {sorted(known)}")
+        return cls(**{k: v for k, v in d.items() if k in known and k != "name"}, name=d.get("name", name))
+
+
+PAPER = Recipe()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_") or "x"
+
+
+def recipe_file(model_name: str) -> Path:
+    return RECIPE_DIR / f"{_slug(Path(str(model_name)).name)}.json"
+
+
+def load_recipe(model_name: str, name: str = "default") -> Recipe:
+    """`paper`, `default` (the shipped choice for `model_name`, else the paper recipe) or a .json path."""
+    name = str(name).strip()
+    if name == "paper":
+        return PAPER
+    if name.startswith("candidate:"):
+        return candidate(name.split(":", 1)[1])
+    if name.endswith(".json"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--recipe: no recipe file at {path}")
+        doc = json.loads(path.read_text())
+        return Recipe.from_dict(doc.get("default", doc), path.stem)
+    if name != "default":
+        raise ValueError(f"--recipe must be 'paper', 'default', 'candidate:<name>' ({sorted(CANDIDATES)}) or a path "
+                         f"to a .json recipe, got {name!r}")
+    path = recipe_file(model_name)
+    if not path.is_file():
+        return dataclasses.replace(PAPER, name="default",
+                                   note=f"no tuned recipe shipped for {model_name!r}: the paper recipe")
+    doc = json.loads(path.read_text())
+    if "default" not in doc:
+        raise ValueError(f"{path}: a recipe file needs a 'default' entry, got keys {sorted(doc)}")
+    return Recipe.from_dict(doc["default"], "default")
+
+
+# The recipe levers of issue 17 as candidate recipes, measured on the development split (experiments.accuracy
+# --mode=plan writes one dev run per candidate; --mode=choose picks the default from their results).
+CANDIDATES: dict[str, dict[str, Any]] = {
+    "paper": dict(num_anchors=5),
+    "sw": dict(num_anchors=5, sink_tokens=4, recent_window=60),
+    "ds128": dict(num_anchors=5, dense_suffix=128),
+    "ds512": dict(num_anchors=5, dense_suffix=512),
+    "sw_ds128": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128),
+    "m6": dict(num_anchors=6),
+    "m6_sw_ds128": dict(num_anchors=6, sink_tokens=4, recent_window=60, dense_suffix=128),
+    "m8": dict(num_anchors=8),
+    "imp_none": dict(num_anchors=5, calib_importance="none"),
+    "imp_sqrt": dict(num_anchors=5, calib_importance="sqrt"),
+    "calib_k352": dict(num_anchors=5, calib_k=352),
+    "calib_mean": dict(num_anchors=5, calib_reduce="mean"),
+    "calib_16k": dict(num_anchors=5, calib_k=1664, calib_num_prompts=16, calib_max_tokens=16384),
+}
+
+
+def candidate(name: str) -> Recipe:
+    if name not in CANDIDATES:
+        raise ValueError(f"unknown candidate recipe {name!r}; have {sorted(CANDIDATES)}")
+    return Recipe(name=name, **CANDIDATES[name])

