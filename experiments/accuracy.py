@@ -83,7 +83,8 @@ def main(argv):
     tmp.write_text("\n".join(text))
     os.replace(tmp, out_dir / "summary.md")
     print("\n".join(text))
-    print(f"wrote {out_dir / 'summary.json'} ({len(rows)} rows) and summary.md")
+    plots = accuracy.plot_summary(rows, out_dir)
+    print(f"wrote {out_dir / 'summary.json'} ({len(rows)} rows), summary.md and {len(plots)} plots")
 
 
 if __name__ == "__main__":

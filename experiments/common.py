@@ -15,6 +15,21 @@ TILE_SIZE = flags.DEFINE_integer("tile_size", 32, "Query tile (tokens) pooled fo
 ROLLING = flags.DEFINE_boolean("rolling_prefill", True, "Per-tile rolling prefill budgets.")
 CHUNK = flags.DEFINE_integer("chunk_size", None, "Prefill chunk (multiple of 64); default: whole prompt on GPU, 1024 on CPU.")
 CALIB_PROMPTS = flags.DEFINE_integer("calib_prompts", 64, "With --anchors=auto and no saved calibration: dev prompts to calibrate on.")
+RECIPE = flags.DEFINE_string("recipe", "default", "Kascade recipe: 'default' (tuned for this model on the dev split, shipped in "
+                             "kascade_jax/data/recipes; the paper recipe where none is shipped), 'paper', "
+                             "'candidate:<name>' or a .json file. --num_anchors / --calib_prompts given explicitly win.")
+
+
+def recipe():
+    """The --recipe for --model, with an explicitly given --num_anchors / --calib_prompts applied on top."""
+    from kascade_jax.recipes import load_recipe
+
+    over = {}
+    if flags.FLAGS["num_anchors"].present:
+        over["num_anchors"] = NUM_ANCHORS.value
+    if flags.FLAGS["calib_prompts"].present:
+        over["calib_num_prompts"] = CALIB_PROMPTS.value
+    return load_recipe(MODEL.value, RECIPE.value).replace(**over)
 
 
 KASCADE_FAMILY = ("kascade", "no_remap", "all_heads_pooled", "pre_softmax_pooling", "oracle_topk", "decode_only")
@@ -31,22 +46,27 @@ def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = Non
     cfg = model.config
     frac = TOPK_FRAC.value if topk_frac is None else topk_frac
     if name in KASCADE_FAMILY:
-        anchors, head_map = resolve_anchors_and_head_map(model, tokenizer)
+        r = recipe()
+        anchors, head_map = resolve_anchors_and_head_map(model, tokenizer, r)
         return make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map, topk_frac=frac,
                              min_k=MIN_K.value, tile_size=TILE_SIZE.value, rolling_prefill=ROLLING.value,
-                             kernels="pallas" if jax.default_backend() == "gpu" else "reference")
+                             kernels="pallas" if jax.default_backend() == "gpu" else "reference", **r.levers())
     if name in BUDGETED_BASELINES:
         return make_strategy(name, cfg.num_layers, cfg.kv_heads, topk_frac=frac, min_k=MIN_K.value)
     return make_strategy(name, cfg.num_layers, cfg.kv_heads)
 
 
-def resolve_anchors_and_head_map(model, tokenizer):
+def resolve_anchors_and_head_map(model, tokenizer, r=None):
     from kascade_jax.calibration import resolve_anchors, resolve_head_map
 
     cfg = model.config
+    r = recipe() if r is None else r
+    calib = dict(k=r.calib_k, reduce=r.calib_reduce, max_tokens=r.calib_max_tokens,
+                 min_tokens=max(64, r.calib_max_tokens // 2))
     if ANCHORS.value == "auto":
-        anchors, auto_map = resolve_anchors(model, tokenizer, model_name=MODEL.value, num_anchors=NUM_ANCHORS.value,
-                                            tile_size=TILE_SIZE.value, num_prompts=CALIB_PROMPTS.value)
+        anchors, auto_map = resolve_anchors(model, tokenizer, model_name=MODEL.value, num_anchors=r.num_anchors,
+                                            tile_size=TILE_SIZE.value, num_prompts=r.calib_num_prompts,
+                                            importance=r.calib_importance, **calib)
     else:
         try:
             anchors = tuple(int(a) for a in ANCHORS.value.split(",") if a.strip())
@@ -55,5 +75,5 @@ def resolve_anchors_and_head_map(model, tokenizer):
         auto_map = None
     head_map = resolve_head_map(HEAD_MAP.value, anchors, cfg.num_layers, cfg.kv_heads, auto_map=auto_map,
                                 model=model, tokenizer=tokenizer, model_name=MODEL.value, tile_size=TILE_SIZE.value,
-                                num_prompts=CALIB_PROMPTS.value)
+                                num_prompts=r.calib_num_prompts, **calib)
     return anchors, head_map

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -200,3 +201,52 @@ def markdown_table(rows, *, task: str = "ruler_avg") -> str:
 
 def finite(x) -> bool:
     return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def plot_summary(rows, out_dir) -> list[str]:
+    """Per (model, context, split): task scores per cell (bars) and the ruler_avg difference to dense with its paired
+    95% interval (a forest plot). Returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["context"], r["split"]), []).append(r)
+    for (model, ctx, split), rs in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+        label = lambda r: r["strategy"] if not r["recipe"] else f"{r['strategy']} ({r['recipe']})"  # noqa: E731
+        cells = list(dict.fromkeys(label(r) for r in rs))
+        tasks = [t for t in dict.fromkeys(r["task"] for r in rs) if t != "ruler_avg"] + ["ruler_avg"]
+        by = {(label(r), r["task"]): r for r in rs}
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(16, 5), gridspec_kw=dict(width_ratios=[3, 1]))
+        w = 0.8 / max(1, len(cells))
+        for j, c in enumerate(cells):
+            xs = [i + j * w for i, t in enumerate(tasks) if (c, t) in by]
+            ys = [by[(c, t)]["score"] for t in tasks if (c, t) in by]
+            ax.bar(xs, ys, width=w, label=c)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(tasks))], tasks, rotation=45, ha="right")
+        ax.set_ylabel("score (%)")
+        ax.set_title(f"{model}, {ctx} tokens, {split} split: real RULER per task")
+        ax.legend(fontsize=8)
+        diffs = [(c, by[(c, "ruler_avg")]) for c in cells if (c, "ruler_avg") in by
+                 and by[(c, "ruler_avg")]["diff_vs_dense"] is not None]
+        for i, (c, r) in enumerate(diffs):
+            bx.errorbar(r["diff_vs_dense"], i, xerr=[[r["diff_vs_dense"] - r["diff_ci_low"]],
+                                                     [r["diff_ci_high"] - r["diff_vs_dense"]]], fmt="o", capsize=4,
+                        color=f"C{cells.index(c) % 10}")  # the bar colour of the same cell
+        bx.set_yticks(range(len(diffs)), [c for c, _ in diffs], fontsize=8)
+        bx.axvline(0, color="k", lw=0.8)
+        bx.axvline(-1, color="r", lw=0.8, ls="--")
+        bx.set_xlabel("ruler_avg - dense (points, paired 95% CI)")
+        fig.tight_layout()
+        path = out_dir / f"ruler_{Path(model).name}_{ctx}_{split}.png"
+        tmp = path.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=110)
+        plt.close(fig)
+        os.replace(tmp, path)
+        paths.append(str(path))
+    return paths
