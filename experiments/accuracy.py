@@ -19,6 +19,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from experiments import cli
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "report", ["report", "choose"], "what to do")
 flags.DEFINE_list("inputs", [], "experiments.eval output folders (globs allowed)")
@@ -88,4 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 PHASE = flags.DEFINE_enum("phase", "decode", ["decode", "prefill"], "Which kernels to benchmark.")
 
@@ -29,4 +31,4 @@ if __name__ == "__main__":
             __import__(name)
         except ImportError:
             pass
-    app.run(main, argv=sys.argv)
+    cli.run(main, argv=sys.argv)

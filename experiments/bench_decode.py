@@ -19,8 +19,9 @@ import datetime
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from experiments.timing import BENCH_TAG, BenchShape, cupti_time, note_overwrite, output_stem, write_outputs
 
 CONTEXTS = flags.DEFINE_list("decode_contexts", ["8192", "16384", "32768", "65536", "131072"], "Cache lengths.")
@@ -242,4 +243,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

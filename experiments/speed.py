@@ -13,9 +13,9 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from experiments import common
+from experiments import cli, common
 
 BATCH = flags.DEFINE_integer("batch", 1, "Sequences per batch.")
 PROMPT_LEN = flags.DEFINE_integer("prompt_len", 1024, "Prompt tokens per sequence (random ids).")
@@ -71,4 +71,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -36,10 +36,10 @@ _FRAC_DEN = 10_000  # topk_frac resolution: budgets are exact integer arithmetic
 
 def frac_numerator(topk_frac: float) -> int:
     """topk_frac as an integer numerator over 10_000, raising if it is not representable."""
-    num = round(topk_frac * _FRAC_DEN)
-    if not (0.0 < topk_frac <= 1.0) or abs(num - topk_frac * _FRAC_DEN) > 1e-6:
+    # the range check runs first (`0 < nan` is false): round() of nan or inf would raise its own, unclear error
+    if not (0.0 < topk_frac <= 1.0) or abs(round(topk_frac * _FRAC_DEN) - topk_frac * _FRAC_DEN) > 1e-6:
         raise ValueError(f"topk_frac must be in (0, 1] and a multiple of 1e-4, got {topk_frac!r}")
-    return num
+    return round(topk_frac * _FRAC_DEN)
 
 
 def topk_budget(length, topk_frac: float, min_k: int):

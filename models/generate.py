@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
@@ -122,6 +123,20 @@ def decode_step(model, tokens, cache: KVCache, strategy):
     return _decode(graphdef, params, jnp.asarray(tokens, jnp.int32), cache, strategy)
 
 
+def check_sampling(temperature: float, top_p: float, top_k: int, vocab: int | None = None) -> None:
+    """Raise a ValueError naming the bad value among sampling parameters that `sample` cannot use. Non-finite values
+    are rejected explicitly: every comparison with nan is false, so `temperature < 0` lets it through, and a nan or
+    inf temperature samples garbage instead of failing."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a finite number in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if vocab is not None and top_k > vocab:
+        raise ValueError(f"top_k={top_k} is larger than the vocabulary ({vocab} tokens)")
+
+
 def sample(logits, key, temperature: float, top_p: float, top_k: int):
     """logits [batch, vocab] -> tokens [batch]. temperature 0 is greedy."""
     if temperature == 0.0:
@@ -189,9 +204,7 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, t
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0 or not (0 < top_p <= 1) or top_k < 0:
-        raise ValueError(f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} (in (0, 1]), "
-                         f"top_k={top_k} (>= 0)")
+    check_sampling(temperature, top_p, top_k, vocab=model.config.vocab)
     if not prompts:
         raise ValueError("generate needs at least one prompt")
     ids = []

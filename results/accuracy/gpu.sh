@@ -64,8 +64,9 @@ case "$cmd" in
       case "$kind" in
         calibrate) XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${CAL_MEM:-0.06}} python3 -m experiments.calibrate "$@" --noplots \
                      > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
-        eval) XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${EVAL_MEM:-0.07}} python3 -m experiments.eval "$@" \
-                --output_dir="$ACC/$name" --noprogress > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
+        eval) local again=""; [ -d "$ACC/$name" ] && again=--resume  # a rerun keeps the blocks that finished
+              XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${EVAL_MEM:-0.07}} python3 -m experiments.eval "$@" \
+                --output_dir="$ACC/$name" $again --noprogress > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         py) JAX_PLATFORMS=cpu python3 -m "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         *) echo "unknown job kind $kind" > "$ACC/logs/$name.log"; rc=2 ;;
       esac

@@ -21,6 +21,9 @@ EXPECTED = {
     "bench_prefill": ["--prefill_contexts", "--prefill_out", "--heads", "--num_layers", "--num_anchors",
                       "--bench_tag"],
     "speed": ["--model", "--prompt_len", "--new_tokens", "--strategy"],
+    "accuracy": ["--mode", "--inputs", "--max_slowdown"],
+    "kascade_agreement": ["--doc", "--topk_fracs", "--strategies"],
+    "merge_eval": ["--inputs", "--labels", "--merged_dir"],
 }
 
 
@@ -32,6 +35,7 @@ def test_helpfull_lists_flags(name):
     assert res.returncode in (0, 1) and "Traceback" not in res.stderr, res.stderr[-2000:]
     for flag in EXPECTED[name]:
         assert flag in res.stdout, f"{name}: {flag} missing from --helpfull"
+    assert "--[no]verbose" in res.stdout, f"{name} does not run through experiments.cli"
 
 
 def test_generate_requires_a_prompt():

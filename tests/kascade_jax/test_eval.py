@@ -124,7 +124,8 @@ def test_report_files(tmp_path):
                          examples=[dict(a=1)], extra_sections=["## extra"])
     with open(paths["csv"]) as f:
         got = list(csv.DictReader(f))
-    assert len(got) == 12 and set(report.ROW_FIELDS) == set(got[0])
+    assert len(got) == 12 and set(report.ROW_FIELDS) | {"status"} == set(got[0])
+    assert {g["status"] for g in got} == {"complete"}
     data = json.load(open(paths["json"]))
     assert len(data["rows"]) == 12 and len(data["averages"]) == 6
     assert [json.loads(line) for line in open(paths["examples"])] == [dict(a=1)]

@@ -129,3 +129,20 @@ def test_config_errors():
     with pytest.raises(ValueError, match="sliding"):
         tiny_config(model_type="qwen2", use_sliding_window=True)
     assert tiny_config(model_type="qwen2").qkv_bias and tiny_config(model_type="qwen3").qk_norm
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(temperature=float("nan")), r"temperature must be a finite number >= 0 \(0 = greedy\), got nan"),
+    (dict(temperature=float("inf")), r"temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
+    (dict(top_p=float("nan")), r"top_p must be a finite number in \(0, 1\], got nan"),
+    (dict(top_p=float("inf")), r"top_p must be a finite number in \(0, 1\], got inf"),
+    (dict(top_p=0.0), r"top_p must be a finite number in \(0, 1\], got 0.0"),
+    (dict(top_k=-1), r"top_k must be an int >= 0 \(0 = off\), got -1"),
+    (dict(temperature=1.0, top_k=129), r"top_k=129 is larger than the vocabulary \(128 tokens\)"),
+])
+def test_sampling_errors(tiny_model, kw, message):
+    """Rejected before any compile: nan passes `< 0` checks, and top_k > vocab would be a JAX top_k size error."""
+    assert tiny_model.config.vocab == 128
+    with pytest.raises(ValueError, match=message):
+        gen.generate(tiny_model, ToyTokenizer(), [[5, 6, 7]], S, max_new_tokens=2, **kw)
+    gen.check_sampling(1.0, 1.0, 128, vocab=128)  # the largest top_k is the vocabulary

@@ -1,0 +1,147 @@
+"""Bad input ends an entry point with one line, `error: <message>`, and status 2 (experiments.cli), before any
+model loads; --verbose gives the traceback; Ctrl-C exits 130. The subprocesses here import no model."""
+
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+
+
+def _run(*args, timeout=120):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def _one_line_error(res, *needles):
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr[-2000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+BAD_FLAGS = [
+    ("--topk_frac=nan", "topk_frac must be in (0, 1]"),
+    ("--topk_frac=inf", "topk_frac must be in (0, 1]"),
+    ("--topk_frac=0", "topk_frac must be in (0, 1]"),
+    ("--min_k=nan", "--min_k=nan"),
+    ("--min_k=0", "--min_k=0"),
+    ("--temperature=nan", "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    ("--temperature=inf", "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    ("--temperature=-1", "temperature must be a finite number >= 0"),
+    ("--top_p=nan", "top_p must be a finite number in (0, 1], got nan"),
+    ("--top_p=inf", "top_p must be a finite number in (0, 1], got inf"),
+    ("--top_k=-1", "top_k must be an int >= 0"),
+]
+
+
+@pytest.mark.parametrize("flag,message", BAD_FLAGS)
+def test_generate_rejects_bad_flags_before_loading(flag, message):
+    # a model that cannot load: reaching load_model would fail with a different error
+    res = _run("-m", "experiments.generate", "--prompt=hi", "--model=/nonexistent/model", flag)
+    _one_line_error(res, message)
+
+
+@pytest.mark.parametrize("flag", ["--topk_frac=nan", "--topk_frac=inf", "--min_k=nan"])
+def test_speed_rejects_bad_budget_flags(flag):
+    _one_line_error(_run("-m", "experiments.speed", "--model=/nonexistent/model", flag), flag.split("=")[0])
+
+
+def test_missing_prompt_file_is_one_line(tmp_path):
+    missing = tmp_path / "nope.txt"
+    res = _run("-m", "experiments.generate", f"--prompt_file={missing}", "--model=/nonexistent/model")
+    _one_line_error(res, f"cannot read --prompt_file={missing}", "No such file or directory")
+    assert "Traceback" not in res.stderr
+
+
+def test_good_flags_reach_the_model_load(tmp_path):
+    """Valid sampling flags and a readable --prompt_file pass the checks: the run fails only at the model."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("What is the capital of France?")
+    res = _run("-m", "experiments.generate", f"--prompt_file={prompt}", "--model=/nonexistent/model",
+               "--temperature=0.7", "--top_p=0.9", "--top_k=50", "--topk_frac=0.2", "--min_k=64")
+    _one_line_error(res, "model '/nonexistent/model' not found")
+
+
+def test_usage_error_is_one_line():
+    _one_line_error(_run("-m", "experiments.generate"), "give exactly one of --prompt or --prompt_file")
+
+
+def test_verbose_shows_the_traceback():
+    res = _run("-m", "experiments.generate", "--prompt=hi", "--temperature=nan", "--verbose")
+    assert res.returncode == 2
+    assert "Traceback" in res.stderr and "ValueError: temperature must be a finite number" in res.stderr
+
+
+# experiments.cli on its own, with a main that fails as asked (absl only: fast)
+SCRIPT = """
+import sys, time
+from experiments import cli
+def main(argv):
+    what = argv[1]
+    if what == "value": raise ValueError("bad value\\nsecond line")
+    if what == "missing": open("/nonexistent/file")
+    if what == "usage": raise cli.app.UsageError("give --x")
+    if what == "bug": raise RuntimeError("a bug")
+    if what == "interrupt": raise KeyboardInterrupt
+    if what == "sleep":
+        print("ready", flush=True)
+        time.sleep(60)
+    return 0
+cli.run(main)
+"""
+
+
+@pytest.mark.parametrize("what,message", [("value", "error: bad value; second line"),
+                                          ("missing", "error: [Errno 2] No such file or directory: '/nonexistent/file'"),
+                                          ("usage", "error: give --x")])
+def test_cli_bad_input_is_one_line(what, message):
+    assert _one_line_error(_run("-c", SCRIPT, what)) == message
+
+
+def test_cli_bad_flag_is_one_line():
+    assert _one_line_error(_run("-c", SCRIPT, "--no_such_flag", "ok")) == "error: Unknown command line flag 'no_such_flag'"
+
+
+def test_cli_success_and_bugs_keep_absl_behaviour():
+    assert _run("-c", SCRIPT, "ok").returncode == 0
+    res = _run("-c", SCRIPT, "bug")
+    assert res.returncode == 1 and "Traceback" in res.stderr and "RuntimeError: a bug" in res.stderr
+
+
+def test_cli_keyboard_interrupt_exits_130():
+    res = _run("-c", SCRIPT, "interrupt")
+    assert res.returncode == 130 and res.stderr.strip() == "interrupted", res.stderr[-2000:]
+    # a real Ctrl-C (SIGINT) while main runs
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "sleep"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and err.strip() == "interrupted", err[-2000:]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 0.0, 1.5])
+def test_topk_frac_rule_rejects_non_finite(value):
+    """The rule the --topk_frac validator shares with KascadeConfig and the budgeted baselines (before the fix,
+    nan raised round()'s 'cannot convert float NaN to integer' and inf an OverflowError)."""
+    from kascade_jax.config import KascadeConfig
+    from kernels_pallas.reference import frac_numerator
+
+    with pytest.raises(ValueError, match=r"topk_frac must be in \(0, 1\] and a multiple of 1e-4, got"):
+        frac_numerator(value)
+    with pytest.raises(ValueError, match=r"topk_frac must be in \(0, 1\]"):
+        KascadeConfig(num_layers=4, kv_heads=2, anchors=(0,), topk_frac=value)
+    assert frac_numerator(0.1) == 1000 and frac_numerator(1.0) == 10_000
