@@ -216,7 +216,7 @@ def _dense_suffix(inputs, out, n: int):
     start = jnp.clip(seq_len - n - inputs.q_start, 0, t - w)  # [batch] window start within the chunk
     take = jax.vmap(lambda x, s: lax.dynamic_slice_in_dim(x, s, w, axis=0))
     qw, pos0 = take(q, start), inputs.q_start + start
-    blk = min(w, _SUFFIX_BLOCK)
+    blk = _SUFFIX_BLOCK if w % _SUFFIX_BLOCK == 0 else w  # whole blocks (model chunks are multiples of 64)
 
     def block(i):
         qs = lax.dynamic_slice_in_dim(qw, i * blk, blk, axis=1)

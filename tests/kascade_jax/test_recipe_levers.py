@@ -118,6 +118,10 @@ def test_dense_suffix_rows(rng):
                 np.testing.assert_array_equal(os_[bi, before], op[bi, before])
                 if in_sfx.any():
                     assert not np.allclose(op[bi, in_sfx], dense[bi, in_sfx], atol=1e-4)  # the lever mattered
+    # a chunk that is not a whole number of 32-row blocks (here 100 rows) is served by one block
+    odd = [prefill_inputs(lay, 0, 100, [100, 100]) for lay in layers]
+    outs_odd, _ = run_layers(make_strategy("kascade", num_layers, kvh, dense_suffix=120, **kw), odd)
+    np.testing.assert_allclose(np.asarray(outs_odd[1]), np.asarray(dense_reference(odd[1])), rtol=1e-5, atol=1e-5)
     full = make_strategy("kascade", num_layers, kvh, dense_suffix=max_len, **kw)
     inputs = [prefill_inputs(lay, 0, max_len, lens) for lay in layers]
     outs, _ = run_layers(full, inputs)
