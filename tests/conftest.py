@@ -35,3 +35,24 @@ def smollm2():
     from models import load_model
 
     return load_model("smollm2-135m", "float32")
+
+
+@pytest.fixture
+def triton_sm90_modules(monkeypatch):
+    """Lowering Pallas kernels for CUDA on the CPU, with every Triton module verified: returns the list that gets one
+    entry per verified module. Catches GPU-only lowering errors without a GPU. Uses JAX-internal hooks."""
+    reg = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="sm_90", compute_capability=90))
+    lower_module = reg.lowering.lower_jaxpr_to_triton_module
+    verified = []
+
+    def checked(*args, **kwargs):
+        res = lower_module(*args, **kwargs)
+        assert res.module.operation.verify()
+        verified.append(1)
+        return res
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", checked)
+    return verified

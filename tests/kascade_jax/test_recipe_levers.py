@@ -143,22 +143,9 @@ def test_levers_through_pallas_strategy_match_reference(rng):
         np.testing.assert_allclose(np.asarray(oa), np.asarray(ob), rtol=2e-5, atol=2e-5)
 
 
-def test_forced_keys_triton_lowering_verifies_for_sm90(monkeypatch):
+def test_forced_keys_triton_lowering_verifies_for_sm90(triton_sm90_modules):
     """The prefill scores kernel with forced keys lowers for CUDA and its Triton module verifies (no GPU needed)."""
-    reg = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
-    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="sm_90", compute_capability=90))
-    lower_module = reg.lowering.lower_jaxpr_to_triton_module
-    names = []
-
-    def checked(*args, **kwargs):
-        res = lower_module(*args, **kwargs)
-        assert res.module.operation.verify()
-        names.append(1)
-        return res
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", checked)
+    names = triton_sm90_modules
     b, t, hq, kvh, d, tile = 1, 2048, 14, 2, 64, 32  # Qwen2.5-Coder-0.5B's group of 7
     q = jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((b, t, kvh, d), jnp.bfloat16)

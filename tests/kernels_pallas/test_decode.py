@@ -235,23 +235,10 @@ def test_errors():
         topk.select_topk_bits(jnp.zeros((1, 1, 2048), jnp.int32), kv_len[:1], cnt[:1], 8, chunks=1, version=1)
 
 
-def test_triton_modules_verify_for_sm90(monkeypatch):
+def test_triton_modules_verify_for_sm90(triton_sm90_modules):
     """Lower every kernel for CUDA on the CPU and verify the Triton modules: catches GPU-only lowering errors
-    (e.g. a where() of two Python ints became an i1 loop bound) without a GPU. Uses JAX-internal hooks."""
-    reg = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
-    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="sm_90", compute_capability=90))
-    lower_module = reg.lowering.lower_jaxpr_to_triton_module
-    verified = []
-
-    def checked(*args, **kwargs):
-        res = lower_module(*args, **kwargs)
-        assert res.module.operation.verify()
-        verified.append(1)
-        return res
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", checked)
+    (e.g. a where() of two Python ints became an i1 loop bound) without a GPU."""
+    verified = triton_sm90_modules
     b, s, kvh, g, d = 2, 5000, 2, 4, 128
     q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
     kc = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
