@@ -53,11 +53,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import gc
 import json
-import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -93,6 +92,9 @@ PROFILE = flags.DEFINE_boolean("e2e_profile", False, "Print the top kernels of o
                                "--e2e_profile_shape instead of the benchmark.")
 PROFILE_SHAPE = flags.DEFINE_string("e2e_profile_shape", "llama3.1-8b-random:131072:1", "model:context:batch.")
 SEED = flags.DEFINE_integer("e2e_seed", 0, "Seed of the random weights, prompts and caches.")
+COMPILE_THREADS = flags.DEFINE_integer("e2e_compile_threads", 1, "Compile a model's pending programs on this many "
+                                       "threads before measuring (saves wall time; XLA's GEMM autotuning then shares "
+                                       "the GPU, so choices may differ slightly from a serial compile).")
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "kascade_jax" / "data" / "model_configs"
 GB = 1e9
@@ -611,13 +613,22 @@ def mesh_hook():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def measure_ttft(model, strategy, context: int, seed: int) -> dict:
-    """One TTFT measurement: compile, then CUPTI over one call (its warm-up call and the profiled call give the wall
-    clock)."""
+@dataclasses.dataclass
+class Prepared:
+    """A compiled measurement: the AOT-compiled program, its arguments and how long it took to compile."""
+
+    metric: str
+    compiled: object
+    args: tuple
+    compile_s: float
+    steps: tuple[int, int] | None = None
+
+
+def prepare_ttft(model, strategy, context: int, seed: int) -> Prepared:
+    """Compile the TTFT program: `_prefill_chunk` over the whole prompt (cache created inside) + the first sample."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.experimental.mosaic.gpu import profiler
 
     from models import generate as gen
     from models.cache import KVCache
@@ -634,22 +645,14 @@ def measure_ttft(model, strategy, context: int, seed: int) -> dict:
     tokens = jax.random.randint(jax.random.key(seed), (1, context), 0, cfg.vocab, jnp.int32)
     t0 = time.perf_counter()
     compiled = jax.jit(run).lower(params, tokens).compile()
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _, timings = profiler.measure(compiled, aggregate=False, iterations=1)(params, tokens)
-    wall = (time.perf_counter() - t0) / 2
-    kernels = kernel_table(timings, 1)
-    return dict(wall_s=wall, compile_s=compile_s, wall_method="mean of the 2 blocked calls inside the CUPTI measurement",
-                top=top_kernels(kernels), categories=categories(kernels), **split(kernels))
+    return Prepared("ttft", compiled, (params, tokens), time.perf_counter() - t0)
 
 
-def measure_decode(model, strategy, context: int, batch: int, steps: tuple[int, int], iterations: int,
-                   wall_repeats: int, seed: int) -> dict:
-    """Per-step decode times from calls of N1 and N2 steps (see the module docstring)."""
+def prepare_decode(model, strategy, context: int, batch: int, steps: tuple[int, int], seed: int) -> Prepared:
+    """Compile the decode program: random K/V cache filled inside, then `_decode_loop` for a traced step count."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.experimental.mosaic.gpu import profiler
 
     from models import generate as gen
     from models.cache import KVCache
@@ -676,10 +679,34 @@ def measure_decode(model, strategy, context: int, batch: int, steps: tuple[int, 
     s = jnp.int32(seed)
     t0 = time.perf_counter()
     compiled = jax.jit(run).lower(params, s, jnp.int32(n1)).compile()
-    compile_s = time.perf_counter() - t0
+    return Prepared("decode_step", compiled, (params, s), time.perf_counter() - t0, steps=(n1, n2))
+
+
+def measure_ttft(prep: Prepared) -> dict:
+    """CUPTI over one call of a prepared TTFT program; wall clock = the mean of the measurement's two blocked calls
+    (its warm-up and its profiled call)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    t0 = time.perf_counter()
+    _, timings = profiler.measure(prep.compiled, aggregate=False, iterations=1)(*prep.args)
+    wall = (time.perf_counter() - t0) / 2
+    kernels = kernel_table(timings, 1)
+    return dict(wall_s=wall, compile_s=prep.compile_s,
+                wall_method="mean of the 2 blocked calls inside the CUPTI measurement",
+                top=top_kernels(kernels), categories=categories(kernels), **split(kernels))
+
+
+def measure_decode(prep: Prepared, iterations: int, wall_repeats: int) -> dict:
+    """Per-step decode times from calls of N1 and N2 steps (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.mosaic.gpu import profiler
+
+    n1, n2 = prep.steps
     tables, walls = {}, {}
     for n in (n1, n2):
-        out, timings = profiler.measure(compiled, aggregate=False, iterations=iterations)(params, s, jnp.int32(n))
+        out, timings = profiler.measure(prep.compiled, aggregate=False, iterations=iterations)(*prep.args,
+                                                                                             jnp.int32(n))
         if int(out[1]) != n:
             raise RuntimeError(f"the decode loop ran {int(out[1])} steps, expected {n}")
         tables[n] = kernel_table(timings, iterations)
@@ -687,13 +714,32 @@ def measure_decode(model, strategy, context: int, batch: int, steps: tuple[int, 
         ts = []
         for _ in range(wall_repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(compiled(params, s, jnp.int32(n)))
+            jax.block_until_ready(prep.compiled(*prep.args, jnp.int32(n)))
             ts.append(time.perf_counter() - t0)
         walls[n] = min(ts)
     kernels = per_step(tables[n1], tables[n2], n1, n2)
-    return dict(wall_s=(walls[n2] - walls[n1]) / (n2 - n1), compile_s=compile_s, steps=[n1, n2],
+    return dict(wall_s=(walls[n2] - walls[n1]) / (n2 - n1), compile_s=prep.compile_s, steps=[n1, n2],
                 wall_method=f"(min of {wall_repeats} calls of N2 - of N1) / (N2 - N1)",
                 top=top_kernels(kernels), categories=categories(kernels), **split(kernels))
+
+
+def prepare_all(jobs: list, threads: int, log=print) -> dict:
+    """{job key: Prepared | Exception} for jobs [(key, zero-argument prepare function)], `threads` at a time (XLA
+    compiles outside the GIL; autotuning then shares the GPU, so threads > 1 may pick slightly different GEMMs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(job):
+        key, fn = job
+        try:
+            return key, fn()
+        except Exception as e:  # reported per job by the caller
+            return key, e
+
+    if threads <= 1:
+        return dict(one(j) for j in jobs)
+    log(f"compiling {len(jobs)} programs on {threads} threads")
+    with ThreadPoolExecutor(threads) as pool:
+        return dict(pool.map(one, jobs))
 
 
 def require_gpu():
@@ -730,7 +776,7 @@ def plan(metrics, contexts, decode_specs):
 
 def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), iterations=2, wall_repeats=2,
         topk_frac=0.1, min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", tag="", resume=True,
-        deadline_s=0.0, seed=0, log=print):
+        deadline_s=0.0, compile_threads=1, seed=0, log=print):
     """Measure every planned (model, row, strategy) not yet in <out_dir>/e2e[_tag].json; returns the rows."""
     import jax
     import jax.numpy as jnp
@@ -766,6 +812,7 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
         wbytes, kvpt = weight_bytes(model), kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize)
         log(f"{spec.name}: {wbytes / GB:.2f} GB of weights, {kvpt} KV bytes/token, device budget {budget / GB:.1f} GB")
         strats = make_strategies(strategies, cfg, kascade_kw, topk_frac, min_k)
+        jobs = []  # (key, strategy, base row, row notes, predicted seconds) still to measure
         for metric, ctx, b in todo:
             if b == "max":
                 b = largest_batch(budget, wbytes, ctx * kvpt, headroom_gb * GB)
@@ -788,41 +835,65 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
                 key = (spec.name, metric, ctx, int(b))
                 if reason:
                     _mark_skipped(rows, base, reason)
-                    continue
-                if resume and has_run(rows, key, sname):
-                    continue
-                est = estimate_s(metric, cfg.num_layers, ctx, int(b), sname, weight_bytes=wbytes, kv_per_token=kvpt)
-                elapsed = time.monotonic() - t_start
-                if deadline_s and elapsed + est > deadline_s:
-                    log(f"deferred {key} {sname}: predicted {est:.0f} s, {elapsed:.0f} s used of {deadline_s:.0f} s "
-                        f"(rerun to resume)")
-                    continue
-                t0 = time.monotonic()
-                try:
-                    if metric == "ttft":
-                        res = measure_ttft(model, strats[sname], ctx, seed)
-                    else:
-                        res = measure_decode(model, strats[sname], ctx, int(b), steps, iterations, wall_repeats, seed)
-                except Exception as e:  # keep the sweep going; the failure is reported and saved
-                    log(f"FAILED {key} {sname}: {type(e).__name__}: {str(e)[:500]}")
-                    res = dict(error=f"{type(e).__name__}: {str(e)[:500]}")
-                    if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
-                        res["error"] = "out of memory: " + res["error"]
-                    gc.collect()
-                if "error" in res:
-                    _mark_skipped(rows, base, f"{sname}: {res['error']}")
-                    save(out_dir, stem, meta, rows, log=log)
-                    continue
-                res["measure_s"] = time.monotonic() - t0
-                row = add_run(rows, dict(base, notes=row_notes), sname, res)
-                row.pop("skipped", None)
-                unit = 1e3 if metric == "decode_step" else 1.0
-                log(f"{spec.name} {metric} ctx={ctx} b={b} {sname}: wall {res['wall_s'] * unit:.3f}"
-                    f"{' ms' if unit > 1 else ' s'}, kernels {res['kernel_s'] * unit:.3f} (attention "
-                    f"{res['attention_s'] * unit:.3f}, rest {res['rest_s'] * unit:.3f}), compile {res['compile_s']:.0f} s,"
-                    f" took {res['measure_s']:.0f} s" + (f"; speedup {row['speedup']:.2f}x" if row.get("speedup") else ""))
+                elif not (resume and has_run(rows, key, sname)):
+                    est = estimate_s(metric, cfg.num_layers, ctx, int(b), sname, weight_bytes=wbytes,
+                                     kv_per_token=kvpt)
+                    jobs.append((key, sname, base, row_notes, est))
+        save(out_dir, stem, meta, rows, log=log)
+
+        def prepare(job):
+            (_, metric, ctx, b), sname = job[0], job[1]
+            if metric == "ttft":
+                return prepare_ttft(model, strats[sname], ctx, seed)
+            return prepare_decode(model, strats[sname], ctx, b, steps, seed)
+
+        prepared = {}
+        if compile_threads > 1 and jobs:
+            used, fit = time.monotonic() - t_start, []
+            for j in jobs:  # what the deadline leaves room for, compiles overlapping
+                used += j[4] / compile_threads
+                if not deadline_s or used <= deadline_s:
+                    fit.append(j)
+            prepared = prepare_all([((j[0], j[1]), functools.partial(prepare, j)) for j in fit], compile_threads,
+                                   log=log)
+        for job in jobs:
+            key, sname, base, row_notes, est = job
+            metric = key[1]
+            elapsed = time.monotonic() - t_start
+            if (key, sname) in prepared:
+                est = max(1.0, est - 45 * cfg.num_layers / 32)  # compiled already
+            if deadline_s and elapsed + est > deadline_s:
+                log(f"deferred {key} {sname}: predicted {est:.0f} s, {elapsed:.0f} s used of {deadline_s:.0f} s "
+                    f"(rerun to resume)")
+                prepared.pop((key, sname), None)
+                continue
+            t0 = time.monotonic()
+            try:
+                prep = prepared.pop((key, sname), None) or prepare(job)
+                if isinstance(prep, Exception):
+                    raise prep
+                res = measure_ttft(prep) if metric == "ttft" else measure_decode(prep, iterations, wall_repeats)
+                del prep
+            except Exception as e:  # keep the sweep going; the failure is reported and saved
+                msg = f"{type(e).__name__}: {str(e)[:500]}"
+                if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+                    msg = "out of memory: " + msg
+                log(f"FAILED {key} {sname}: {msg}")
+                gc.collect()
+                _mark_skipped(rows, base, f"{sname}: {msg}")
                 save(out_dir, stem, meta, rows, log=log)
-        del model, strats
+                continue
+            res["measure_s"] = time.monotonic() - t0
+            row = add_run(rows, dict(base, notes=row_notes), sname, res)
+            row.pop("skipped", None)
+            unit, u = (1e3, "ms") if metric == "decode_step" else (1.0, "s")
+            log(f"{spec.name} {metric} ctx={key[2]} b={key[3]} {sname}: wall {res['wall_s'] * unit:.3f} {u}, kernels "
+                f"{res['kernel_s'] * unit:.3f} (attention {res['attention_s'] * unit:.3f}, rest "
+                f"{res['rest_s'] * unit:.3f}), compile {res['compile_s']:.0f} s, took {res['measure_s']:.0f} s"
+                + (f"; speedup {row['speedup']:.2f}x" if row.get("speedup") else ""))
+            save(out_dir, stem, meta, rows, log=log)
+        prepared.clear()
+        model = strats = None  # frees the weights before the next model
         gc.collect()
         jax.clear_caches()
     bar.close()
@@ -863,7 +934,7 @@ def profile(spec: ModelSpec, context: int, batch, strategies, *, steps=(8, 40), 
     result = dict(model=spec.name, context=context, batch=batch, floor_s=floor, notes=notes, strategies={},
                   gpu=jax.devices()[0].device_kind, jax=jax.__version__)
     for sname, strategy in make_strategies(strategies, cfg, kascade_kw, topk_frac, min_k).items():
-        res = measure_decode(model, strategy, context, batch, steps, iterations, 1, seed)
+        res = measure_decode(prepare_decode(model, strategy, context, batch, steps, seed), iterations, 1)
         result["strategies"][sname] = res
         log(f"\n{sname}: wall {1e3 * res['wall_s']:.3f} ms/step, kernels {1e3 * res['kernel_s']:.3f} "
             f"(attention {1e3 * res['attention_s']:.3f}, rest {1e3 * res['rest_s']:.3f}); by category: "
@@ -899,7 +970,7 @@ def main(argv):
         return
     run([_spec(m) for m in MODELS.value], metrics=METRICS.value, contexts=[int(c) for c in CONTEXTS.value],
         decode_specs=parse_decode_specs(DECODE.value), strategies=STRATEGIES.value, wall_repeats=WALL_REPS.value,
-        tag=TAG.value, resume=RESUME.value, deadline_s=DEADLINE.value, **kw)
+        tag=TAG.value, resume=RESUME.value, deadline_s=DEADLINE.value, compile_threads=COMPILE_THREADS.value, **kw)
 
 
 if __name__ == "__main__":

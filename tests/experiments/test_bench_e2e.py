@@ -226,3 +226,37 @@ def test_gpu_smoke_small_shape(tmp_path):
     prof = e2e.profile(spec, 2048, 2, ["dense", "kascade"], steps=(4, 12), out_dir=str(tmp_path))
     assert set(prof["strategies"]) == {"dense", "kascade"}
     assert len(prof["strategies"]["kascade"]["top"]) > 0
+
+
+def test_prepared_programs_are_the_product_path(rng):
+    """The measured TTFT program gives the product's first token (prefill + greedy sample); the measured decode
+    program runs exactly the requested steps; compiling on threads gives the same programs."""
+    from models import generate as gen
+    from models.cache import KVCache
+
+    small = dict(TINY_HF, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=64, num_attention_heads=4)
+    cfg, _ = e2e.load_shape_config(e2e.ModelSpec("tiny", config_dict=small))
+    model = e2e.random_model(cfg, jnp.float32, int(rng.integers(1 << 20)))
+    strats = e2e.make_strategies(["dense", "kascade", "dense_pallas"], cfg, dict(anchors=(0,), head_map=None), 0.25, 16)
+    ctx, seed = 128, int(rng.integers(1 << 20))
+    for name, strategy in strats.items():
+        prep = e2e.prepare_ttft(model, strategy, ctx, seed)
+        tok, cache = prep.compiled(*prep.args)
+        tokens = np.asarray(prep.args[1])
+        logits, _ = gen.prefill(model, tokens, [ctx], KVCache.init(cfg, 1, ctx, jnp.float32), strategy, chunk_size=ctx)
+        assert int(tok[0]) == int(np.argmax(np.asarray(logits)[0])), name
+        assert cache.k[0].shape == (1, ctx, cfg.kv_heads, cfg.head_dim)
+    jobs = [(n, lambda s=s: e2e.prepare_decode(model, s, ctx, 2, (2, 5), seed)) for n, s in strats.items()]
+    serial, threaded = e2e.prepare_all(jobs, 1), e2e.prepare_all(jobs, 2, log=lambda *a: None)
+    for name in strats:
+        out_a, n_a = serial[name].compiled(*serial[name].args, jnp.int32(5))
+        out_b, n_b = threaded[name].compiled(*threaded[name].args, jnp.int32(5))
+        assert int(n_a) == int(n_b) == 5 and np.array_equal(np.asarray(out_a), np.asarray(out_b))
+        out = np.asarray(out_a)
+        assert np.all((out[:, :5] >= 0) & (out[:, :5] < cfg.vocab)) and np.all(out[:, 5:] == -1)
+        out3, n3 = serial[name].compiled(*serial[name].args, jnp.int32(3))
+        assert int(n3) == 3 and np.array_equal(np.asarray(out3)[:, :3], out[:, :3])  # the same steps, fewer of them
+    with pytest.raises(ValueError, match="must exceed the step count"):
+        e2e.prepare_decode(model, strats["dense"], 8, 1, (4, 8), seed)
+    bad = e2e.prepare_all([("x", lambda: e2e.prepare_decode(model, strats["dense"], 8, 1, (4, 8), seed))], 1)
+    assert isinstance(bad["x"], ValueError)
