@@ -561,25 +561,33 @@ def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print):
         log(f"{spec.name}: random weights initialised on the device in {time.perf_counter() - t0:.1f} s")
         return (model, [note] if note else [], dict(anchors=spec.anchors, head_map=None), cfg.max_position_embeddings,
                 orig.max_position_embeddings)
-    from kascade_jax.calibration.artifact import CalibrationArtifact
-    from kascade_jax.calibration.resolve import _calib_k, _find_cached, artifact_path
-    from kascade_jax.recipes import load_recipe
     from models import load_model
 
     model, _ = load_model(spec.alias, "bfloat16", with_tokenizer=False)
-    r = load_recipe(spec.alias, "default")
-    path = artifact_path(spec.alias, num_prompts=r.calib_num_prompts, k=r.calib_k, tile_size=32, reduce=r.calib_reduce)
-    found = _find_cached(path, spec.alias, "builtin", r.calib_num_prompts, _calib_k(r.calib_k, 32), 32, r.calib_reduce)
-    if found is None:
-        raise ValueError(f"{spec.alias}: no shipped or cached calibration ({path.name}); run experiments.calibrate")
-    art = CalibrationArtifact.load(found)
-    art.check_model(model.config.num_layers, model.config.kv_heads)
-    anchors = art.anchors_for(r.num_anchors, r.calib_importance)
-    head_map = art.head_map(anchors)
-    kw = dict(anchors=anchors, head_map=[[int(h) for h in row] for row in head_map], **r.levers())
-    notes = [f"{spec.alias}: real weights (GGUF Q4_K_M dequantised to bf16), recipe {r.describe()}, "
-             f"anchors {list(anchors)} from {found.name}"]
+    kw, note = calibrated_kascade(spec.alias, model.config.num_layers, model.config.kv_heads)
+    notes = [f"{spec.alias}: real weights (GGUF dequantised to bf16), {note}"]
     return model, notes, kw, model.config.max_position_embeddings, model.config.max_position_embeddings
+
+
+def calibrated_kascade(alias: str, num_layers: int, kv_heads: int) -> tuple[dict, str]:
+    """(make_strategy kwargs, description) of the shipped default recipe of a real model: its levers and the anchors
+    and head map of its shipped (or cached) calibration. Never runs a calibration: without one it raises."""
+    from kascade_jax.calibration.artifact import CalibrationArtifact
+    from kascade_jax.calibration.resolve import _calib_k, _find_cached, artifact_path
+    from kascade_jax.recipes import load_recipe
+
+    r = load_recipe(alias, "default")
+    k = _calib_k(r.calib_k, 32)
+    path = artifact_path(alias, num_prompts=r.calib_num_prompts, k=k, tile_size=32, reduce=r.calib_reduce)
+    found = _find_cached(path, alias, "builtin", r.calib_num_prompts, k, 32, r.calib_reduce)
+    if found is None:
+        raise ValueError(f"{alias}: no shipped or cached calibration ({path.name}); run experiments.calibrate first")
+    art = CalibrationArtifact.load(found)
+    art.check_model(num_layers, kv_heads)
+    anchors = tuple(int(a) for a in art.anchors_for(r.num_anchors, r.calib_importance))
+    head_map = [[int(h) for h in row] for row in art.head_map(anchors)]
+    return (dict(anchors=anchors, head_map=head_map, **r.levers()),
+            f"recipe {r.describe()}, anchors {list(anchors)} from {found.name}")
 
 
 def make_strategies(names, cfg, kascade_kw: dict, topk_frac: float, min_k: int) -> dict:
@@ -762,15 +770,15 @@ def device_budget_bytes() -> float:
 
 
 def plan(metrics, contexts, decode_specs):
-    """[(metric, context, batch | 'max')] in the order measured: TTFT by context, then decode rows."""
-    for m in metrics:
-        if m not in ("ttft", "decode"):
-            raise ValueError(f"--e2e_metrics must be ttft and/or decode, got {m!r}")
+    """[(metric, context, batch | 'max')] in the order measured: metrics in the order given, rows in flag order."""
     out = []
-    if "ttft" in metrics:
-        out += [("ttft", int(c), 1) for c in contexts]
-    if "decode" in metrics:
-        out += [("decode_step", c, b) for c, b in decode_specs]
+    for m in metrics:
+        if m == "ttft":
+            out += [("ttft", int(c), 1) for c in contexts]
+        elif m == "decode":
+            out += [("decode_step", c, b) for c, b in decode_specs]
+        else:
+            raise ValueError(f"--e2e_metrics must be ttft and/or decode, got {m!r}")
     return out
 
 
@@ -796,7 +804,7 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
                              devices=len(jax.devices()), topk_frac=topk_frac, min_k=min_k, steps=list(steps)))
     dtype = jnp.bfloat16
     budget = device_budget_bytes()
-    bar = tqdm(total=len(specs) * len(todo) * len(strategies), desc="e2e", mininterval=1.0)
+    bar = tqdm(total=len(specs) * len(todo) * len(strategies), desc="e2e", mininterval=1.0, disable=None)
     for spec in specs:
         max_ctx = max([c for m, c, _ in todo] or [0])
         try:

@@ -76,7 +76,8 @@ def test_parsers():
     for bad in (["40", "8"], ["0", "8"], ["8"], ["a", "b"]):
         with pytest.raises(ValueError, match="e2e_steps"):
             e2e.parse_steps(bad)
-    assert e2e.plan(["decode", "ttft"], [32768], [(32768, "max")]) == [("ttft", 32768, 1), ("decode_step", 32768, "max")]
+    assert e2e.plan(["ttft", "decode"], [32768], [(32768, "max")]) == [("ttft", 32768, 1), ("decode_step", 32768, "max")]
+    assert e2e.plan(["decode", "ttft"], [65536], [(32768, 8)]) == [("decode_step", 32768, 8), ("ttft", 65536, 1)]
     with pytest.raises(ValueError, match="e2e_metrics"):
         e2e.plan(["tft"], [], [])
     with pytest.raises(ValueError, match="e2e_tag"):
@@ -260,3 +261,15 @@ def test_prepared_programs_are_the_product_path(rng):
         e2e.prepare_decode(model, strats["dense"], 8, 1, (4, 8), seed)
     bad = e2e.prepare_all([("x", lambda: e2e.prepare_decode(model, strats["dense"], 8, 1, (4, 8), seed))], 1)
     assert isinstance(bad["x"], ValueError)
+
+
+def test_calibrated_kascade_of_the_real_model():
+    from kascade_jax.registry import make_strategy
+
+    kw, note = e2e.calibrated_kascade("qwen2.5-coder-1.5b", 28, 2)
+    assert kw["anchors"] == (0, 2, 5, 14, 27) and len(kw["head_map"]) == 28 and all(len(r) == 2 for r in kw["head_map"])
+    assert (kw["sink_tokens"], kw["recent_window"], kw["dense_suffix"]) == (4, 60, 128) and "default" in note
+    strategy = make_strategy("kascade", 28, 2, topk_frac=0.1, min_k=128, kernels="pallas", **kw)
+    assert strategy.config.anchors == (0, 2, 5, 14, 27)
+    with pytest.raises(ValueError):
+        e2e.calibrated_kascade("qwen2.5-coder-1.5b", 30, 2)  # wrong model shape for the artifact
