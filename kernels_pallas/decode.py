@@ -91,6 +91,9 @@ def _pallas_supported(q, k_cache, v_cache) -> bool:
             and q.shape[2] // k_cache.shape[2] <= 64)
 
 
+pallas_supported = _pallas_supported  # public: the shapes and dtypes these kernels take (dense.py dispatches on it)
+
+
 def _check_common(q, k_cache, v_cache, kv_len, pallas: bool):
     if q.ndim != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be [batch, 1, q_heads, d], got shape {q.shape}")

@@ -238,7 +238,7 @@ def test_prepared_programs_are_the_product_path(rng):
     small = dict(TINY_HF, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=64, num_attention_heads=4)
     cfg, _ = e2e.load_shape_config(e2e.ModelSpec("tiny", config_dict=small))
     model = e2e.random_model(cfg, jnp.float32, int(rng.integers(1 << 20)))
-    strats = e2e.make_strategies(["dense", "kascade", "dense_pallas"], cfg, dict(anchors=(0,), head_map=None), 0.25, 16)
+    strats = e2e.make_strategies(["dense", "kascade"], cfg, dict(anchors=(0,), head_map=None), 0.25, 16)
     ctx, seed = 128, int(rng.integers(1 << 20))
     for name, strategy in strats.items():
         prep = e2e.prepare_ttft(model, strategy, ctx, seed)

@@ -36,18 +36,20 @@ def _rel(a, r):
 
 
 @pytest.mark.parametrize("case", [
-    dict(b=3, s=300, hq=6, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True),   # group 3, ragged, a partial block
+    dict(b=3, s=300, hq=6, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, vs_anchor=True),  # group 3, ragged
     dict(b=1, s=520, hq=8, kvh=2, d=64, dtype=jnp.float16, peaky=False),   # batch 1: several splits per KV head
     dict(b=2, s=12, hq=4, kvh=4, d=64, dtype=jnp.bfloat16, peaky=False),   # a cache shorter than one block (padded)
 ])
 def test_dense_decode_matches_reference(rng, case):
-    peaky = case.pop("peaky")
+    peaky, vs_anchor = case.pop("peaky"), case.pop("vs_anchor", False)
     q, k, v, kv_len = _inputs(rng, peaky=peaky, **case)
     tuning = dec.DecodeTuning(stream_block=16, target_programs=16)  # several splits at these tiny shapes
     out = jax.jit(lambda *a: dec.dense_decode(*a, impl="pallas", interpret=True, tuning=tuning))(q, k, v, kv_len)
     want = ref.attention_reference(q, k, v, kv_len - 1, kv_len)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert _rel(out, want) < 1e-2
+    if not vs_anchor:
+        return
     # the same numbers as the anchor-0 pass that also writes logits (same kernel body, same splits)
     out0, _, _ = jax.jit(lambda *a: dec.anchor_decode(*a, topk_frac=0.5, min_k=1, k_max=case["s"], impl="pallas",
                                                       dense_out=True, interpret=True, tuning=tuning))(q, k, v, kv_len)
