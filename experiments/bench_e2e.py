@@ -44,7 +44,8 @@ step at `--e2e_profile_shape=model:context:batch`, for every strategy, with cate
 cache_write, copy, fusion), to find the non-attention overhead.
 
 Hook for several GPUs: `mesh_hook()` is the one place a `--mesh` flag (experiments/common.py, another branch) plugs
-in; until then a set --mesh is refused here rather than ignored.
+in (bench.py must then import experiments.common before flags are parsed); until this benchmark shards, a set --mesh
+is refused here rather than ignored.
 
 Does not: run without a GPU (it refuses), or time host-side tokenisation / detokenisation.
 """
@@ -64,7 +65,7 @@ from pathlib import Path
 
 from absl import flags
 
-from experiments import cli, common  # noqa: F401  (common: --mesh will be defined there; see mesh_hook)
+from experiments import cli
 
 MODELS = flags.DEFINE_list("e2e_models", ["llama3.1-8b-random", "qwen3-8b-random", "qwen2.5-coder-1.5b"],
                            "Models: llama3.1-8b-random, qwen3-8b-random (real configs, random bf16 weights), "
@@ -610,6 +611,7 @@ def make_strategies(names, cfg, kascade_kw: dict, topk_frac: float, min_k: int) 
 def mesh_hook():
     """The seam for several GPUs: experiments/common.py's --mesh (another branch) is read here; until this benchmark
     shards the model and cache, a set --mesh is refused instead of silently running on one device."""
+    common = sys.modules.get("experiments.common")  # not imported here: its flags would clash with eval's own
     flag = getattr(common, "MESH", None)
     if flag is not None and flag.value:
         raise ValueError(f"bench --phase=e2e does not shard yet: --mesh={flag.value} is not supported here")
@@ -856,15 +858,18 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
             return prepare_decode(model, strats[sname], ctx, b, steps, seed)
 
         prepared = {}
-        if compile_threads > 1 and jobs:
-            used, fit = time.monotonic() - t_start, []
-            for j in jobs:  # what the deadline leaves room for, compiles overlapping
-                used += j[4] / compile_threads
-                if not deadline_s or used <= deadline_s:
-                    fit.append(j)
-            prepared = prepare_all([((j[0], j[1]), functools.partial(prepare, j)) for j in fit], compile_threads,
-                                   log=log)
-        for job in jobs:
+        threads = max(1, compile_threads)
+        for i, job in enumerate(jobs):
+            if threads > 1 and i % threads == 0:
+                # compile the next `threads` jobs together (those the deadline leaves room for), then measure them
+                # one by one: compiles (and their GEMM autotuning) never overlap a measurement
+                used, batch = time.monotonic() - t_start, []
+                for j in jobs[i:i + threads]:
+                    used += j[4] / threads
+                    if not deadline_s or used <= deadline_s:
+                        batch.append(j)
+                prepared = prepare_all([((j[0], j[1]), functools.partial(prepare, j)) for j in batch], threads,
+                                       log=log)
             key, sname, base, row_notes, est = job
             metric = key[1]
             elapsed = time.monotonic() - t_start
