@@ -1,8 +1,9 @@
-"""Kernel benchmarks against cuDNN in the same run: `python -m experiments.bench --phase=decode|prefill [flags]`.
+"""Benchmarks against cuDNN in the same run: `python -m experiments.bench --phase=decode|prefill|e2e [flags]`.
 
 Thin dispatcher: the decode and prefill benchmarks live in experiments/bench_decode.py and bench_prefill.py, which
 define their own flags (see `--helpfull`); both take the shared `--heads=Q,KV,D`, `--num_layers`, `--num_anchors` and
 `--bench_tag` of experiments/timing.py, e.g. `--phase=decode --heads=14,2,64 --num_layers=24 --bench_tag=qwen05`.
+`--phase=e2e` (experiments/bench_e2e.py, `--e2e_*` flags) times the whole model: TTFT and decode ms/step.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ from absl import flags
 
 from experiments import cli
 
-PHASE = flags.DEFINE_enum("phase", "decode", ["decode", "prefill"], "Which kernels to benchmark.")
+PHASE = flags.DEFINE_enum("phase", "decode", ["decode", "prefill", "e2e"],
+                          "Which benchmark: decode or prefill kernels, or e2e (the whole model: TTFT and decode steps, "
+                          "experiments/bench_e2e.py).")
 
 
 def main(argv):
     if PHASE.value == "decode":
         from experiments import bench_decode as mod
+    elif PHASE.value == "e2e":
+        from experiments import bench_e2e as mod
     else:
         from experiments import bench_prefill as mod
     return mod.main(argv)
@@ -26,7 +31,7 @@ def main(argv):
 
 if __name__ == "__main__":
     # Import both so `--help` lists every flag.
-    for name in ("experiments.bench_decode", "experiments.bench_prefill"):
+    for name in ("experiments.bench_decode", "experiments.bench_prefill", "experiments.bench_e2e"):
         try:
             __import__(name)
         except ImportError:

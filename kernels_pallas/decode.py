@@ -91,6 +91,9 @@ def _pallas_supported(q, k_cache, v_cache) -> bool:
             and q.shape[2] // k_cache.shape[2] <= 64)
 
 
+pallas_supported = _pallas_supported  # public: the shapes and dtypes these kernels take (dense.py dispatches on it)
+
+
 def _check_common(q, k_cache, v_cache, kv_len, pallas: bool):
     if q.ndim != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be [batch, 1, q_heads, d], got shape {q.shape}")
@@ -275,9 +278,11 @@ def reuse_decode(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, *, scal
 
 
 def _stream_kernel(kvlen_ref, q_ref, k_ref, *refs, block: int, split_len: int, s_len: int, scale: float,
-                   group: int, dense_out: bool):
-    if dense_out:
+                   group: int, dense_out: bool, write_logits: bool = True):
+    if dense_out and write_logits:
         v_ref, logits_ref, m_ref, l_ref, acc_ref = refs
+    elif dense_out:  # dense split-K decode only (`dense_decode`): no logits written
+        (v_ref, m_ref, l_ref, acc_ref), logits_ref = refs, None
     else:
         logits_ref, m_ref, l_ref = refs
     b, s = pl.program_id(0), pl.program_id(2)
@@ -296,7 +301,8 @@ def _stream_kernel(kvlen_ref, q_ref, k_ref, *refs, block: int, split_len: int, s
         k = k_ref[pl.ds(off_c, block), :]  # [block, d]
         qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
-        plgpu.store(logits_ref.at[:, pl.ds(off_c, block)], qk, mask=real[:, None] & valid[None, :])
+        if logits_ref is not None:
+            plgpu.store(logits_ref.at[:, pl.ds(off_c, block)], qk, mask=real[:, None] & valid[None, :])
         m, l = carry[0], carry[1]
         m_new = jnp.maximum(m, jnp.max(qk, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -318,9 +324,12 @@ def _stream_kernel(kvlen_ref, q_ref, k_ref, *refs, block: int, split_len: int, s
         plgpu.store(acc_ref, carry[2], mask=real[:, None])
 
 
-def _stream_pallas(q, k_cache, v_cache, kv_len, scale, dense_out: bool, interpret, tuning: DecodeTuning):
-    """-> (logits [batch, kv_heads, rows, keys] fp32 (rows >= group allocated but never written),
-    lse [batch, kv_heads, group], dense out [batch, 1, q_heads, d] | None)."""
+def _stream_pallas(q, k_cache, v_cache, kv_len, scale, dense_out: bool, interpret, tuning: DecodeTuning,
+                   write_logits: bool = True):
+    """-> (logits [batch, kv_heads, rows, keys] fp32 (rows >= group allocated but never written; None with
+    write_logits=False), lse [batch, kv_heads, group], dense out [batch, 1, q_heads, d] | None)."""
+    if not (write_logits or dense_out):
+        raise ValueError("_stream_pallas needs write_logits or dense_out")
     b, _, hq, d = q.shape
     s_len, kvh = k_cache.shape[1], k_cache.shape[2]
     group = hq // kvh
@@ -330,7 +339,7 @@ def _stream_pallas(q, k_cache, v_cache, kv_len, scale, dense_out: bool, interpre
     split_len = pl.cdiv(pl.cdiv(s_len, splits), block) * block
     splits = pl.cdiv(s_len, split_len)
     kernel = functools.partial(_stream_kernel, block=block, split_len=split_len, s_len=s_len, scale=scale,
-                               group=group, dense_out=dense_out)
+                               group=group, dense_out=dense_out, write_logits=write_logits)
     cache_spec = pl.BlockSpec((None, s_len, None, d), lambda i, j, s: (i, 0, j, 0))
     part_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0))
     in_specs = [pl.BlockSpec((b,), lambda i, j, s: (0,)),
@@ -345,6 +354,8 @@ def _stream_pallas(q, k_cache, v_cache, kv_len, scale, dense_out: bool, interpre
         args.append(v_cache)
         out_specs.append(pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32))
+    if not write_logits:
+        out_specs, out_shape = out_specs[1:], out_shape[1:]
     outs = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
@@ -353,8 +364,10 @@ def _stream_pallas(q, k_cache, v_cache, kv_len, scale, dense_out: bool, interpre
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.stream_warps, num_stages=tuning.stream_stages),
         interpret=interpret,
-        name="kascade_anchor_scores",
+        name="kascade_anchor_scores" if write_logits else "kascade_dense_decode",
     )(*args)
+    if not write_logits:
+        outs = [None, *outs]
     logits, m, l = outs[:3]
     acc = outs[3][:, :, :, :group] if dense_out else None
     out, lse = _combine(acc, m[..., :group], l[..., :group])
@@ -478,3 +491,28 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
         return dense, idx, counts
     out = _reuse_pallas(q, kp, vp, kv_len, idx, counts, head_map_row, scale, interpret, tuning)
     return out, idx, counts
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dense decode: the anchor-0 pass without its logits, a split-K ("flash-decoding") alternative to cuDNN.
+
+
+def dense_decode(q, k_cache, v_cache, kv_len, *, scale=None, impl="auto", interpret=False,
+                 tuning: DecodeTuning = DEFAULT_TUNING):
+    """Exact dense decode attention over keys [0, kv_len) -> out [batch, 1, q_heads, d].
+
+    The whole-cache pass of anchor layer 0 (`_stream_kernel` with dense_out) without writing logits: grid
+    (batch, kv_heads, splits) with the splits chosen so that about `tuning.target_programs` programs run even at
+    batch 1 (cuDNN's decode may launch too few blocks there to saturate HBM), each K/V row read once per KV head
+    for the whole GQA group, then the log-sum-exp combine of the splits. A sequence with kv_len 0 gets zeros.
+    Reference: `reference.attention_reference(q, k, v, kv_len - 1, kv_len)`.
+    """
+    pallas = use_pallas(impl, interpret, _pallas_supported(q, k_cache, v_cache))
+    _, _, _, d, _ = _check_common(q, k_cache, v_cache, kv_len, pallas)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    if not pallas:
+        return ref.attention_reference(q, k_cache, v_cache, kv_len - 1, kv_len, scale=scale)
+    kp, vp = _pad_keys(k_cache, 16), _pad_keys(v_cache, 16)
+    _, _, out = _stream_pallas(q, kp, vp, kv_len, scale, True, interpret, tuning, write_logits=False)
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.decode import dense_decode, pallas_supported as decode_supported
 from kernels_pallas.reference import attention_reference
 
 
@@ -21,8 +22,20 @@ def cudnn_ok(q, k) -> bool:
     return on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
-def dense_attention(q, k, v, q_start, kv_len, *, phase: str, chunk_at_zero: bool, return_lse=False, scale=None):
-    """q [batch, q_len, q_heads, d], k/v [batch, keys, kv_heads, d] -> out (and lse [batch, q_len, q_heads])."""
+DECODE_KERNELS = ("cudnn", "pallas")
+
+
+def dense_attention(q, k, v, q_start, kv_len, *, phase: str, chunk_at_zero: bool, return_lse=False, scale=None,
+                    decode_kernel: str = "cudnn"):
+    """q [batch, q_len, q_heads, d], k/v [batch, keys, kv_heads, d] -> out (and lse [batch, q_len, q_heads]).
+
+    decode_kernel: "cudnn" (default) or "pallas", the split-K `kernels_pallas.decode.dense_decode` for decode steps
+    on a GPU where that kernel applies (bf16/fp16, head_dim 64/128; elsewhere the choice below); prefill is
+    unaffected."""
+    if decode_kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
+    if phase == "decode" and decode_kernel == "pallas" and not return_lse and on_gpu() and decode_supported(q, k, v):
+        return dense_decode(q, k, v, kv_len, scale=scale, impl="pallas")
     if not return_lse and cudnn_ok(q, k):
         if phase == "decode":
             return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=kv_len, implementation="cudnn")

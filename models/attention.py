@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import jax
 
-from kernels_pallas.dense import dense_attention
+from kernels_pallas.dense import DECODE_KERNELS, dense_attention
 
 
 @jax.tree_util.register_dataclass
@@ -33,13 +33,20 @@ class AttentionStrategy(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class DenseStrategy:
-    """Exact causal attention in every layer (cuDNN on GPU where it applies)."""
+    """Exact causal attention in every layer (cuDNN on GPU where it applies). decode_kernel="pallas" runs decode
+    steps through the split-K Pallas kernel instead (kernels_pallas.decode.dense_decode; A/B in bench --phase=e2e)."""
 
     name: str = "dense"
+    decode_kernel: str = "cudnn"
+
+    def __post_init__(self):
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
 
     def attend(self, layer, inputs: AttentionInputs, state):
         out = dense_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
-                              phase=inputs.phase, chunk_at_zero=inputs.chunk_at_zero)
+                              phase=inputs.phase, chunk_at_zero=inputs.chunk_at_zero,
+                              decode_kernel=self.decode_kernel)
         return out, state
 
     def post_attention(self, layer, x, attn_out, state):

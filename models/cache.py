@@ -51,5 +51,14 @@ def write_chunk(buf, new, q_start: int):
 
 
 def write_token(buf, new, positions):
-    """Decode: write new [batch, 1, kv_heads, d] at row positions[b] of each sequence."""
-    return buf.at[jnp.arange(buf.shape[0]), positions].set(new[:, 0].astype(buf.dtype))
+    """Decode: write new [batch, 1, kv_heads, d] at row positions[b] of each sequence (a position past the end is
+    dropped). Batch 1 writes with a dynamic_update_slice, which XLA can fuse in place into the producer of `new`;
+    the clamped row is rewritten with its own value when the position is out of range, as the scatter drops it."""
+    new = new.astype(buf.dtype)
+    if buf.shape[0] == 1:
+        pos = jnp.asarray(positions, jnp.int32).reshape(())
+        row = jnp.clip(pos, 0, buf.shape[1] - 1)
+        old = jax.lax.dynamic_slice(buf, (0, row, 0, 0), new.shape)
+        upd = jnp.where((pos >= 0) & (pos < buf.shape[1]), new, old)
+        return jax.lax.dynamic_update_slice(buf, upd, (0, row, 0, 0))
+    return buf.at[jnp.arange(buf.shape[0]), positions].set(new[:, 0])

@@ -144,6 +144,23 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden, cfg.vocab, False, dtype, param_dtype, rngs)
 
+    def logits(self, x):
+        """Normed hidden states [..., hidden] -> fp32 logits [..., vocab].
+
+        Tied embeddings in bf16/fp16: one dot in the parameter dtype with fp32 accumulation and output. Products of
+        two bf16/fp16 numbers are exact in fp32, so this equals upcasting both operands first up to the summation
+        order, without writing an fp32 copy of the whole [vocab, hidden] matrix every decode step."""
+        if self.lm_head is not None:
+            return self.lm_head(x).astype(jnp.float32)
+        emb = self.embed_tokens.embedding[...]  # [vocab, hidden]
+        if emb.dtype == jnp.float32 or x.dtype != emb.dtype:
+            dot = lambda h: jnp.dot(h.astype(jnp.float32), emb.astype(jnp.float32).T,  # noqa: E731
+                                    precision=jax.lax.Precision.HIGHEST)
+        else:
+            dot = lambda h: jnp.dot(h, emb.T, precision=jax.lax.Precision.HIGHEST,  # noqa: E731
+                                    preferred_element_type=jnp.float32)
+        return _two_rows(dot, x)
+
     def __call__(self, tokens, cache: KVCache, strategy, meta, *, last_only=None):
         """tokens [batch, T]; meta: phase and chunk_at_zero (static), offset (prefill chunk start), q_start/kv_len/
         seq_len/lengths ([batch] int32).
@@ -167,11 +184,6 @@ class Transformer(nnx.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if last_only is not None:
             x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)[:, 0]
-        x = self.norm(x)
-        if self.lm_head is None:
-            emb = self.embed_tokens.embedding[...].astype(jnp.float32)
-            logits = _two_rows(lambda h: jnp.dot(h.astype(jnp.float32), emb.T, precision=jax.lax.Precision.HIGHEST), x)
-        else:
-            logits = self.lm_head(x).astype(jnp.float32)
+        logits = self.logits(self.norm(x))
         new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=meta["lengths"])
         return logits, new_cache, state

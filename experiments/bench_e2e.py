@@ -1,0 +1,990 @@
+"""End-to-end speed of Kascade inside the model: time to first token and decode ms/step, dense vs Kascade, with the
+attention / rest split of every row. `python -m experiments.bench --phase=e2e [--e2e_* flags]`.
+
+Models (`--e2e_models`): `llama3.1-8b-random` and `qwen3-8b-random` are the real HF configs shipped in
+kascade_jax/data/model_configs with random bf16 weights (normal, std 0.02; norms 1), initialised on the GPU by one
+jitted RNG call per parameter; `qwen2.5-coder-1.5b` is the real model through its alias (skipped, with the reason,
+when it does not resolve). Strategies (`--e2e_strategies`): `dense` (DenseStrategy: cuDNN), `kascade`
+(KascadeStrategy, kernels="pallas", Top-k `--e2e_topk_frac`; the paper's anchors [0,2,8,13,14] for Llama and
+[0,2,7,14,23] for Qwen3 with identity head maps; the shipped calibration and default recipe for the real model) and
+optionally `dense_pallas` (DenseStrategy(decode_kernel="pallas"), the split-K Pallas dense decode, decode rows only:
+an A/B against cuDNN in the same run).
+
+What is timed (each measured function is the product's own jitted code, traced inside one outer jit):
+- TTFT (batch 1): `models.generate._prefill_chunk` over the whole prompt (one chunk, as `prefill` does on a GPU)
+  plus the first `sample` (greedy). The KV cache is created inside the measured program (zeros, a ~memset) so the
+  donated cache never needs a fresh copy per call. CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`,
+  aggregate=False) gives every kernel of one call; wall clock is the mean of the two blocked runs inside the
+  measurement (its warm-up and its profiled run), compile excluded (AOT `lower().compile()`).
+- Decode step: `models.generate._decode_loop` (greedy, no EOS) run for N1 and N2 steps (`--e2e_steps`, traced, so one
+  compilation). The cache is filled with random normal K/V inside the measured program (so it is never donated
+  twice, costs no second copy of the cache in memory, and the reused-index layers select from realistic scores);
+  that fill and every other per-call cost cancel in per step = (t(N2) - t(N1)) / (N2 - N1), per kernel name for
+  CUPTI and for wall clock (min over `--e2e_wall_repeats` blocked calls). The fill costs one RNG pass over the cache
+  per call (~0.1 s at 100 GB); it is never in a reported number.
+- Attention vs rest: kernel names are classified (`classify`): cuDNN's fused attention (sdpa / flash / fmha / its
+  lean_reduction split combine) and the project's Pallas kernels (`kascade_*`: anchor scores, Top-k select, reuse
+  decode, prefill kernels, the split-K dense decode) are attention; everything else (GEMMs, the KV-cache scatter,
+  norms, RoPE, the small XLA fusions that pad/combine around the Pallas kernels, sampling) is rest. The glue fusions
+  around the Pallas kernels therefore count as rest: attention shares are lower bounds for Kascade.
+- Largest batch (`context:max` in `--e2e_decode`): (device memory limit - weights - `--e2e_headroom_gb`) // KV bytes
+  per sequence; explicit batches that do not fit are recorded as skipped with the bytes they need.
+- Byte floor of a decode step: (weights + KV read once) / `--e2e_hbm_tbps` (dense), the issue's definition.
+
+Contexts beyond a random-weight model's max_position_embeddings (Llama-3.1 131072, Qwen3 40960) raise that limit for
+the benchmark (timing only; the positions are outside the trained range) and every such row says so.
+
+Budget and resume: results are saved (JSON, Markdown, plot) after every (row, strategy) measurement; a rerun with
+the same `--e2e_out`/`--e2e_tag` skips what is already there (`--noe2e_resume` to redo). `--e2e_deadline_s` stops
+starting measurements predicted to end past that many seconds since start (predictions are crude: see
+`estimate_s`), so one device call ends cleanly with everything it measured saved.
+
+`--e2e_profile` prints (and saves as e2e_profile_<model>_<context>_b<batch>.json) the top-15 kernels of one decode
+step at `--e2e_profile_shape=model:context:batch`, for every strategy, with categories (attention, gemm,
+cache_write, copy, fusion), to find the non-attention overhead.
+
+Hook for several GPUs: `mesh_hook()` is the one place a `--mesh` flag (experiments/common.py, another branch) plugs
+in (bench.py must then import experiments.common before flags are parsed); until this benchmark shards, a set --mesh
+is refused here rather than ignored.
+
+Does not: run without a GPU (it refuses), or time host-side tokenisation / detokenisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from absl import flags
+
+from experiments import cli
+
+MODELS = flags.DEFINE_list("e2e_models", ["llama3.1-8b-random", "qwen3-8b-random", "qwen2.5-coder-1.5b"],
+                           "Models: llama3.1-8b-random, qwen3-8b-random (real configs, random bf16 weights), "
+                           "qwen2.5-coder-1.5b (the real model, if its alias resolves).")
+METRICS = flags.DEFINE_list("e2e_metrics", ["ttft", "decode"], "Which rows: ttft, decode.")
+CONTEXTS = flags.DEFINE_list("e2e_contexts", ["32768", "65536", "131072", "262144"], "TTFT prompt lengths (batch 1).")
+DECODE = flags.DEFINE_list("e2e_decode", ["32768:1", "32768:8", "32768:32", "32768:max", "131072:1", "131072:max"],
+                           "Decode rows as context:batch; batch 'max' = the largest batch that fits.")
+STRATEGIES = flags.DEFINE_list("e2e_strategies", ["dense", "kascade"],
+                               "dense (cuDNN), kascade (Pallas), dense_pallas (split-K Pallas dense decode; decode "
+                               "rows only).")
+STEPS = flags.DEFINE_list("e2e_steps", ["8", "40"], "Decode step counts N1,N2: per step = (t(N2) - t(N1)) / (N2 - N1).")
+ITERS = flags.DEFINE_integer("e2e_iterations", 2, "CUPTI iterations per decode measurement (mean per kernel).")
+WALL_REPS = flags.DEFINE_integer("e2e_wall_repeats", 2, "Blocked wall-clock calls per decode step count (min).")
+TOPK_FRAC = flags.DEFINE_float("e2e_topk_frac", 0.1, "Kascade Top-k fraction.")
+MIN_K = flags.DEFINE_integer("e2e_min_k", 128, "Kascade minimum Top-k budget.")
+HEADROOM = flags.DEFINE_float("e2e_headroom_gb", 10.0, "Memory left free when choosing the largest batch (GB).")
+HBM = flags.DEFINE_float("e2e_hbm_tbps", 4.3, "HBM bandwidth of the byte floor (TB/s).")
+OUT = flags.DEFINE_string("e2e_out", "benchmarks", "Output folder for e2e[_<tag>].json/md/png.")
+TAG = flags.DEFINE_string("e2e_tag", "", "Output stem suffix: e2e_<tag>.* ('' = e2e.*).")
+RESUME = flags.DEFINE_boolean("e2e_resume", True, "Skip (row, strategy) measurements already in the JSON.")
+DEADLINE = flags.DEFINE_float("e2e_deadline_s", 0.0, "Start no measurement predicted to end past this many seconds "
+                              "after start (0 = no limit).")
+PROFILE = flags.DEFINE_boolean("e2e_profile", False, "Print the top kernels of one decode step at "
+                               "--e2e_profile_shape instead of the benchmark.")
+PROFILE_SHAPE = flags.DEFINE_string("e2e_profile_shape", "llama3.1-8b-random:131072:1", "model:context:batch.")
+SEED = flags.DEFINE_integer("e2e_seed", 0, "Seed of the random weights, prompts and caches.")
+COMPILE_THREADS = flags.DEFINE_integer("e2e_compile_threads", 1, "Compile a model's pending programs on this many "
+                                       "threads before measuring (saves wall time; XLA's GEMM autotuning then shares "
+                                       "the GPU, so choices may differ slightly from a serial compile).")
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "kascade_jax" / "data" / "model_configs"
+GB = 1e9
+TOP_N = 15
+STRATEGY_NAMES = ("dense", "kascade", "dense_pallas")
+METRIC_NAMES = ("ttft", "decode_step")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A benchmarked model: a shipped HF config with random weights (`config_file`) or a real checkpoint (`alias`)."""
+
+    name: str
+    config_file: str | None = None
+    alias: str | None = None
+    anchors: tuple[int, ...] = ()  # random-weight models: the paper's anchors (identity head map)
+    config_dict: dict | None = None  # tests: an inline HF config instead of a file
+
+    @property
+    def random(self) -> bool:
+        return self.alias is None
+
+
+SPECS = {s.name: s for s in (
+    ModelSpec("llama3.1-8b-random", config_file="llama-3.1-8b.json", anchors=(0, 2, 8, 13, 14)),
+    ModelSpec("qwen3-8b-random", config_file="qwen3-8b.json", anchors=(0, 2, 7, 14, 23)),
+    ModelSpec("qwen2.5-coder-1.5b", alias="qwen2.5-coder-1.5b"),
+)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure functions (CPU-tested)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_shape_config(spec: ModelSpec, min_positions: int = 0):
+    """(ModelConfig, note | None) from the spec's shipped HF config; max_position_embeddings raised to
+    min_positions when smaller (the note says so)."""
+    from models.config import ModelConfig
+
+    if spec.config_dict is not None:
+        hf = dict(spec.config_dict)
+    else:
+        path = CONFIG_DIR / str(spec.config_file)
+        if not path.is_file():
+            raise ValueError(f"model {spec.name!r}: no shipped config at {path}")
+        hf = json.loads(path.read_text())
+    cfg = ModelConfig.from_hf(hf, name=spec.name)
+    note = None
+    if min_positions > cfg.max_position_embeddings:
+        note = (f"{spec.name}: max_position_embeddings raised from {cfg.max_position_embeddings} to {min_positions} "
+                f"for the benchmark (random weights; positions past {cfg.max_position_embeddings} are outside the "
+                f"trained range: timing only)")
+        cfg = dataclasses.replace(cfg, max_position_embeddings=min_positions)
+    return cfg, note
+
+
+def param_count(cfg) -> int:
+    """Parameters of `models.transformer.Transformer(cfg)` (checked against the module in the tests)."""
+    h, d, hq, kvh = cfg.hidden, cfg.head_dim, cfg.q_heads, cfg.kv_heads
+    attn = h * hq * d + 2 * h * kvh * d + hq * d * h + (hq * d + 2 * kvh * d if cfg.qkv_bias else 0)
+    layer = attn + 3 * h * cfg.ffn + 2 * h + (2 * d if cfg.qk_norm else 0)
+    return cfg.vocab * h * (1 if cfg.tie_embeddings else 2) + cfg.num_layers * layer + h
+
+
+def kv_bytes_per_token(cfg, itemsize: int = 2) -> int:
+    """K and V bytes of one token over all layers."""
+    return 2 * cfg.num_layers * cfg.kv_heads * cfg.head_dim * itemsize
+
+
+def largest_batch(budget_bytes: float, weight_bytes: float, per_seq_bytes: float, headroom_bytes: float) -> int:
+    """The most sequences whose KV caches fit beside the weights and the headroom (0 if not even one)."""
+    if per_seq_bytes <= 0:
+        raise ValueError(f"per_seq_bytes must be positive, got {per_seq_bytes}")
+    return max(0, int((budget_bytes - weight_bytes - headroom_bytes) // per_seq_bytes))
+
+
+def byte_floor_s(weight_bytes: float, kv_bytes: float, tbps: float) -> float:
+    """Seconds to read the weights and the KV cache once at `tbps` TB/s."""
+    return (weight_bytes + kv_bytes) / (tbps * 1e12)
+
+
+def parse_decode_specs(items) -> list[tuple[int, int | str]]:
+    """['32768:1', '131072:max'] -> [(32768, 1), (131072, 'max')]."""
+    out = []
+    for item in items:
+        ctx, sep, b = str(item).strip().partition(":")
+        try:
+            ctx_i = int(ctx)
+            b_v = "max" if b.strip() == "max" else int(b)
+        except ValueError:
+            raise ValueError(f"--e2e_decode entries are context:batch (batch an int or 'max'), got {item!r}") from None
+        if not sep or ctx_i <= 0 or (b_v != "max" and b_v <= 0):
+            raise ValueError(f"--e2e_decode entries are context:batch with positive values, got {item!r}")
+        out.append((ctx_i, b_v))
+    return out
+
+
+def parse_steps(items) -> tuple[int, int]:
+    try:
+        n1, n2 = (int(x) for x in items)
+    except ValueError:
+        raise ValueError(f"--e2e_steps must be two integers N1,N2, got {','.join(map(str, items))!r}") from None
+    if not 1 <= n1 < n2:
+        raise ValueError(f"--e2e_steps needs 1 <= N1 < N2, got {n1},{n2}")
+    return n1, n2
+
+
+_ATTN_WORDS = ("sdpa", "fmha", "flash_fprop", "flash_fwd", "flash_attn", "lean_reduction")
+
+
+def classify(name: str) -> str:
+    """'attention' (cuDNN fused attention and its split combine, the project's Pallas kernels) or 'rest'."""
+    n = name.lower()
+    if n.startswith("kascade_") or any(w in n for w in _ATTN_WORDS):
+        return "attention"
+    return "rest"
+
+
+def category(name: str) -> str:
+    """Finer class for the profile: attention, gemm, cache_write, copy or fusion (any other kernel)."""
+    if classify(name) == "attention":
+        return "attention"
+    n = name.lower()
+    if any(w in n for w in ("gemm", "gemv", "cublas", "cutlass", "nvjet", "xmma", "matmul", "dot_", "triton_gemm")):
+        return "gemm"
+    if "scatter" in n or "dynamic_update_slice" in n or "dynamic-update-slice" in n:
+        return "cache_write"
+    if "copy" in n or "memcpy" in n or "memset" in n:
+        return "copy"
+    return "fusion"
+
+
+def kernel_table(timings, iterations: int) -> dict[str, float]:
+    """CUPTI per-kernel timings (ms; one list of (name, ms) or `iterations` of them) -> {name: mean seconds per call},
+    several launches of one name summed."""
+    if timings is None:
+        return {}
+    its = [timings] if iterations == 1 else list(timings)
+    table: dict[str, float] = {}
+    for it in its:
+        for name, ms in it:
+            table[name] = table.get(name, 0.0) + ms / 1e3 / len(its)
+    return table
+
+
+def per_step(k1: dict, k2: dict, n1: int, n2: int) -> dict[str, float]:
+    """Per-kernel seconds per step from two calls of n1 and n2 steps (what runs once per call cancels)."""
+    return {name: (k2.get(name, 0.0) - k1.get(name, 0.0)) / (n2 - n1) for name in set(k1) | set(k2)}
+
+
+def split(kernels: dict) -> dict:
+    """attention_s, rest_s, kernel_s (their sum) and attention_share of a {name: seconds} table."""
+    att = sum(t for n, t in kernels.items() if classify(n) == "attention")
+    rest = sum(t for n, t in kernels.items() if classify(n) != "attention")
+    total = att + rest
+    return dict(attention_s=att, rest_s=rest, kernel_s=total, attention_share=att / total if total > 0 else None)
+
+
+def categories(kernels: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for n, t in kernels.items():
+        out[category(n)] = out.get(category(n), 0.0) + t
+    return out
+
+
+def top_kernels(kernels: dict, n: int = TOP_N) -> list:
+    """[[name, seconds, category], ...] of the n largest entries."""
+    items = sorted(kernels.items(), key=lambda kv: -kv[1])[:n]
+    return [[name, t, category(name)] for name, t in items]
+
+
+def row_key(row: dict) -> tuple:
+    return (row["model"], row["metric"], int(row["context"]), int(row["batch"]))
+
+
+def summarize(row: dict) -> dict:
+    """Fill the summary fields of a row from its runs: dense_s / kascade_s (wall clock), speedup, attention shares,
+    kernel-time counterparts, and dense_pallas_* when that run exists. Missing runs give None."""
+    runs = row.get("runs", {})
+
+    def get(strategy, field):
+        return runs.get(strategy, {}).get(field)
+
+    for s in STRATEGY_NAMES:
+        if s in runs or s in ("dense", "kascade"):
+            row[f"{s}_s"] = get(s, "wall_s")
+            row[f"{s}_kernel_s"] = get(s, "kernel_s")
+            row[f"attention_share_{s}"] = get(s, "attention_share")
+            row[f"{s}_attention_s"] = get(s, "attention_s")
+            row[f"{s}_rest_s"] = get(s, "rest_s")
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    row["speedup"] = ratio(row.get("dense_s"), row.get("kascade_s"))
+    row["kernel_speedup"] = ratio(row.get("dense_kernel_s"), row.get("kascade_kernel_s"))
+    row["attention_speedup"] = ratio(row.get("dense_attention_s"), row.get("kascade_attention_s"))
+    if "dense_pallas" in runs:
+        row["speedup_vs_dense_pallas"] = ratio(row.get("dense_pallas_s"), row.get("kascade_s"))
+    return row
+
+
+def add_run(rows: list, base: dict, strategy: str, run: dict) -> dict:
+    """Insert or update the row with base's key, setting runs[strategy] = run; returns the row."""
+    key = row_key(base)
+    for row in rows:
+        if row_key(row) == key:
+            break
+    else:
+        row = dict(base, runs={})
+        rows.append(row)
+    row.update({k: v for k, v in base.items() if k != "runs"})
+    row.setdefault("runs", {})[strategy] = run
+    return summarize(row)
+
+
+def has_run(rows: list, key: tuple, strategy: str) -> bool:
+    return any(row_key(r) == key and strategy in r.get("runs", {}) for r in rows)
+
+
+def estimate_s(metric: str, layers: int, context: int, batch: int, strategy: str, *, weight_bytes: float,
+               kv_per_token: float, calls: int = 10, steps: int = 24) -> float:
+    """Crude wall-time prediction of one measurement (compile + runs), only to decide what still fits a deadline:
+    ~45 s compile per 32 layers; TTFT from the issue's 8B probe (dense 1.28 s at 32K, ~x^1.59; Kascade 0.98 s,
+    ~x^1.35), two runs; decode `calls` calls of `steps` steps at 3.5 TB/s (dense) plus the cache fill."""
+    scale = layers / 32
+    compile_s = 45 * scale
+    x = context / 32768
+    if metric == "ttft":
+        run = (1.28 * x ** 1.59 if strategy != "kascade" else 0.98 * x ** 1.35) * scale
+        return compile_s + 2 * run
+    kv = batch * context * kv_per_token
+    step = (weight_bytes + (kv if strategy != "kascade" else 0.25 * kv)) / 3.5e12
+    fill = kv / 1e12
+    return compile_s + calls * (steps * step + fill)
+
+
+def _ms(x):
+    return "–" if x is None else f"{1e3 * x:.2f}"
+
+
+def _s(x):
+    return "–" if x is None else f"{x:.3f}"
+
+
+def _pct(x):
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def _x(x):
+    return "–" if x is None else f"**{x:.2f}x**"
+
+
+def render_markdown(meta: dict, rows: list) -> str:
+    lines = ["# End-to-end speed: dense (cuDNN) vs Kascade in the model", ""]
+    for run in meta.get("runs", []):
+        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, `{run.get('command')}`")
+    lines += ["", "Wall clock after compilation (TTFT: prefill of the whole prompt + first greedy sample, batch 1; "
+              "decode: ms per step of the jitted decode loop, (t(N2) - t(N1)) / (N2 - N1)). Attention / rest: CUPTI "
+              "kernel time split by kernel name (cuDNN attention and the Pallas kernels vs everything else; the "
+              "small XLA fusions around the Pallas kernels count as rest). Speedup = dense wall / Kascade wall.", ""]
+    for note in meta.get("notes", []):
+        lines.append(f"- note: {note}")
+    ttft = sorted((r for r in rows if r["metric"] == "ttft" and "runs" in r), key=row_key)
+    dec = sorted((r for r in rows if r["metric"] == "decode_step" and "runs" in r), key=row_key)
+    if ttft:
+        lines += ["", "## Time to first token (s)", "",
+                  "| model | context | dense | Kascade | speedup | dense attn / rest | Kascade attn / rest | "
+                  "attn share dense | attn share Kascade | attention speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in ttft:
+            lines.append(
+                f"| {r['model']} | {r['context']} | {_s(r.get('dense_s'))} | {_s(r.get('kascade_s'))} | "
+                f"{_x(r.get('speedup'))} | {_s(r.get('dense_attention_s'))} / {_s(r.get('dense_rest_s'))} | "
+                f"{_s(r.get('kascade_attention_s'))} / {_s(r.get('kascade_rest_s'))} | "
+                f"{_pct(r.get('attention_share_dense'))} | {_pct(r.get('attention_share_kascade'))} | "
+                f"{_x(r.get('attention_speedup'))} |")
+    if dec:
+        pallas = any("dense_pallas" in r["runs"] for r in dec)
+        head = ("| model | context | batch | dense | Kascade | speedup | dense attn / rest | Kascade attn / rest | "
+                "attn share dense | attn share Kascade | dense byte floor | dense wall - kernels |")
+        sep = "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        if pallas:
+            head += " dense split-K Pallas (attn) |"
+            sep += "---|"
+        lines += ["", "## Decode step (ms)", "", head, sep]
+        for r in dec:
+            gap = None
+            if r.get("dense_s") is not None and r.get("dense_kernel_s") is not None:
+                gap = r["dense_s"] - r["dense_kernel_s"]
+            line = (f"| {r['model']} | {r['context']} | {r['batch']} | {_ms(r.get('dense_s'))} | "
+                    f"{_ms(r.get('kascade_s'))} | {_x(r.get('speedup'))} | "
+                    f"{_ms(r.get('dense_attention_s'))} / {_ms(r.get('dense_rest_s'))} | "
+                    f"{_ms(r.get('kascade_attention_s'))} / {_ms(r.get('kascade_rest_s'))} | "
+                    f"{_pct(r.get('attention_share_dense'))} | {_pct(r.get('attention_share_kascade'))} | "
+                    f"{_ms(r.get('floor_s'))} | {_ms(gap)} |")
+            if pallas:
+                line += f" {_ms(r.get('dense_pallas_s'))} ({_ms(r.get('dense_pallas_attention_s'))}) |"
+            lines.append(line)
+    skipped = [r for r in rows if r.get("skipped")]
+    if skipped:
+        lines += ["", "## Not measured", ""]
+        for r in sorted(skipped, key=row_key):
+            lines.append(f"- {r['model']} {r['metric']} context {r['context']} batch {r['batch']}: {r['skipped']}")
+    notes = sorted({n for r in rows for n in r.get("notes", [])})
+    if notes:
+        lines += ["", "## Row notes", ""] + [f"- {n}" for n in notes]
+    tops = [r for r in dec if any(run.get("top") for run in r["runs"].values())]
+    if tops:
+        lines += ["", "## Top kernels per decode step (ms)", ""]
+        for r in tops:
+            for s, run in sorted(r["runs"].items()):
+                top = ", ".join(f"`{n[:40]}` {1e3 * t:.3f} ({c})" for n, t, c in run.get("top", [])[:8])
+                lines.append(f"- {r['model']} {r['context']} b{r['batch']} {s}: {top}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ttft = [r for r in rows if r["metric"] == "ttft" and r.get("speedup")]
+    dec = sorted((r for r in rows if r["metric"] == "decode_step" and r.get("dense_kernel_s")
+                  and r.get("kascade_kernel_s")), key=row_key)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[1, 2]))
+    ax = axes[0]
+    for model in sorted({r["model"] for r in ttft}):
+        pts = sorted((r["context"], r["speedup"]) for r in ttft if r["model"] == model)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=model)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT speedup (dense / Kascade)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_title("time to first token, batch 1", fontsize=9)
+    if ttft:
+        ax.legend(fontsize=7)
+    ax = axes[1]
+    for i, r in enumerate(dec):
+        for j, s in enumerate(("dense", "kascade")):
+            a, rest = 1e3 * (r.get(f"{s}_attention_s") or 0), 1e3 * (r.get(f"{s}_rest_s") or 0)
+            x = 3 * i + j
+            ax.bar(x, rest, color="#999999", label="rest" if i == j == 0 else None)
+            ax.bar(x, a, bottom=rest, color="#1f77b4" if s == "dense" else "#d62728",
+                   label=f"attention ({s})" if i == 0 else None)
+    ax.set_xticks([3 * i + 0.5 for i in range(len(dec))])
+    ax.set_xticklabels([f"{r['model'].split('-random')[0]}\n{r['context'] // 1024}K b{r['batch']}" for r in dec],
+                       fontsize=6)
+    ax.set_ylabel("CUPTI kernel ms per decode step")
+    ax.set_title("decode step: dense (left) vs Kascade (right) bars, attention on top of the rest", fontsize=9)
+    if dec:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _atomic_write(path: str, text: str) -> None:
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path), suffix=".partial", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save(out_dir: str, stem: str, meta: dict, rows: list, with_plot: bool = True, log=print) -> None:
+    """<stem>.json (meta + rows), <stem>.md and <stem>.png, each written atomically."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, stem)
+    _atomic_write(base + ".json", json.dumps(dict(meta=meta, rows=rows), indent=1))
+    _atomic_write(base + ".md", render_markdown(meta, rows))
+    if with_plot:
+        try:
+            plot(rows, base + ".png")
+        except Exception as e:  # a plot must never cost the measurements
+            log(f"plot failed: {type(e).__name__}: {e}")
+
+
+def load(out_dir: str, stem: str) -> tuple[dict, list]:
+    path = os.path.join(out_dir, stem + ".json")
+    if not os.path.exists(path):
+        return {"runs": [], "notes": []}, []
+    with open(path) as fh:
+        doc = json.load(fh)
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise ValueError(f"{path} is not an e2e benchmark file (no 'rows' list); move it away or pass --e2e_tag")
+    meta = doc.get("meta") or {}
+    meta.setdefault("runs", [])
+    meta.setdefault("notes", [])
+    return meta, doc["rows"]
+
+
+def output_stem(tag: str) -> str:
+    from experiments.timing import _TAG
+
+    if tag and not _TAG.fullmatch(tag):
+        raise ValueError(f"--e2e_tag must be letters, digits, '_', '.' or '-', got {tag!r}")
+    return f"e2e_{tag}" if tag else "e2e"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models and strategies
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def random_model(cfg, dtype, seed: int = 0):
+    """Transformer(cfg) with normal(0.02) weights (norm scales 1, biases 0), created on the default device by one
+    jitted RNG call per parameter: no host arrays, no per-module default initialisers."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.transformer import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+
+    fns = {}  # one jitted RNG per (shape, dtype): a handful of compilations for the whole model
+
+    def make(shape, dt):
+        if (shape, dt) not in fns:
+            fns[(shape, dt)] = jax.jit(lambda key: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dt))
+        return fns[(shape, dt)]
+
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(sorted(flat.items(), key=lambda kv: str(kv[0]))):
+        sd = var.get_value()
+        shape, dt = tuple(sd.shape), sd.dtype
+        leaf = str(path[-1])
+        if leaf in ("kernel", "embedding"):
+            value = make(shape, dt)(jax.random.fold_in(key, i))
+        elif leaf == "weight":  # RMSNorm scales
+            value = jnp.ones(shape, dt)
+        elif leaf == "bias":
+            value = jnp.zeros(shape, dt)
+        else:
+            raise ValueError(f"random_model: no initialiser for parameter {'/'.join(map(str, path))}")
+        var.set_value(value)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def weight_bytes(model) -> int:
+    import jax
+    from flax import nnx
+
+    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print):
+    """(model, notes, kascade kwargs, max context it may run, its config's own max positions) for a spec; a real
+    model that does not resolve raises ValueError."""
+    if spec.random:
+        orig, _ = load_shape_config(spec)
+        cfg, note = load_shape_config(spec, max_context)
+        t0 = time.perf_counter()
+        model = random_model(cfg, dtype, seed)
+        log(f"{spec.name}: random weights initialised on the device in {time.perf_counter() - t0:.1f} s")
+        return (model, [note] if note else [], dict(anchors=spec.anchors, head_map=None), cfg.max_position_embeddings,
+                orig.max_position_embeddings)
+    from models import load_model
+
+    model, _ = load_model(spec.alias, "bfloat16", with_tokenizer=False)
+    kw, note = calibrated_kascade(spec.alias, model.config.num_layers, model.config.kv_heads)
+    notes = [f"{spec.alias}: real weights (GGUF dequantised to bf16), {note}"]
+    return model, notes, kw, model.config.max_position_embeddings, model.config.max_position_embeddings
+
+
+def calibrated_kascade(alias: str, num_layers: int, kv_heads: int) -> tuple[dict, str]:
+    """(make_strategy kwargs, description) of the shipped default recipe of a real model: its levers and the anchors
+    and head map of its shipped (or cached) calibration. Never runs a calibration: without one it raises."""
+    from kascade_jax.calibration.artifact import CalibrationArtifact
+    from kascade_jax.calibration.resolve import _calib_k, _find_cached, artifact_path
+    from kascade_jax.recipes import load_recipe
+
+    r = load_recipe(alias, "default")
+    k = _calib_k(r.calib_k, 32)
+    path = artifact_path(alias, num_prompts=r.calib_num_prompts, k=k, tile_size=32, reduce=r.calib_reduce)
+    found = _find_cached(path, alias, "builtin", r.calib_num_prompts, k, 32, r.calib_reduce)
+    if found is None:
+        raise ValueError(f"{alias}: no shipped or cached calibration ({path.name}); run experiments.calibrate first")
+    art = CalibrationArtifact.load(found)
+    art.check_model(num_layers, kv_heads)
+    anchors = tuple(int(a) for a in art.anchors_for(r.num_anchors, r.calib_importance))
+    head_map = [[int(h) for h in row] for row in art.head_map(anchors)]
+    return (dict(anchors=anchors, head_map=head_map, **r.levers()),
+            f"recipe {r.describe()}, anchors {list(anchors)} from {found.name}")
+
+
+def make_strategies(names, cfg, kascade_kw: dict, topk_frac: float, min_k: int) -> dict:
+    from kascade_jax.registry import make_strategy
+
+    out = {}
+    for name in names:
+        if name == "dense":
+            out[name] = make_strategy("dense", cfg.num_layers, cfg.kv_heads)
+        elif name == "dense_pallas":
+            out[name] = make_strategy("dense", cfg.num_layers, cfg.kv_heads, decode_kernel="pallas")
+        elif name == "kascade":
+            out[name] = make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=topk_frac, min_k=min_k,
+                                      kernels="pallas", **kascade_kw)
+        else:
+            raise ValueError(f"--e2e_strategies: unknown strategy {name!r}; choose from {list(STRATEGY_NAMES)}")
+    return out
+
+
+def mesh_hook():
+    """The seam for several GPUs: experiments/common.py's --mesh (another branch) is read here; until this benchmark
+    shards the model and cache, a set --mesh is refused instead of silently running on one device."""
+    common = sys.modules.get("experiments.common")  # not imported here: its flags would clash with eval's own
+    flag = getattr(common, "MESH", None)
+    if flag is not None and flag.value:
+        raise ValueError(f"bench --phase=e2e does not shard yet: --mesh={flag.value} is not supported here")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurements (GPU)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A compiled measurement: the AOT-compiled program, its arguments and how long it took to compile."""
+
+    metric: str
+    compiled: object
+    args: tuple
+    compile_s: float
+    steps: tuple[int, int] | None = None
+
+
+def prepare_ttft(model, strategy, context: int, seed: int) -> Prepared:
+    """Compile the TTFT program: `_prefill_chunk` over the whole prompt (cache created inside) + the first sample."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models import generate as gen
+    from models.cache import KVCache
+
+    cfg = model.config
+    graphdef, params = nnx.split(model)
+
+    def run(params, tokens):
+        cache = KVCache.init(cfg, 1, context, dtype=model.dtype)
+        plens = jnp.full((1,), context, jnp.int32)
+        logits, cache, _ = gen._prefill_chunk(graphdef, params, tokens, cache, plens, 0, strategy, True, False)
+        return gen.sample(logits, jax.random.key(0), 0.0, 1.0, 0), cache
+
+    tokens = jax.random.randint(jax.random.key(seed), (1, context), 0, cfg.vocab, jnp.int32)
+    t0 = time.perf_counter()
+    compiled = jax.jit(run).lower(params, tokens).compile()
+    return Prepared("ttft", compiled, (params, tokens), time.perf_counter() - t0)
+
+
+def prepare_decode(model, strategy, context: int, batch: int, steps: tuple[int, int], seed: int) -> Prepared:
+    """Compile the decode program: random K/V cache filled inside, then `_decode_loop` for a traced step count."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models import generate as gen
+    from models.cache import KVCache
+
+    cfg = model.config
+    n1, n2 = steps
+    if n2 >= context:
+        raise ValueError(f"decode context {context} must exceed the step count {n2}")
+    graphdef, params = nnx.split(model)
+    out_w = -(-n2 // gen.OUT_MULTIPLE) * gen.OUT_MULTIPLE
+    start = context - n2  # the last step of the longer call writes row context - 1
+
+    def run(params, seed, n):
+        key = jax.random.key(seed)
+        shape = (batch, context, cfg.kv_heads, cfg.head_dim)
+        kv = [jax.random.normal(jax.random.fold_in(key, i), shape, model.dtype) for i in range(2 * cfg.num_layers)]
+        cache = KVCache(k=tuple(kv[0::2]), v=tuple(kv[1::2]), lengths=jnp.full((batch,), start, jnp.int32))
+        tok = jax.random.randint(jax.random.fold_in(key, 2 * cfg.num_layers), (batch,), 0, cfg.vocab, jnp.int32)
+        carry = (cache, tok, jnp.zeros((batch,), bool), jnp.asarray(0, jnp.int32),
+                 jnp.full((batch, out_w), -1, jnp.int32))
+        carry = gen._decode_loop(graphdef, params, carry, seed, strategy, n, n, 0.0, 1.0, 0, ())
+        return carry[4], carry[3]
+
+    s = jnp.int32(seed)
+    t0 = time.perf_counter()
+    compiled = jax.jit(run).lower(params, s, jnp.int32(n1)).compile()
+    return Prepared("decode_step", compiled, (params, s), time.perf_counter() - t0, steps=(n1, n2))
+
+
+def measure_ttft(prep: Prepared) -> dict:
+    """CUPTI over one call of a prepared TTFT program; wall clock = the mean of the measurement's two blocked calls
+    (its warm-up and its profiled call)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    t0 = time.perf_counter()
+    _, timings = profiler.measure(prep.compiled, aggregate=False, iterations=1)(*prep.args)
+    wall = (time.perf_counter() - t0) / 2
+    kernels = kernel_table(timings, 1)
+    return dict(wall_s=wall, compile_s=prep.compile_s,
+                wall_method="mean of the 2 blocked calls inside the CUPTI measurement",
+                top=top_kernels(kernels), categories=categories(kernels), **split(kernels))
+
+
+def measure_decode(prep: Prepared, iterations: int, wall_repeats: int) -> dict:
+    """Per-step decode times from calls of N1 and N2 steps (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.mosaic.gpu import profiler
+
+    n1, n2 = prep.steps
+    tables, walls = {}, {}
+    for n in (n1, n2):
+        out, timings = profiler.measure(prep.compiled, aggregate=False, iterations=iterations)(*prep.args,
+                                                                                             jnp.int32(n))
+        if int(out[1]) != n:
+            raise RuntimeError(f"the decode loop ran {int(out[1])} steps, expected {n}")
+        tables[n] = kernel_table(timings, iterations)
+    for n in (n1, n2):
+        ts = []
+        for _ in range(wall_repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(prep.compiled(*prep.args, jnp.int32(n)))
+            ts.append(time.perf_counter() - t0)
+        walls[n] = min(ts)
+    kernels = per_step(tables[n1], tables[n2], n1, n2)
+    return dict(wall_s=(walls[n2] - walls[n1]) / (n2 - n1), compile_s=prep.compile_s, steps=[n1, n2],
+                wall_method=f"(min of {wall_repeats} calls of N2 - of N1) / (N2 - N1)",
+                top=top_kernels(kernels), categories=categories(kernels), **split(kernels))
+
+
+def prepare_all(jobs: list, threads: int, log=print) -> dict:
+    """{job key: Prepared | Exception} for jobs [(key, zero-argument prepare function)], `threads` at a time (XLA
+    compiles outside the GIL; autotuning then shares the GPU, so threads > 1 may pick slightly different GEMMs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(job):
+        key, fn = job
+        try:
+            return key, fn()
+        except Exception as e:  # reported per job by the caller
+            return key, e
+
+    if threads <= 1:
+        return dict(one(j) for j in jobs)
+    log(f"compiling {len(jobs)} programs on {threads} threads")
+    with ThreadPoolExecutor(threads) as pool:
+        return dict(pool.map(one, jobs))
+
+
+def require_gpu():
+    import jax
+
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"bench --phase=e2e needs a GPU, found backend {jax.default_backend()!r}")
+
+
+def device_budget_bytes() -> float:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return float(stats.get("bytes_limit") or 139 * GB * 0.95)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plan(metrics, contexts, decode_specs):
+    """[(metric, context, batch | 'max')] in the order measured: metrics in the order given, rows in flag order."""
+    out = []
+    for m in metrics:
+        if m == "ttft":
+            out += [("ttft", int(c), 1) for c in contexts]
+        elif m == "decode":
+            out += [("decode_step", c, b) for c, b in decode_specs]
+        else:
+            raise ValueError(f"--e2e_metrics must be ttft and/or decode, got {m!r}")
+    return out
+
+
+def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), iterations=2, wall_repeats=2,
+        topk_frac=0.1, min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", tag="", resume=True,
+        deadline_s=0.0, compile_threads=1, seed=0, log=print):
+    """Measure every planned (model, row, strategy) not yet in <out_dir>/e2e[_tag].json; returns the rows."""
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    t_start = time.monotonic()
+    stem = output_stem(tag)
+    require_gpu()
+    mesh_hook()
+    for s in strategies:
+        if s not in STRATEGY_NAMES:
+            raise ValueError(f"--e2e_strategies: unknown strategy {s!r}; choose from {list(STRATEGY_NAMES)}")
+    todo = plan(metrics, contexts, decode_specs)
+    meta, rows = load(out_dir, stem) if resume else ({"runs": [], "notes": []}, [])
+    meta["runs"].append(dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                             gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv),
+                             devices=len(jax.devices()), topk_frac=topk_frac, min_k=min_k, steps=list(steps)))
+    dtype = jnp.bfloat16
+    budget = device_budget_bytes()
+    bar = tqdm(total=len(specs) * len(todo) * len(strategies), desc="e2e", mininterval=1.0, disable=None)
+    for spec in specs:
+        max_ctx = max([c for m, c, _ in todo] or [0])
+        try:
+            model, notes, kascade_kw, model_max, orig_max = build_model(spec, max_ctx, dtype, seed, log=log)
+        except ValueError as e:
+            msg = f"{spec.name}: not measured: {e}"
+            log(msg)
+            if msg not in meta["notes"]:
+                meta["notes"].append(msg)
+            bar.update(len(todo) * len(strategies))
+            continue
+        cfg = model.config
+        wbytes, kvpt = weight_bytes(model), kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize)
+        log(f"{spec.name}: {wbytes / GB:.2f} GB of weights, {kvpt} KV bytes/token, device budget {budget / GB:.1f} GB")
+        strats = make_strategies(strategies, cfg, kascade_kw, topk_frac, min_k)
+        jobs = []  # (key, strategy, base row, row notes, predicted seconds) still to measure
+        for metric, ctx, b in todo:
+            if b == "max":
+                b = largest_batch(budget, wbytes, ctx * kvpt, headroom_gb * GB)
+            base = dict(model=spec.name, metric=metric, context=ctx, batch=int(b), devices=len(jax.devices()),
+                        weight_bytes=wbytes, kv_bytes=int(b) * ctx * kvpt)
+            row_notes = notes if (not spec.random or ctx > orig_max) else []
+            if metric == "decode_step":
+                base["floor_s"] = byte_floor_s(wbytes, int(b) * ctx * kvpt, hbm_tbps)
+            need = wbytes + int(b) * ctx * kvpt + headroom_gb * GB
+            reason = None
+            if ctx > model_max:
+                reason = f"context {ctx} beyond the model's {model_max} max positions"
+            elif b == 0 or need > budget:
+                reason = (f"does not fit one device: weights {wbytes / GB:.1f} GB + KV {int(b) * ctx * kvpt / GB:.1f} GB"
+                          f" + headroom {headroom_gb:.0f} GB > {budget / GB:.1f} GB")
+            for sname in strategies:
+                bar.update(1)
+                if metric == "ttft" and sname == "dense_pallas":
+                    continue  # prefill never uses the decode kernel
+                key = (spec.name, metric, ctx, int(b))
+                if reason:
+                    _mark_skipped(rows, base, reason)
+                elif not (resume and has_run(rows, key, sname)):
+                    est = estimate_s(metric, cfg.num_layers, ctx, int(b), sname, weight_bytes=wbytes,
+                                     kv_per_token=kvpt)
+                    jobs.append((key, sname, base, row_notes, est))
+        save(out_dir, stem, meta, rows, log=log)
+
+        def prepare(job):
+            (_, metric, ctx, b), sname = job[0], job[1]
+            if metric == "ttft":
+                return prepare_ttft(model, strats[sname], ctx, seed)
+            return prepare_decode(model, strats[sname], ctx, b, steps, seed)
+
+        prepared = {}
+        threads = max(1, compile_threads)
+        for i, job in enumerate(jobs):
+            if threads > 1 and i % threads == 0:
+                # compile the next `threads` jobs together (those the deadline leaves room for), then measure them
+                # one by one: compiles (and their GEMM autotuning) never overlap a measurement
+                used, batch = time.monotonic() - t_start, []
+                for j in jobs[i:i + threads]:
+                    used += j[4] / threads
+                    if not deadline_s or used <= deadline_s:
+                        batch.append(j)
+                prepared = prepare_all([((j[0], j[1]), functools.partial(prepare, j)) for j in batch], threads,
+                                       log=log)
+            key, sname, base, row_notes, est = job
+            metric = key[1]
+            elapsed = time.monotonic() - t_start
+            if (key, sname) in prepared:
+                est = max(1.0, est - 45 * cfg.num_layers / 32)  # compiled already
+            if deadline_s and elapsed + est > deadline_s:
+                log(f"deferred {key} {sname}: predicted {est:.0f} s, {elapsed:.0f} s used of {deadline_s:.0f} s "
+                    f"(rerun to resume)")
+                prepared.pop((key, sname), None)
+                continue
+            t0 = time.monotonic()
+            try:
+                prep = prepared.pop((key, sname), None) or prepare(job)
+                if isinstance(prep, Exception):
+                    raise prep
+                res = measure_ttft(prep) if metric == "ttft" else measure_decode(prep, iterations, wall_repeats)
+                del prep
+            except Exception as e:  # keep the sweep going; the failure is reported and saved
+                msg = f"{type(e).__name__}: {str(e)[:500]}"
+                if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+                    msg = "out of memory: " + msg
+                log(f"FAILED {key} {sname}: {msg}")
+                gc.collect()
+                _mark_skipped(rows, base, f"{sname}: {msg}")
+                save(out_dir, stem, meta, rows, log=log)
+                continue
+            res["measure_s"] = time.monotonic() - t0
+            row = add_run(rows, dict(base, notes=row_notes), sname, res)
+            row.pop("skipped", None)
+            unit, u = (1e3, "ms") if metric == "decode_step" else (1.0, "s")
+            log(f"{spec.name} {metric} ctx={key[2]} b={key[3]} {sname}: wall {res['wall_s'] * unit:.3f} {u}, kernels "
+                f"{res['kernel_s'] * unit:.3f} (attention {res['attention_s'] * unit:.3f}, rest "
+                f"{res['rest_s'] * unit:.3f}), compile {res['compile_s']:.0f} s, took {res['measure_s']:.0f} s"
+                + (f"; speedup {row['speedup']:.2f}x" if row.get("speedup") else ""))
+            save(out_dir, stem, meta, rows, log=log)
+        prepared.clear()
+        model = strats = None  # frees the weights before the next model
+        gc.collect()
+        jax.clear_caches()
+    bar.close()
+    save(out_dir, stem, meta, rows, log=log)
+    log(f"done in {time.monotonic() - t_start:.0f} s; wrote {os.path.join(out_dir, stem)}.json/.md/.png")
+    return rows
+
+
+def _mark_skipped(rows, base, reason):
+    for row in rows:
+        if row_key(row) == row_key(base):
+            if "runs" not in row or not row["runs"]:
+                row["skipped"] = reason
+            else:
+                row.setdefault("notes", [])
+                if reason not in row["notes"]:
+                    row["notes"].append(reason)
+            return
+    rows.append(dict(base, skipped=reason))
+
+
+def profile(spec: ModelSpec, context: int, batch, strategies, *, steps=(8, 40), iterations=2, topk_frac=0.1,
+            min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", seed=0, log=print) -> dict:
+    """Top kernels of one decode step per strategy, printed and saved as e2e_profile_<model>_<ctx>_b<batch>.json."""
+    import jax
+    import jax.numpy as jnp
+
+    require_gpu()
+    mesh_hook()
+    model, notes, kascade_kw, _, _ = build_model(spec, context, jnp.bfloat16, seed, log=log)
+    cfg = model.config
+    wbytes, kvpt = weight_bytes(model), kv_bytes_per_token(cfg)
+    if batch == "max":
+        batch = largest_batch(device_budget_bytes(), wbytes, context * kvpt, headroom_gb * GB)
+    floor = byte_floor_s(wbytes, batch * context * kvpt, hbm_tbps)
+    log(f"{spec.name} decode ctx={context} b={batch}: byte floor {1e3 * floor:.2f} ms (weights {wbytes / GB:.2f} GB, "
+        f"KV {batch * context * kvpt / GB:.2f} GB at {hbm_tbps} TB/s)")
+    result = dict(model=spec.name, context=context, batch=batch, floor_s=floor, notes=notes, strategies={},
+                  gpu=jax.devices()[0].device_kind, jax=jax.__version__)
+    for sname, strategy in make_strategies(strategies, cfg, kascade_kw, topk_frac, min_k).items():
+        res = measure_decode(prepare_decode(model, strategy, context, batch, steps, seed), iterations, 1)
+        result["strategies"][sname] = res
+        log(f"\n{sname}: wall {1e3 * res['wall_s']:.3f} ms/step, kernels {1e3 * res['kernel_s']:.3f} "
+            f"(attention {1e3 * res['attention_s']:.3f}, rest {1e3 * res['rest_s']:.3f}); by category: "
+            + ", ".join(f"{c} {1e3 * t:.3f}" for c, t in sorted(res["categories"].items(), key=lambda kv: -kv[1])))
+        for name, t, cat in res["top"]:
+            log(f"  {1e3 * t:8.4f} ms  {cat:11s} {name[:110]}")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"e2e_profile_{spec.name}_{context}_b{batch}.json")
+    _atomic_write(path, json.dumps(result, indent=1))
+    log(f"wrote {path}")
+    return result
+
+
+def _spec(name: str) -> ModelSpec:
+    if name not in SPECS:
+        raise ValueError(f"--e2e_models: unknown model {name!r}; choose from {sorted(SPECS)}")
+    return SPECS[name]
+
+
+def main(argv):
+    del argv
+    # One process, one GPU: let JAX take most of the memory (the largest-batch rows need it), unless told otherwise.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    steps = parse_steps(STEPS.value)
+    kw = dict(steps=steps, iterations=ITERS.value, topk_frac=TOPK_FRAC.value, min_k=MIN_K.value,
+              headroom_gb=HEADROOM.value, hbm_tbps=HBM.value, out_dir=OUT.value, seed=SEED.value)
+    if PROFILE.value:
+        parts = PROFILE_SHAPE.value.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"--e2e_profile_shape must be model:context:batch, got {PROFILE_SHAPE.value!r}")
+        (ctx, b), = parse_decode_specs([f"{parts[1]}:{parts[2]}"])
+        profile(_spec(parts[0]), ctx, b, STRATEGIES.value, **kw)
+        return
+    run([_spec(m) for m in MODELS.value], metrics=METRICS.value, contexts=[int(c) for c in CONTEXTS.value],
+        decode_specs=parse_decode_specs(DECODE.value), strategies=STRATEGIES.value, wall_repeats=WALL_REPS.value,
+        tag=TAG.value, resume=RESUME.value, deadline_s=DEADLINE.value, compile_threads=COMPILE_THREADS.value, **kw)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,279 @@
+"""experiments/bench_e2e.py: its pure parts on CPU (configs, memory arithmetic, kernel classification, rows, resume,
+Markdown/JSON/plot), the on-device random initialisation at a tiny shape, and one GPU smoke run at a small shape."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import bench_e2e as e2e
+
+# Kernel names as CUPTI reported them on the H200 (benchmarks/decode.json, prefill.json).
+CUDNN_DECODE = "cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35_16x128x128_1x4x1_cga1x1x1_kernel0_0"
+CUDNN_COMBINE = "_ZN5cudnn6fusion21lean_reduction_kernelILb0ELb0ELb0EEEvPvPfS3_S3_S3_PKfS3_S3_S3_S3_S3_jjjj"
+CUDNN_PREFILL = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0"
+
+TINY_HF = dict(model_type="llama", vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096,
+               tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+
+def test_shipped_configs_parse_and_override():
+    llama, note = e2e.load_shape_config(e2e.SPECS["llama3.1-8b-random"])
+    assert note is None
+    assert (llama.num_layers, llama.q_heads, llama.kv_heads, llama.head_dim, llama.ffn, llama.vocab) == \
+        (32, 32, 8, 128, 14336, 128256)
+    assert llama.rope.rope_type == "llama3" and llama.max_position_embeddings == 131072 and not llama.tie_embeddings
+    qwen, _ = e2e.load_shape_config(e2e.SPECS["qwen3-8b-random"])
+    assert (qwen.num_layers, qwen.kv_heads, qwen.ffn, qwen.vocab, qwen.qk_norm) == (36, 8, 12288, 151936, True)
+    long, note = e2e.load_shape_config(e2e.SPECS["llama3.1-8b-random"], 262144)
+    assert long.max_position_embeddings == 262144 and "131072" in note and "262144" in note
+    # 8.03B and 8.19B parameters, 16.06 / 16.38 GB in bf16; KV 128 KiB / 144 KiB per token
+    assert abs(e2e.param_count(llama) / 1e9 - 8.03) < 0.01 and abs(e2e.param_count(qwen) / 1e9 - 8.19) < 0.01
+    assert e2e.kv_bytes_per_token(llama) == 131072 and e2e.kv_bytes_per_token(qwen) == 147456
+    with pytest.raises(ValueError, match="no shipped config"):
+        e2e.load_shape_config(e2e.ModelSpec("x", config_file="missing.json"))
+
+
+@pytest.mark.parametrize("over", [dict(), dict(model_type="qwen2", tie_word_embeddings=True),
+                                  dict(model_type="qwen3", head_dim=64)])
+def test_param_count_matches_the_module(over):
+    from models.transformer import Transformer
+
+    spec = e2e.ModelSpec("tiny", config_dict=dict(TINY_HF, **over))
+    cfg, _ = e2e.load_shape_config(spec)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert e2e.param_count(cfg) == n
+
+
+def test_largest_batch_and_floor():
+    llama, _ = e2e.load_shape_config(e2e.SPECS["llama3.1-8b-random"])
+    per_seq = 131072 * e2e.kv_bytes_per_token(llama)  # 17.18 GB
+    w = 2 * e2e.param_count(llama)
+    assert abs(per_seq / 1e9 - 17.18) < 0.01
+    assert e2e.largest_batch(139e9 * 0.95, w, per_seq, 10e9) == 6
+    assert e2e.largest_batch(139e9 * 0.95, w, 32768 * e2e.kv_bytes_per_token(llama), 10e9) == 24  # not 32
+    assert e2e.largest_batch(20e9, w, per_seq, 10e9) == 0
+    with pytest.raises(ValueError, match="per_seq_bytes"):
+        e2e.largest_batch(1e9, 0, 0, 0)
+    # the issue's 128K batch-1 floor: 16.06 GB + 17.18 GB at 4.3 TB/s = 7.7 ms
+    assert abs(e2e.byte_floor_s(w, per_seq, 4.3) * 1e3 - 7.73) < 0.02
+
+
+def test_parsers():
+    assert e2e.parse_decode_specs(["32768:1", " 131072:max"]) == [(32768, 1), (131072, "max")]
+    for bad in ("32768", "32768:0", "x:1", "32768:many", "-5:1"):
+        with pytest.raises(ValueError, match="e2e_decode"):
+            e2e.parse_decode_specs([bad])
+    assert e2e.parse_steps(["8", "40"]) == (8, 40)
+    for bad in (["40", "8"], ["0", "8"], ["8"], ["a", "b"]):
+        with pytest.raises(ValueError, match="e2e_steps"):
+            e2e.parse_steps(bad)
+    assert e2e.plan(["ttft", "decode"], [32768], [(32768, "max")]) == [("ttft", 32768, 1), ("decode_step", 32768, "max")]
+    assert e2e.plan(["decode", "ttft"], [65536], [(32768, 8)]) == [("decode_step", 32768, 8), ("ttft", 65536, 1)]
+    with pytest.raises(ValueError, match="e2e_metrics"):
+        e2e.plan(["tft"], [], [])
+    with pytest.raises(ValueError, match="e2e_tag"):
+        e2e.output_stem("../x")
+    assert e2e.output_stem("") == "e2e" and e2e.output_stem("mesh8") == "e2e_mesh8"
+
+
+def test_classify_and_categories():
+    for name in (CUDNN_DECODE, CUDNN_COMBINE, CUDNN_PREFILL, "kascade_anchor_scores", "kascade_topk_finish",
+                 "kascade_reuse_decode", "kascade_prefill_select", "kascade_dense_decode"):
+        assert e2e.classify(name) == "attention", name
+    for name, cat in (("loop_select_fusion_2", "fusion"), ("input_scatter_fusion_3", "cache_write"),
+                      ("nvjet_tst_128x8_64x8_2x1_v_bz_TNT", "gemm"), ("triton_gemm_dot_12", "gemm"),
+                      ("sm90_xmma_gemm_bf16bf16_bf16f32", "gemm"), ("copy_fusion_1", "copy"),
+                      ("wrapped_iota", "fusion"), ("loop_dynamic_update_slice_fusion", "cache_write")):
+        assert e2e.classify(name) == "rest" and e2e.category(name) == cat, name
+
+
+def test_tables_per_step_and_split():
+    one = [("kascade_reuse_decode", 0.5), ("gemm_a", 2.0), ("kascade_reuse_decode", 0.5), ("fill", 7.0)]
+    t1 = e2e.kernel_table(one, 1)
+    assert t1 == pytest.approx({"kascade_reuse_decode": 1e-3, "gemm_a": 2e-3, "fill": 7e-3})
+    two = [[("a", 1.0), ("b", 3.0)], [("a", 3.0), ("b", 1.0)]]
+    assert e2e.kernel_table(two, 2) == pytest.approx({"a": 2e-3, "b": 2e-3})
+    assert e2e.kernel_table(None, 1) == {}
+    # 8 and 40 steps: per-step kernels scale with steps, the fill runs once per call and cancels
+    k8 = {"fill": 0.1, "kascade_reuse_decode": 8 * 2e-4, "gemm": 8 * 3e-3}
+    k40 = {"fill": 0.1, "kascade_reuse_decode": 40 * 2e-4, "gemm": 40 * 3e-3, "late": 32e-6}
+    step = e2e.per_step(k8, k40, 8, 40)
+    assert step == pytest.approx({"fill": 0.0, "kascade_reuse_decode": 2e-4, "gemm": 3e-3, "late": 1e-6})
+    s = e2e.split(step)
+    assert s["attention_s"] == pytest.approx(2e-4) and s["rest_s"] == pytest.approx(3e-3 + 1e-6)
+    assert s["attention_share"] == pytest.approx(2e-4 / (3.2e-3 + 1e-6))
+    assert e2e.split({})["attention_share"] is None
+    top = e2e.top_kernels(step, 2)
+    assert [t[0] for t in top] == ["gemm", "kascade_reuse_decode"] and top[1][2] == "attention"
+    assert e2e.categories(step) == pytest.approx({"fusion": 1e-6, "gemm": 3e-3, "attention": 2e-4})
+
+
+def _run(wall, att, rest):
+    return dict(wall_s=wall, kernel_s=att + rest, attention_s=att, rest_s=rest, attention_share=att / (att + rest),
+                top=[["kascade_reuse_decode", att, "attention"]])
+
+
+def test_rows_resume_markdown_json_and_plot(tmp_path):
+    rows = []
+    base = dict(model="llama3.1-8b-random", metric="decode_step", context=131072, batch=1, floor_s=7.7e-3)
+    e2e.add_run(rows, base, "dense", _run(13.1e-3, 8.9e-3, 4.0e-3))
+    assert rows[0]["speedup"] is None and not e2e.has_run(rows, e2e.row_key(base), "kascade")
+    row = e2e.add_run(rows, base, "kascade", _run(8.4e-3, 1.4e-3, 6.8e-3))
+    assert len(rows) == 1 and e2e.has_run(rows, e2e.row_key(base), "kascade")
+    assert row["dense_s"] == 13.1e-3 and row["kascade_s"] == 8.4e-3
+    assert row["speedup"] == pytest.approx(13.1 / 8.4) and row["attention_speedup"] == pytest.approx(8.9 / 1.4)
+    assert row["attention_share_dense"] == pytest.approx(8.9 / 12.9)
+    assert row["attention_share_kascade"] == pytest.approx(1.4 / 8.2)
+    e2e.add_run(rows, base, "dense_pallas", _run(11.0e-3, 6.8e-3, 4.0e-3))
+    assert rows[0]["speedup_vs_dense_pallas"] == pytest.approx(11.0 / 8.4)
+    ttft = dict(model="qwen3-8b-random", metric="ttft", context=65536, batch=1, notes=["qwen3: max positions raised"])
+    e2e.add_run(rows, ttft, "dense", _run(3.5, 2.8, 0.7))
+    e2e.add_run(rows, ttft, "kascade", _run(2.0, 1.3, 0.7))
+    e2e._mark_skipped(rows, dict(model="llama3.1-8b-random", metric="decode_step", context=32768, batch=32),
+                      "does not fit one device")
+    e2e._mark_skipped(rows, base, "dense_pallas: out of memory")  # on a measured row: a note, not a skip
+    assert "skipped" not in rows[0] and "dense_pallas: out of memory" in rows[0]["notes"]
+    meta = dict(runs=[dict(date="2026-12-01 12:00 UTC", gpu="NVIDIA H200", jax="0.11.2", command="bench")], notes=[])
+    e2e.save(str(tmp_path), "e2e", meta, rows)
+    md = (tmp_path / "e2e.md").read_text()
+    assert "NVIDIA H200" in md and "JAX 0.11.2" in md and "**1.56x**" in md and "**1.75x**" in md
+    assert "does not fit one device" in md and "qwen3: max positions raised" in md and "split-K Pallas" in md
+    assert (tmp_path / "e2e.png").stat().st_size > 1000
+    meta2, rows2 = e2e.load(str(tmp_path), "e2e")
+    assert rows2 == json.loads(json.dumps(rows)) and meta2["runs"] == meta["runs"]
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    for r in doc["rows"]:
+        if "runs" in r:
+            assert {"model", "metric", "context", "batch", "dense_s", "kascade_s", "speedup",
+                    "attention_share_dense", "attention_share_kascade"} <= set(r)
+    assert e2e.load(str(tmp_path), "nothing") == ({"runs": [], "notes": []}, [])
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not an e2e benchmark file"):
+        e2e.load(str(tmp_path), "bad")
+
+
+def test_estimates_order_the_work():
+    kw = dict(weight_bytes=16e9, kv_per_token=131072)
+    assert e2e.estimate_s("ttft", 32, 262144, 1, "dense", **kw) > e2e.estimate_s("ttft", 32, 131072, 1, "dense", **kw)
+    assert e2e.estimate_s("ttft", 32, 131072, 1, "kascade", **kw) < e2e.estimate_s("ttft", 32, 131072, 1, "dense", **kw)
+    assert e2e.estimate_s("decode_step", 32, 131072, 6, "dense", **kw) > e2e.estimate_s("decode_step", 32, 131072, 1,
+                                                                                         "dense", **kw)
+
+
+def test_random_model_on_device(rng):
+    spec = e2e.ModelSpec("tiny", config_dict=dict(TINY_HF, model_type="qwen3", tie_word_embeddings=True))
+    cfg, _ = e2e.load_shape_config(spec)
+    seed = int(rng.integers(1 << 20))
+    model = e2e.random_model(cfg, jnp.bfloat16, seed)
+    again = e2e.random_model(cfg, jnp.bfloat16, seed)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for path, var in flat.items():
+        x = np.asarray(var.get_value(), np.float32)
+        assert var.get_value().dtype == jnp.bfloat16
+        if str(path[-1]) == "weight":
+            assert np.all(x == 1.0), path
+        else:
+            assert abs(x.std() - 0.02) < 0.004 and abs(x.mean()) < 0.004, (path, x.std())
+    a = dict(nnx.to_flat_state(nnx.state(again, nnx.Param)))
+    assert all(np.array_equal(np.asarray(flat[p].get_value()), np.asarray(a[p].get_value())) for p in flat)
+    q = flat[("layers", 0, "self_attn", "q_proj", "kernel")].get_value()
+    k = flat[("layers", 0, "self_attn", "k_proj", "kernel")].get_value()
+    assert not np.array_equal(np.asarray(q[:, :k.shape[1]]), np.asarray(k))  # distinct keys per parameter
+    assert e2e.weight_bytes(model) == 2 * e2e.param_count(cfg)
+    from models import generate as gen
+    from models.attention import DenseStrategy
+    from models.cache import KVCache
+
+    cache = KVCache.init(cfg, 1, 128, dtype=jnp.bfloat16)
+    logits, _ = gen.prefill(model, rng.integers(0, cfg.vocab, (1, 64)), [64], cache, DenseStrategy())
+    assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_refuses_without_gpu(tmp_path):
+    assert e2e.mesh_hook() is None
+    with pytest.raises(ValueError, match="needs a GPU"):
+        e2e.run([e2e.SPECS["llama3.1-8b-random"]], metrics=["ttft"], contexts=[32768], decode_specs=[],
+                strategies=["dense"], out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown model"):
+        e2e._spec("llama-70b")
+
+
+@pytest.mark.gpu
+def test_gpu_smoke_small_shape(tmp_path):
+    spec = e2e.ModelSpec("tiny-random", config_dict=TINY_HF, anchors=(0, 2))
+    kw = dict(metrics=["ttft", "decode"], contexts=[2048], decode_specs=[(2048, 2), (2048, 100000)],
+              strategies=["dense", "kascade", "dense_pallas"], steps=(4, 12), iterations=2, wall_repeats=1,
+              out_dir=str(tmp_path), tag="smoke")
+    rows = e2e.run([spec], **kw)
+    done = [r for r in rows if "runs" in r]
+    assert {(r["metric"], r["batch"]) for r in done} == {("ttft", 1), ("decode_step", 2)}
+    for r in done:
+        for s, run in r["runs"].items():
+            assert run["wall_s"] > 0 and run["kernel_s"] > 0 and run["attention_s"] > 0, (r["metric"], s, run)
+        assert r["speedup"] is not None and 0 < r["attention_share_dense"] < 1
+    assert any("does not fit" in r.get("skipped", "") for r in rows)
+    dec = next(r for r in done if r["metric"] == "decode_step")
+    assert any(name == "kascade_dense_decode" for name, _, _ in dec["runs"]["dense_pallas"]["top"])
+    assert dec["runs"]["kascade"]["categories"]["attention"] > 0
+    assert not any(name.startswith("kascade_") for name, _, _ in dec["runs"]["dense"]["top"])
+    assert (tmp_path / "e2e_smoke.md").exists() and (tmp_path / "e2e_smoke.png").exists()
+    again = e2e.run([spec], **kw)  # resume: nothing left to measure, the same rows come back
+    assert [r.get("runs", {}).keys() for r in again] == [r.get("runs", {}).keys() for r in rows]
+    prof = e2e.profile(spec, 2048, 2, ["dense", "kascade"], steps=(4, 12), out_dir=str(tmp_path))
+    assert set(prof["strategies"]) == {"dense", "kascade"}
+    assert len(prof["strategies"]["kascade"]["top"]) > 0
+
+
+def test_prepared_programs_are_the_product_path(rng):
+    """The measured TTFT program gives the product's first token (prefill + greedy sample); the measured decode
+    program runs exactly the requested steps; compiling on threads gives the same programs."""
+    from models import generate as gen
+    from models.cache import KVCache
+
+    small = dict(TINY_HF, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=64, num_attention_heads=4)
+    cfg, _ = e2e.load_shape_config(e2e.ModelSpec("tiny", config_dict=small))
+    model = e2e.random_model(cfg, jnp.float32, int(rng.integers(1 << 20)))
+    strats = e2e.make_strategies(["dense", "kascade"], cfg, dict(anchors=(0,), head_map=None), 0.25, 16)
+    ctx, seed = 128, int(rng.integers(1 << 20))
+    for name, strategy in strats.items():
+        prep = e2e.prepare_ttft(model, strategy, ctx, seed)
+        tok, cache = prep.compiled(*prep.args)
+        tokens = np.asarray(prep.args[1])
+        logits, _ = gen.prefill(model, tokens, [ctx], KVCache.init(cfg, 1, ctx, jnp.float32), strategy, chunk_size=ctx)
+        assert int(tok[0]) == int(np.argmax(np.asarray(logits)[0])), name
+        assert cache.k[0].shape == (1, ctx, cfg.kv_heads, cfg.head_dim)
+    jobs = [(n, lambda s=s: e2e.prepare_decode(model, s, ctx, 2, (2, 5), seed)) for n, s in strats.items()]
+    serial, threaded = e2e.prepare_all(jobs, 1), e2e.prepare_all(jobs, 2, log=lambda *a: None)
+    for name in strats:
+        out_a, n_a = serial[name].compiled(*serial[name].args, jnp.int32(5))
+        out_b, n_b = threaded[name].compiled(*threaded[name].args, jnp.int32(5))
+        assert int(n_a) == int(n_b) == 5 and np.array_equal(np.asarray(out_a), np.asarray(out_b))
+        out = np.asarray(out_a)
+        assert np.all((out[:, :5] >= 0) & (out[:, :5] < cfg.vocab)) and np.all(out[:, 5:] == -1)
+        out3, n3 = serial[name].compiled(*serial[name].args, jnp.int32(3))
+        assert int(n3) == 3 and np.array_equal(np.asarray(out3)[:, :3], out[:, :3])  # the same steps, fewer of them
+    with pytest.raises(ValueError, match="must exceed the step count"):
+        e2e.prepare_decode(model, strats["dense"], 8, 1, (4, 8), seed)
+    bad = e2e.prepare_all([("x", lambda: e2e.prepare_decode(model, strats["dense"], 8, 1, (4, 8), seed))], 1)
+    assert isinstance(bad["x"], ValueError)
+
+
+def test_calibrated_kascade_of_the_real_model():
+    from kascade_jax.registry import make_strategy
+
+    kw, note = e2e.calibrated_kascade("qwen2.5-coder-1.5b", 28, 2)
+    assert kw["anchors"] == (0, 2, 5, 14, 27) and len(kw["head_map"]) == 28 and all(len(r) == 2 for r in kw["head_map"])
+    assert (kw["sink_tokens"], kw["recent_window"], kw["dense_suffix"]) == (4, 60, 128) and "default" in note
+    strategy = make_strategy("kascade", 28, 2, topk_frac=0.1, min_k=128, kernels="pallas", **kw)
+    assert strategy.config.anchors == (0, 2, 5, 14, 27)
+    with pytest.raises(ValueError):
+        e2e.calibrated_kascade("qwen2.5-coder-1.5b", 30, 2)  # wrong model shape for the artifact
