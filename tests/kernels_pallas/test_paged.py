@@ -149,3 +149,24 @@ def test_paged_kernels_gpu(ps):
     hm = jnp.arange(8, dtype=jnp.int32)[::-1]
     o = paged.reuse_decode(q, kp, vp, table, kv_len, idx, counts, hm, impl="pallas")
     assert _rel(o, ref.sparse_decode_reference(q, k, v, kv_len, idx, hm)) < 2e-2
+
+
+def test_triton_modules_verify_for_sm90(triton_sm90_modules):
+    """Lower the paged kernels for CUDA on the CPU and verify the Triton modules (catches GPU-only lowering errors,
+    e.g. the page-table gather, without a GPU)."""
+    import jax
+
+    verified = triton_sm90_modules
+    b, kvh, g, d, ps, mp, n = 2, 2, 4, 128, 16, 40, 100
+    q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((n, ps, kvh, d), jnp.bfloat16)
+    pt = jax.ShapeDtypeStruct((b, mp), jnp.int32)
+    kv = jax.ShapeDtypeStruct((b,), jnp.int32)
+    idx = jax.ShapeDtypeStruct((b, kvh, 100), jnp.int32)
+    lower = lambda fn, *a: jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",))  # noqa: E731
+    lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas"), q, pool, pool, pt, kv)
+    lower(lambda q, k, v, t, l, i, c: paged.reuse_decode(q, k, v, t, l, i, c, jnp.arange(kvh), impl="pallas"),
+          q, pool, pool, pt, kv, idx, kv)
+    lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
+                                                    impl="pallas"), q, pool, pool, pt, kv)
+    assert len(verified) == 1 + 1 + 6  # dense; reuse; anchor = stream + 4 select kernels + reuse
