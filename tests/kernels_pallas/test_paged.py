@@ -88,8 +88,7 @@ def test_reuse_decode_interpret(ps, dtype, tol):
     assert _rel(out, want) < tol
 
 
-@pytest.mark.parametrize("ps,dtype,tol", CASES)
-@pytest.mark.parametrize("dense_out", [False, True])
+@pytest.mark.parametrize("ps,dtype,tol,dense_out", [c + (i == 1,) for i, c in enumerate(CASES)])
 def test_anchor_decode_interpret(ps, dtype, tol, dense_out):
     print("seed", SEED)
     q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 2, 2, 128, 4, 2, 64, ps, dtype)

@@ -83,7 +83,7 @@ def test_page_size_and_allocator_errors():
     assert a.allocate(2)[0] == got[0]  # LIFO: a released (dirty) page is handed out next
 
 
-@pytest.mark.parametrize("ps", [16, 64])
+@pytest.mark.parametrize("ps", [16])  # page size 64 through the engine: tests/kascade_jax/test_paged.py
 def test_engine_equals_generate(model, rng, ps):
     """Requests joining at different steps, ragged prompts and lengths: the same greedy tokens as generate()."""
     eng = Engine(model, Tok(), S, max_batch=3, page_size=ps, max_len=256)
