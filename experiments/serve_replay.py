@@ -18,11 +18,11 @@ DIR/paged.json and DIR/paged.md (experiments/paged_report.py); without it, only 
 
 Models: `random:llama3-8b` (default: random bf16 weights in the Llama-3.1-8B shape, 32/8 heads, d 128, hidden 4096,
 ffn 14336, vocab 128256, with `--replay_layers` layers; Kascade anchors `registry.default_anchors(layers)`, identity
-head map), `random:tiny` (CPU smoke runs), or any `--model`-style alias/path via `--replay_model` (then the strategy
+head map, or `--anchors=0,4,...`), `random:tiny` (CPU smoke runs), or any `--model`-style alias/path via `--replay_model` (then the strategy
 comes from the shared flags, calibrated anchors included).
 
-Reduced default (the lead's ~5 GPU minutes): 8 layers, 32 requests, prompts 2K-16K, 32-128 new tokens, 4 req/s,
-max_batch 8. The issue's full setting: `--replay_layers=32 --num_requests=256 --min_prompt=2048 --max_prompt=65536
+Reduced default (the lead's ~5 GPU minutes): 8 layers, 24 requests, prompts 4K-16K (three prefill buckets), 32-96
+new tokens, 8 req/s, max_batch 8; pass `--anchors=0,4` for a paper-like anchor share (2 of 8 layers). The issue's full setting: `--replay_layers=32 --num_requests=256 --min_prompt=2048 --max_prompt=65536
 --max_batch=8` (K/V of 8 x 64K tokens x 32 layers = 68 GB plus 16 GB of weights; much longer to run).
 """
 
@@ -41,12 +41,12 @@ REPLAY_MODEL = flags.DEFINE_string("replay_model", "random:llama3-8b",
                                    "random:llama3-8b | random:tiny | a model alias/path as for --model.")
 REPLAY_LAYERS = flags.DEFINE_integer("replay_layers", 8, "Layers of a random:* model.", lower_bound=1)
 STRATEGIES = flags.DEFINE_list("replay_strategies", ["dense", "kascade"], "Strategies to replay (dense, kascade).")
-NUM_REQUESTS = flags.DEFINE_integer("num_requests", 32, "Requests in the trace.", lower_bound=1)
-ARRIVAL_RATE = flags.DEFINE_float("arrival_rate", 4.0, "Poisson arrival rate, requests per second.", lower_bound=1e-6)
-MIN_PROMPT = flags.DEFINE_integer("min_prompt", 2048, "Shortest prompt (tokens).", lower_bound=1)
+NUM_REQUESTS = flags.DEFINE_integer("num_requests", 24, "Requests in the trace.", lower_bound=1)
+ARRIVAL_RATE = flags.DEFINE_float("arrival_rate", 8.0, "Poisson arrival rate, requests per second.", lower_bound=1e-6)
+MIN_PROMPT = flags.DEFINE_integer("min_prompt", 4096, "Shortest prompt (tokens).", lower_bound=1)
 MAX_PROMPT = flags.DEFINE_integer("max_prompt", 16384, "Longest prompt (tokens).", lower_bound=1)
 MIN_NEW = flags.DEFINE_integer("min_new", 32, "Fewest new tokens per request.", lower_bound=1)
-MAX_NEW = flags.DEFINE_integer("max_new", 128, "Most new tokens per request.", lower_bound=1)
+MAX_NEW = flags.DEFINE_integer("max_new", 96, "Most new tokens per request.", lower_bound=1)
 MAX_BATCH = flags.DEFINE_integer("max_batch", 8, "Engine slots (the decode step's fixed batch).", lower_bound=1)
 PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV page size (a power of two in 16..256).")
 NUM_PAGES = flags.DEFINE_integer("num_pages", None, "Pages in the pool (default: max_batch x the longest request).")
@@ -103,7 +103,8 @@ def build_strategy(name: str, model, tok, spec: str):
     if not spec.startswith("random:"):
         return common.build_strategy(name, model, tok)
     cfg = model.config
-    return make_strategy("kascade", cfg.num_layers, cfg.kv_heads, anchors=default_anchors(cfg.num_layers),
+    anchors = default_anchors(cfg.num_layers) if common.ANCHORS.value == "auto" else common.ANCHORS.value
+    return make_strategy("kascade", cfg.num_layers, cfg.kv_heads, anchors=anchors,
                          topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value, tile_size=common.TILE_SIZE.value,
                          kernels="pallas" if jax.default_backend() == "gpu" else "reference")
 
@@ -223,7 +224,7 @@ def main(argv):
                     num_requests=NUM_REQUESTS.value, arrival_rate=ARRIVAL_RATE.value, min_prompt=MIN_PROMPT.value,
                     max_prompt=MAX_PROMPT.value, min_new=MIN_NEW.value, max_new=MAX_NEW.value,
                     max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages, seed=REPLAY_SEED.value,
-                    topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value)
+                    topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value, anchors=common.ANCHORS.value)
         print("wrote", paged_report.update(REPLAY_OUT.value, "replay", dict(meta=meta, rows=rows)))
 
 
