@@ -18,12 +18,12 @@ DIR/paged.json and DIR/paged.md (experiments/paged_report.py); without it, only 
 
 Models: `random:llama3-8b` (default: random bf16 weights in the Llama-3.1-8B shape, 32/8 heads, d 128, hidden 4096,
 ffn 14336, vocab 128256, with `--replay_layers` layers; Kascade anchors `registry.default_anchors(layers)`, identity
-head map, or `--anchors=0,4,...`), `random:tiny` (CPU smoke runs), or any `--model`-style alias/path via `--replay_model` (then the strategy
-comes from the shared flags, calibrated anchors included).
+head map, or `--anchors=0,4,...`), `random:tiny` (CPU smoke runs), or any `--model`-style alias/path via
+`--replay_model` (then the strategy comes from the shared flags, calibrated anchors included).
 
 Reduced default (the lead's ~5 GPU minutes): 8 layers, 24 requests, prompts 4K-16K (three prefill buckets), 32-96
-new tokens, 8 req/s, max_batch 8; pass `--anchors=0,4` for a paper-like anchor share (2 of 8 layers). The issue's full setting: `--replay_layers=32 --num_requests=256 --min_prompt=2048 --max_prompt=65536
---max_batch=8` (K/V of 8 x 64K tokens x 32 layers = 68 GB plus 16 GB of weights; much longer to run).
+new tokens, 8 req/s, max_batch 8; pass `--anchors=0,4` for a paper-like anchor share (2 of 8 layers). The issue's
+full setting: `--replay_layers=32 --num_requests=256 --min_prompt=2048 --max_prompt=65536 --max_batch=8` (K/V of 8 x 64K tokens x 32 layers = 68 GB plus 16 GB of weights; much longer to run).
 """
 
 from __future__ import annotations

@@ -226,8 +226,8 @@ def _contiguous_view(inputs):
     view and run the contiguous prefill on it. One copy of the K/V per prefill chunk and layer, next to the chunk's
     quadratic attention work; decode never gathers (it reads through the page table in the kernels)."""
     pt = inputs.page_table
-    return dataclasses.replace(inputs, k_cache=gather_pages(inputs.k_cache, pt), v_cache=gather_pages(inputs.v_cache, pt),
-                               page_table=None)
+    return dataclasses.replace(inputs, k_cache=gather_pages(inputs.k_cache, pt),
+                               v_cache=gather_pages(inputs.v_cache, pt), page_table=None)
 
 
 _SUFFIX_BLOCK = 32  # query rows per block of the dense-suffix attention (bounds its materialised scores)
