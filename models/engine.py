@@ -277,8 +277,12 @@ class Engine:
             toks = np.zeros((1, width), np.int32)
             toks[0, :plen] = h.prompt_ids
             view = self.cache.with_table(self._table[slot:slot + 1], np.zeros(1, np.int32))
-            logits, view = prefill(self.model, toks, np.array([plen], np.int32), view, self.strategy,
-                                   chunk_size=self.chunk_size)
+            try:
+                logits, view = prefill(self.model, toks, np.array([plen], np.int32), view, self.strategy,
+                                       chunk_size=self.chunk_size)
+            except Exception:
+                self._release(slot)  # e.g. a strategy that refuses paged caches: leave the engine consistent
+                raise
             self.cache = dataclasses.replace(self.cache, k=view.k, v=view.v)
             p = h.params
             tok = int(_sample_one(logits, jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.seed], jnp.int32),

@@ -127,6 +127,7 @@ def test_baselines_refuse_paged_cache(model, rng):
     eng.submit(rng.integers(5, 128, 20).tolist(), SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="quest baseline does not support a paged KV cache"):
         eng.run()
+    assert eng.idle and eng.allocator.free == eng.num_pages  # the failed admission gave its slot and pages back
 
 
 def test_bundle_without_paged_decode_is_refused(model, rng):
