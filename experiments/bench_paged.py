@@ -36,6 +36,8 @@ MIN_K = flags.DEFINE_integer("paged_min_k", 128, "Minimum Top-k budget.")
 ITERS = flags.DEFINE_integer("paged_iterations", 10, "CUPTI iterations per measurement (median reported).")
 CHECK = flags.DEFINE_boolean("paged_check", True, "Check paged against contiguous kernels first.")
 OUT = flags.DEFINE_string("paged_out", "benchmarks", "Output folder for paged.json / paged.md.")
+STREAM_BLOCK = flags.DEFINE_integer("paged_stream_block", 128, "Keys per step of the paged whole-cache pass (dense, "
+                                    "anchor scores); <= page size: one contiguous load per block, else a row gather.")
 MAX_GB = flags.DEFINE_float("paged_max_cache_gb", 100.0, "Skip shapes whose contiguous + paged K/V exceed this (GB).")
 
 
@@ -100,7 +102,7 @@ def check(b, s, page_size, shape: BenchShape, frac=0.1, min_k=128, seed=0, inter
     return out
 
 
-def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print):
+def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print, stream_block=128):
     import jax
     import jax.numpy as jnp
 
@@ -114,6 +116,7 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print)
     vp, _ = paged_copy(v, page_size, 1)
     kv_len = jnp.full((b,), s, jnp.int32)
     kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(s, frac, min_k), impl="pallas")
+    pkw = dict(kw, tuning=dec.DecodeTuning(stream_block=stream_block))
     hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
     an = jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, **kw))
     _, idx, counts = an(q, k, v, kv_len)
@@ -126,14 +129,16 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print)
               (q, k, v, kv_len, idx, counts)),
     }
     paged = {
-        "dense": (jax.jit(lambda q, k, v, t, l: pg.dense_decode(q, k, v, t, l, impl="pallas")), (q, kp, vp, table, kv_len)),
-        "A0": (jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, dense_out=True, **kw)),
+        "dense": (jax.jit(lambda q, k, v, t, l: pg.dense_decode(q, k, v, t, l, impl="pallas", tuning=pkw["tuning"])),
+                  (q, kp, vp, table, kv_len)),
+        "A0": (jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, dense_out=True, **pkw)),
                (q, kp, vp, table, kv_len)),
-        "A": (jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, **kw)), (q, kp, vp, table, kv_len)),
+        "A": (jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, **pkw)), (q, kp, vp, table, kv_len)),
         "R": (jax.jit(lambda q, k, v, t, l, i, c: pg.reuse_decode(q, k, v, t, l, i, c, hm, impl="pallas")),
               (q, kp, vp, table, kv_len, idx, counts)),
     }
-    row = dict(batch=b, context=s, page_size=page_size, topk_frac=frac, k=int(counts[0]), **shape.record())
+    row = dict(batch=b, context=s, page_size=page_size, stream_block=stream_block, topk_frac=frac, k=int(counts[0]),
+               **shape.record())
     for n in ("dense", "A0", "A", "R"):
         for tag, fns in (("contig", contig), ("paged", paged)):
             fn, args = fns[n]
@@ -151,7 +156,7 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print)
 
 
 def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=100.0, shape: BenchShape | None = None, log=print):
+        max_cache_gb=100.0, shape: BenchShape | None = None, stream_block=128, log=print):
     import jax
 
     from experiments import paged_report
@@ -175,13 +180,13 @@ def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_chec
                 continue
             for ps in page_sizes:
                 try:
-                    rows.append(bench_one(b, s, ps, frac, min_k, iters, shape, log))
+                    rows.append(bench_one(b, s, ps, frac, min_k, iters, shape, log, stream_block))
                 except Exception as e:  # keep the sweep going; the failure is reported
                     log(f"FAILED b={b} s={s} page {ps}: {type(e).__name__}: {str(e)[:400]}")
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), iterations=iters,
                 heads=shape.heads_text(), formula=f"{shape.formula()} ({shape.mix_text()})",
-                page_size=",".join(map(str, page_sizes)), shape=shape.record())
+                page_size=",".join(map(str, page_sizes)), stream_block=stream_block, shape=shape.record())
     log("wrote " + paged_report.update(out_dir, "kernels", dict(meta=meta, checks=checks, rows=rows)))
     return rows
 
@@ -190,7 +195,7 @@ def main(argv):
     del argv
     run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [int(p) for p in PAGE_SIZES.value],
         frac=FRAC.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
-        max_cache_gb=MAX_GB.value, shape=BenchShape.from_flags())
+        max_cache_gb=MAX_GB.value, shape=BenchShape.from_flags(), stream_block=STREAM_BLOCK.value)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ every logical position is mapped to its physical row inside the kernel,
     row = page_table[b, pos // page_size] * page_size + pos % page_size,
 in the flattened pool [num_pages * page_size, kv_heads, d] (a free reshape). So nothing is gathered into a
 contiguous copy: the whole-cache pass (dense decode and the anchor scores) walks logical blocks of `stream_block`
-keys (several small pages or part of a big one; rows within a page are contiguous, so loads stay coalesced), and the
-reuse kernel maps its selected indices, which stay logical token positions, to (page, offset).
+keys; a block within one page (stream_block <= page_size) is one contiguous load at the page's row, a block over
+several small pages gathers its rows (contiguous within each page, so loads stay coalesced). The reuse kernel maps
+its selected indices, which stay logical token positions, to (page, offset).
 
 - `dense_decode`: exact decode attention (split-K flash decode) through the page table.
 - `anchor_decode`: logits over the whole cache + per-head lse in one pass (and the dense output for anchor
@@ -137,8 +138,12 @@ def _stream_kernel(kvlen_ref, pt_ref, q_ref, k_ref, *refs, block, split_len, s_l
         off_c = jnp.minimum(off, s_len - block)  # the last block is re-read at a clamped offset, overlap masked
         pos = off_c + jnp.arange(block)
         valid = (pos >= off) & (pos < end)
-        phys = _rows(pt_ref, pos, page_size, num_pages, max_pages)
-        k = k_ref[phys, :]  # [block, d], gathered through the page table
+        if block <= page_size:  # the block lies in one page (offsets are block-aligned): one contiguous load
+            page = jnp.minimum(jnp.maximum(pt_ref[off_c // page_size], 0), num_pages - 1)
+            phys = pl.ds(page * page_size + off_c % page_size, block)
+        else:  # the block spans pages: rows gathered through the page table
+            phys = _rows(pt_ref, pos, page_size, num_pages, max_pages)
+        k = k_ref[phys, :]  # [block, d]
         qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
         if logits_out:

@@ -60,10 +60,12 @@ CASES = [(16, jnp.bfloat16, 3e-2), (64, jnp.float32, 1e-5)]
 
 
 @pytest.mark.parametrize("ps,dtype,tol", CASES)
-def test_dense_decode_interpret(ps, dtype, tol):
+@pytest.mark.parametrize("block", [128, 16])  # 128: blocks over several pages (gather); 16: within a page
+def test_dense_decode_interpret(ps, dtype, tol, block):
     print("seed", SEED)
     q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED, 3, 128, 4, 2, 64, ps, dtype)
-    out = paged.dense_decode(q, kp, vp, table, kv_len, interpret=True)
+    out = paged.dense_decode(q, kp, vp, table, kv_len, interpret=True,
+                             tuning=dec.DecodeTuning(stream_block=block))
     want = ref.attention_reference(q, k, v, kv_len - 1, kv_len)
     assert out.shape == want.shape and out.dtype == q.dtype
     assert _rel(out, want) < tol
@@ -164,8 +166,10 @@ def test_triton_modules_verify_for_sm90(triton_sm90_modules):
     idx = jax.ShapeDtypeStruct((b, kvh, 100), jnp.int32)
     lower = lambda fn, *a: jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",))  # noqa: E731
     lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas"), q, pool, pool, pt, kv)
+    lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas",
+                                                   tuning=dec.DecodeTuning(stream_block=16)), q, pool, pool, pt, kv)
     lower(lambda q, k, v, t, l, i, c: paged.reuse_decode(q, k, v, t, l, i, c, jnp.arange(kvh), impl="pallas"),
           q, pool, pool, pt, kv, idx, kv)
     lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
                                                     impl="pallas"), q, pool, pool, pt, kv)
-    assert len(verified) == 1 + 1 + 6  # dense; reuse; anchor = stream + 4 select kernels + reuse
+    assert len(verified) == 2 + 1 + 6  # dense (gather, in-page); reuse; anchor = stream + 4 select kernels + reuse
