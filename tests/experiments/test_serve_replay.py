@@ -40,5 +40,14 @@ def test_replay_and_report(tmp_path):
     text = open(md).read()
     assert "Continuous-batching replay" in text and "**2.00x**" in text
     assert set(json.load(open(tmp_path / "paged.json"))) == {"replay"}
+    krow = dict(batch=8, context=32768, page_size=64, topk_frac=0.1)
+    for i, n in enumerate(("dense", "A0", "A", "R", "weighted")):
+        krow.update({f"{n}_contig": 1.0 + i, f"{n}_paged": 1.1 + i, f"{n}_ratio": (1.1 + i) / (1.0 + i)})
+    kmeta = dict(gpu="cpu", date="d", jax="j", command="c", iterations=10, heads="h", page_size="64", formula="f")
+    checks = [dict(name="A", rel=1e-3, same_sets=1.0)]
+    paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=checks, rows=[krow]))
+    text = open(md).read()
+    assert "paged vs contiguous cache" in text and "**1.100**" in text and "Continuous-batching replay" in text
+    assert set(json.load(open(tmp_path / "paged.json"))) == {"replay", "kernels"}
     with pytest.raises(ValueError, match="section must be"):
         paged_report.update(str(tmp_path), "other", {})
