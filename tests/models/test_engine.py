@@ -158,3 +158,22 @@ def test_out_of_pages_queues_then_runs(model, rng):
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="empty prompt"):
         eng.submit([])
+
+
+def test_sampling_depends_on_the_request_only(model, rng):
+    """Temperature sampling draws one key per (request seed, token index): the same tokens alone or batched next to
+    another request in a reused slot, and not the greedy tokens."""
+    p, other = rng.integers(5, 128, 33).tolist(), rng.integers(5, 128, 80).tolist()
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
+    alone = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256)
+    want = alone.submit(p, params).result()
+    greedy = alone.submit(p, SamplingParams(max_new_tokens=8)).result()
+    eng = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256)
+    eng.submit(other, SamplingParams(max_new_tokens=3))
+    eng.submit(other, SamplingParams(max_new_tokens=12, temperature=0.7, seed=1))
+    eng.step()
+    h = eng.submit(p, params)  # joins when the first request leaves, in its slot
+    eng.run()
+    assert h.tokens == want and want != greedy
+    with pytest.raises(ValueError, match="temperature must be"):
+        SamplingParams(temperature=float("nan"))
