@@ -18,11 +18,11 @@ DIR/paged.json and DIR/paged.md (experiments/paged_report.py); without it, only 
 
 Models: `random:llama3-8b` (default: random bf16 weights in the Llama-3.1-8B shape, 32/8 heads, d 128, hidden 4096,
 ffn 14336, vocab 128256, with `--replay_layers` layers; Kascade anchors `registry.default_anchors(layers)`, identity
-head map, or `--anchors=0,4,...`), `random:tiny` (CPU smoke runs), or any `--model`-style alias/path via
-`--replay_model` (then the strategy comes from the shared flags, calibrated anchors included).
+head map, or `--replay_anchors=0,4,...`), `random:tiny` (CPU smoke runs), or any `--model`-style alias/path via
+`--replay_model` (then the strategy gets the shipped calibration's anchors and head map).
 
 Reduced default (the lead's ~5 GPU minutes): 8 layers, 24 requests, prompts 4K-16K (three prefill buckets), 32-96
-new tokens, 8 req/s, max_batch 8; pass `--anchors=0,4` for a paper-like anchor share (2 of 8 layers). The issue's
+new tokens, 8 req/s, max_batch 8; pass `--replay_anchors=0,4` for a paper-like anchor share (2 of 8 layers). The issue's
 full setting: `--replay_layers=32 --num_requests=256 --min_prompt=2048 --max_prompt=65536 --max_batch=8` (K/V of 8 x 64K tokens x 32 layers = 68 GB plus 16 GB of weights; much longer to run).
 """
 
@@ -35,7 +35,7 @@ import time
 
 from absl import flags
 
-from experiments import cli, common
+from experiments import cli
 
 REPLAY_MODEL = flags.DEFINE_string("replay_model", "random:llama3-8b",
                                    "random:llama3-8b | random:tiny | a model alias/path as for --model.")
@@ -52,6 +52,17 @@ PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV page size (a power of two 
 NUM_PAGES = flags.DEFINE_integer("num_pages", None, "Pages in the pool (default: max_batch x the longest request).")
 REPLAY_SEED = flags.DEFINE_integer("replay_seed", 0, "Trace seed.")
 REPLAY_OUT = flags.DEFINE_string("replay_out", "", "Folder for paged.json/paged.md (replay section); '' = log only.")
+# The Kascade knobs carry a replay_ prefix: experiments.common / experiments.eval define the unprefixed ones, and a
+# process (the test session) that imports several entry points must not define a flag twice.
+ANCHORS = flags.DEFINE_string("replay_anchors", "auto", "Kascade anchors: auto (random:* models: "
+                              "registry.default_anchors; others: the shipped calibration) or a list like 0,4.")
+TOPK_FRAC = flags.DEFINE_float("replay_topk_frac", 0.1, "Kascade Top-k fraction (KascadeConfig.topk_frac).")
+MIN_K = flags.DEFINE_integer("replay_min_k", 128, "Kascade minimum budget (KascadeConfig.min_k).", lower_bound=1)
+TILE_SIZE = flags.DEFINE_integer("replay_tile_size", 32, "Kascade prefill query tile (KascadeConfig.tile_size).")
+DTYPE = flags.DEFINE_enum("replay_dtype", None, ["float32", "bfloat16", "float16"],
+                          "Weights and KV dtype (default: bfloat16 on a GPU, float32 elsewhere).")
+CHUNK = flags.DEFINE_integer("replay_chunk_size", None, "Prefill chunk (multiple of 64; default: the whole prompt "
+                             "on a GPU).")
 
 RANDOM_SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -100,12 +111,18 @@ def build_strategy(name: str, model, tok, spec: str):
         return DenseStrategy()
     if name != "kascade":
         raise ValueError(f"--replay_strategies takes dense and kascade (the strategies with paged decode), got {name!r}")
-    if not spec.startswith("random:"):
-        return common.build_strategy(name, model, tok)
     cfg = model.config
-    anchors = default_anchors(cfg.num_layers) if common.ANCHORS.value == "auto" else common.ANCHORS.value
-    return make_strategy("kascade", cfg.num_layers, cfg.kv_heads, anchors=anchors,
-                         topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value, tile_size=common.TILE_SIZE.value,
+    head_map = None
+    if ANCHORS.value != "auto":
+        anchors = ANCHORS.value
+    elif spec.startswith("random:"):
+        anchors = default_anchors(cfg.num_layers)
+    else:
+        from kascade_jax.calibration import resolve_anchors
+
+        anchors, head_map = resolve_anchors(spec, num_layers=cfg.num_layers, kv_heads=cfg.kv_heads)
+    return make_strategy("kascade", cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map,
+                         topk_frac=TOPK_FRAC.value, min_k=MIN_K.value, tile_size=TILE_SIZE.value,
                          kernels="pallas" if jax.default_backend() == "gpu" else "reference")
 
 
@@ -185,7 +202,7 @@ def main(argv):
     on_gpu = jax.default_backend() == "gpu"
     if REPLAY_OUT.value and not on_gpu:
         raise ValueError("--replay_out writes benchmark files: run on a GPU (CPU timings would mean nothing)")
-    dtype = common.DTYPE.value if flags.FLAGS["dtype"].present or not on_gpu else "bfloat16"
+    dtype = DTYPE.value or ("bfloat16" if on_gpu else "float32")
     model, tok, desc = build_model(REPLAY_MODEL.value, REPLAY_LAYERS.value, dtype)
     cfg = model.config
     max_len = MAX_PROMPT.value + MAX_NEW.value
@@ -202,7 +219,7 @@ def main(argv):
     for name in STRATEGIES.value:
         strategy = build_strategy(name, model, tok, REPLAY_MODEL.value)
         engine = Engine(model, tok, strategy, max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages,
-                        max_len=max_len, chunk_size=common.CHUNK.value)
+                        max_len=max_len, chunk_size=CHUNK.value)
         t = time.perf_counter()
         warm_up(engine, MIN_PROMPT.value, MAX_PROMPT.value, cfg.vocab)
         print(f"{name}: warm-up (compilation) {time.perf_counter() - t:.1f} s", flush=True)
@@ -224,7 +241,7 @@ def main(argv):
                     num_requests=NUM_REQUESTS.value, arrival_rate=ARRIVAL_RATE.value, min_prompt=MIN_PROMPT.value,
                     max_prompt=MAX_PROMPT.value, min_new=MIN_NEW.value, max_new=MAX_NEW.value,
                     max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages, seed=REPLAY_SEED.value,
-                    topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value, anchors=common.ANCHORS.value)
+                    topk_frac=TOPK_FRAC.value, min_k=MIN_K.value, anchors=ANCHORS.value)
         print("wrote", paged_report.update(REPLAY_OUT.value, "replay", dict(meta=meta, rows=rows)))
 
 
