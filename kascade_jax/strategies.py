@@ -18,6 +18,11 @@ current call, never [layers x L x L] (long prefill chunks are cut into blocks of
 "pallas" = kernels_pallas.decode / prefill (Pallas on GPU, their own references on CPU). Other bundles plug in
 with `register_kernels(name, Kernels(...))`, without touching the layer logic here.
 
+Paged caches (`inputs.page_table`, models/paged.py): decode goes through `Kernels.paged_anchor_decode` /
+`paged_reuse_decode`, which read K/V through the page table (the "pallas" bundle: kernels_pallas/paged.py; the
+"reference" bundle gathers the pages, as the readable statement); prefill gathers the chunk's sequences' pages into a
+contiguous view per chunk and layer and runs the contiguous path unchanged (`_contiguous_view`).
+
 This module deliberately holds no calibration (anchor DP, head maps) and no baselines (see baselines.py).
 """
 
