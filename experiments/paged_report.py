@@ -1,4 +1,4 @@
-"""benchmarks/paged.json + paged.md: one file pair shared by the paged-cache kernel benchmark (bench_paged.py,
+"""benchmarks/paged.json + paged.md (+ paged.png): one file set shared by the paged-cache kernel benchmark (bench_paged.py,
 section "kernels") and the continuous-batching replay (serve_replay.py, section "replay").
 
 Each run replaces only its own section of paged.json and rewrites paged.md from every section present, so the two
@@ -61,6 +61,37 @@ def _replay_md(sec: dict) -> list[str]:
     return lines
 
 
+def _plot(data: dict, path: str) -> None:
+    """paged.png: paged/contiguous time ratios per kernel and shape (left), generated tok/s per strategy (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("kernels", "replay") if data.get(k, {}).get("rows")]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        rows = data[key]["rows"]
+        if key == "kernels":
+            names = ("dense", "A0", "A", "R", "weighted")
+            width = 0.8 / len(rows)
+            for i, r in enumerate(rows):
+                ax.bar([j + i * width for j in range(len(names))], [r[n + "_ratio"] for n in names], width,
+                       label=f"b{r['batch']} {r['context'] // 1024}K page {r['page_size']}")
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.axhline(1.05, color="gray", ls="--", lw=0.8)
+            ax.set_ylabel("paged / contiguous kernel time")
+            ax.legend(fontsize=7)
+        else:
+            ax.bar([r["strategy"] for r in rows], [r["tokens_per_s"] for r in rows])
+            ax.set_ylabel("generated tokens/s (replay)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def update(out_dir: str, section: str, payload: dict) -> str:
     """Replace `section` ("kernels" | "replay") of <out_dir>/paged.json and rewrite paged.md. Returns the md path."""
     if section not in ("kernels", "replay"):
@@ -80,11 +111,12 @@ def update(out_dir: str, section: str, payload: dict) -> str:
     os.replace(base + ".json.tmp", base + ".json")
     lines = ["# Paged KV cache and continuous batching", "",
              "Written by `experiments/bench_paged.py` (kernels) and `experiments/serve_replay.py` (replay); "
-             "machine-readable: paged.json.", ""]
+             "machine-readable: paged.json; plot: paged.png.", ""]
     if "kernels" in data:
         lines += _kernels_md(data["kernels"]) + [""]
     if "replay" in data:
         lines += _replay_md(data["replay"]) + [""]
     with open(base + ".md", "w") as fh:
         fh.write("\n".join(lines))
+    _plot(data, base + ".png")
     return base + ".md"

@@ -49,5 +49,6 @@ def test_replay_and_report(tmp_path):
     text = open(md).read()
     assert "paged vs contiguous cache" in text and "**1.100**" in text and "Continuous-batching replay" in text
     assert set(json.load(open(tmp_path / "paged.json"))) == {"replay", "kernels"}
+    assert (tmp_path / "paged.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="section must be"):
         paged_report.update(str(tmp_path), "other", {})
