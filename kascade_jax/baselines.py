@@ -43,6 +43,13 @@ def _dense(inputs):
                            phase=inputs.phase, chunk_at_zero=inputs.chunk_at_zero)
 
 
+def _refuse_paged(name, inputs):
+    """The baselines are accuracy simulations over a contiguous cache; a paged cache (models/paged.py) is refused."""
+    if getattr(inputs, "page_table", None) is not None:
+        raise ValueError(f"the {name} baseline does not support a paged KV cache; use the contiguous KVCache "
+                         "(paged caches serve the dense and kascade strategies)")
+
+
 def _shared_keys(inputs, keys):
     """Attention restricted to one key set shared by every head: keys [batch, keys] bool."""
     return attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
@@ -107,6 +114,7 @@ class StreamingLLMStrategy:
         return ((keys < self.sinks) | (keys > pos[:, :, None] - recent))[:, None]
 
     def attend(self, layer, inputs, state):
+        _refuse_paged(self.name, inputs)
         m = self.mask(inputs.q_start, inputs.seq_len, inputs.q.shape[1], inputs.k_cache.shape[1])
         out = attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len, mask=m)
         return out, state
@@ -157,6 +165,7 @@ class QuestStrategy:
         return jnp.repeat(page_sel, self.page_size, axis=2)[:, :, :n_keys]
 
     def attend(self, layer, inputs, state):
+        _refuse_paged(self.name, inputs)
         if inputs.phase == "prefill" or layer < self.dense_layers:
             return _dense(inputs), state
         q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
@@ -198,6 +207,7 @@ class OmniKVStrategy:
         return _membership(select_topk_reference(score, budget, k.shape[1]), k.shape[1])
 
     def attend(self, layer, inputs, state):
+        _refuse_paged(self.name, inputs)
         if inputs.phase == "prefill":
             return _dense(inputs), state
         if layer in self.filter_layers:
@@ -249,6 +259,7 @@ class LessIsMoreStrategy:
         return sink | recent | chosen
 
     def attend(self, layer, inputs, state):
+        _refuse_paged(self.name, inputs)
         if inputs.phase == "prefill":
             return _dense(inputs), state
         if layer in self.selection_layers:

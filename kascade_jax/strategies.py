@@ -18,6 +18,11 @@ current call, never [layers x L x L] (long prefill chunks are cut into blocks of
 "pallas" = kernels_pallas.decode / prefill (Pallas on GPU, their own references on CPU). Other bundles plug in
 with `register_kernels(name, Kernels(...))`, without touching the layer logic here.
 
+Paged caches (`inputs.page_table`, models/paged.py): decode goes through `Kernels.paged_anchor_decode` /
+`paged_reuse_decode`, which read K/V through the page table (the "pallas" bundle: kernels_pallas/paged.py; the
+"reference" bundle gathers the pages, as the readable statement); prefill gathers the chunk's sequences' pages into a
+contiguous view per chunk and layer and runs the contiguous path unchanged (`_contiguous_view`).
+
 This module deliberately holds no calibration (anchor DP, head maps) and no baselines (see baselines.py).
 """
 
@@ -32,6 +37,7 @@ from jax import lax
 
 from kascade_jax.config import KascadeConfig
 from kernels_pallas.dense import dense_attention
+from kernels_pallas.paged import gather_pages
 from kernels_pallas.reference import (
     attention_reference,
     decode_counts,
@@ -72,6 +78,10 @@ class Kernels:
     anchor_prefill: Callable
     reuse_prefill: Callable
     query_block: int | None = None
+    # Paged caches (models/paged.py): the decode calls with the layer's page pools and page_table [batch, max_pages]
+    # after v, same results; indices stay logical token positions. None = this bundle has no paged decode.
+    paged_anchor_decode: Callable | None = None  # (q, k_pages, v_pages, page_table, kv_len, *, cfg, k_max, ...)
+    paged_reuse_decode: Callable | None = None  # (q, k_pages, v_pages, page_table, kv_len, idx, counts, row)
 
 
 def _anchor_decode_reference(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
@@ -108,18 +118,28 @@ def _reuse_prefill_reference(q, k, v, q_start, kv_len, idx, counts, head_map_row
     return sparse_prefill_reference(q, k, v, q_start, kv_len, idx, head_map_row, tile_size)
 
 
+def _gathered(fn):
+    """A contiguous decode call made paged by gathering the pages first (the reference statement)."""
+    def paged(q, k_pages, v_pages, page_table, *args, **kwargs):
+        return fn(q, gather_pages(k_pages, page_table), gather_pages(v_pages, page_table), *args, **kwargs)
+    return paged
+
+
 REFERENCE_KERNELS = Kernels(
     anchor_decode=_anchor_decode_reference,
     reuse_decode=_reuse_decode_reference,
     anchor_prefill=_anchor_prefill_reference,
     reuse_prefill=_reuse_prefill_reference,
     query_block=1024,
+    paged_anchor_decode=_gathered(_anchor_decode_reference),
+    paged_reuse_decode=_gathered(_reuse_decode_reference),
 )
 
 
 def _pallas_kernels() -> Kernels:
     """kernels_pallas.decode / prefill (Pallas on GPU, their references elsewhere; pre_softmax prefill: reference)."""
     from kernels_pallas import decode as pd
+    from kernels_pallas import paged as pg
     from kernels_pallas import prefill as pp
 
     def check(cfg):
@@ -142,8 +162,15 @@ def _pallas_kernels() -> Kernels:
                                  pool=cfg.pool, chunk_at_zero=chunk_at_zero, sinks=cfg.sink_tokens,
                                  window=cfg.recent_window)
 
+    def paged_anchor_decode(q, k, v, page_table, kv_len, *, cfg, k_max, dense, head_map_row):
+        check(cfg)
+        return pg.anchor_decode(q, k, v, page_table, kv_len, topk_frac=cfg.topk_frac, min_k=cfg.min_k, k_max=k_max,
+                                head_map_row=head_map_row, dense_out=dense, pool=cfg.pool, sinks=cfg.sink_tokens,
+                                window=cfg.recent_window)
+
     return Kernels(anchor_decode=anchor_decode, reuse_decode=pd.reuse_decode, anchor_prefill=anchor_prefill,
-                   reuse_prefill=pp.reuse_prefill, query_block=None)
+                   reuse_prefill=pp.reuse_prefill, query_block=None, paged_anchor_decode=paged_anchor_decode,
+                   paged_reuse_decode=pg.reuse_decode)
 
 
 _KERNELS: dict[str, Kernels] = {"reference": REFERENCE_KERNELS}
@@ -197,6 +224,15 @@ def prefill_budget(cfg: KascadeConfig, q_start, kv_len, seq_len, q_len: int):
     eligible = jnp.minimum(q_start[:, None] + jnp.arange(n_tiles)[None, :] * cfg.tile_size, kv_len[:, None])
     # Rounding after clamping to the eligible keys equals clamping after rounding, since eligible <= base L.
     return _round_up(counts, cfg.k_multiple, eligible)
+
+
+def _contiguous_view(inputs):
+    """Paged prefill: gather the pages of this chunk's sequences into a contiguous [batch, max_pages * page_size]
+    view and run the contiguous prefill on it. One copy of the K/V per prefill chunk and layer, next to the chunk's
+    quadratic attention work; decode never gathers (it reads through the page table in the kernels)."""
+    pt = inputs.page_table
+    return dataclasses.replace(inputs, k_cache=gather_pages(inputs.k_cache, pt),
+                               v_cache=gather_pages(inputs.v_cache, pt), page_table=None)
 
 
 _SUFFIX_BLOCK = 32  # query rows per block of the dense-suffix attention (bounds its materialised scores)
@@ -255,6 +291,8 @@ class KascadeStrategy:
             raise ValueError(f"layer must lie in [0, {cfg.num_layers - 1}] for this config, got {layer}")
         if inputs.k_cache.shape[2] != cfg.kv_heads:
             raise ValueError(f"config has kv_heads={cfg.kv_heads} but the cache has {inputs.k_cache.shape[2]}")
+        if inputs.page_table is not None and inputs.phase == "prefill":
+            inputs = _contiguous_view(inputs)  # prefill gathers the chunk's sequences' pages (see _contiguous_view)
         if inputs.phase == "prefill" and cfg.decode_only:
             out = dense_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
                                   phase="prefill", chunk_at_zero=inputs.chunk_at_zero)
@@ -275,11 +313,27 @@ class KascadeStrategy:
         cfg, kern = self.config, get_kernels(self.kernels)
         q, k, v, kv_len = inputs.q, inputs.k_cache, inputs.v_cache, inputs.kv_len
         row = cfg.head_map_row(layer)
+        if inputs.page_table is not None:
+            return self._decode_paged(layer, kern, inputs, state, row)
         if cfg.is_anchor(layer):
             out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=cfg, k_max=static_k_max(cfg, k.shape[1]),
                                                   dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
             return out, {"idx": idx, "counts": counts}
         return kern.reuse_decode(q, k, v, kv_len, state["idx"], state["counts"], row), state
+
+    def _decode_paged(self, layer, kern, inputs, state, row):
+        """Decode through the page table, inside the kernels (no contiguous copy of the cache)."""
+        cfg, pt = self.config, inputs.page_table
+        if kern.paged_anchor_decode is None or kern.paged_reuse_decode is None:
+            raise ValueError(f"kernels {self.kernels!r} have no paged decode (Kernels.paged_anchor_decode / "
+                             "paged_reuse_decode); use the contiguous KVCache or kernels='reference' / 'pallas'")
+        q, k, v, kv_len = inputs.q, inputs.k_cache, inputs.v_cache, inputs.kv_len
+        if cfg.is_anchor(layer):
+            max_len = pt.shape[1] * k.shape[1]  # the logical capacity stands in for the contiguous max_len
+            out, idx, counts = kern.paged_anchor_decode(q, k, v, pt, kv_len, cfg=cfg, k_max=static_k_max(cfg, max_len),
+                                                        dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
+            return out, {"idx": idx, "counts": counts}
+        return kern.paged_reuse_decode(q, k, v, pt, kv_len, state["idx"], state["counts"], row), state
 
     def _prefill(self, layer, inputs, state):
         cfg, kern = self.config, get_kernels(self.kernels)

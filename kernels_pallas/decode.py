@@ -20,8 +20,8 @@ Per-sequence lengths and budgets are runtime arrays (one launch for a ragged bat
 multiples of the block: the last block is re-read at a clamped offset and the overlap masked, so no load is
 ever out of bounds (also in interpret mode, whose slices clamp).
 
-Deliberately not here: prefill, paged caches, `pool="pre_softmax"` in the scoring kernel (it uses the reference
-scores, then the Pallas select), duplicate indices in `reuse_decode` (indices are a set: a duplicate would be
+Deliberately not here: prefill, paged caches (kernels_pallas/paged.py), `pool="pre_softmax"` in the scoring
+kernel (it uses the reference scores, then the Pallas select), duplicate indices in `reuse_decode` (indices are a set: a duplicate would be
 counted twice). References: `kernels_pallas/reference.py` (`pooled_scores_decode_reference`,
 `select_topk_reference`, `sparse_decode_reference`, `decode_counts`).
 """

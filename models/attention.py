@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import jax
 
 from kernels_pallas.dense import DECODE_KERNELS, dense_attention
+from kernels_pallas.paged import dense_attention_paged
 
 
 @jax.tree_util.register_dataclass
@@ -21,6 +22,9 @@ class AttentionInputs:
     seq_len: jax.Array  # [batch] int32, the sequence's full length in this phase (prompt length in prefill)
     phase: str = dataclasses.field(metadata=dict(static=True))  # "prefill" | "decode"
     chunk_at_zero: bool = dataclasses.field(default=True, metadata=dict(static=True))  # prefill chunk starts at 0
+    # Paged cache (models/paged.py): [batch, max_pages] int32, and then k_cache / v_cache are this layer's page
+    # pools [num_pages, page_size, kv_heads, head_dim]. None = the contiguous cache above.
+    page_table: jax.Array | None = None
 
 
 class AttentionStrategy(Protocol):
@@ -44,6 +48,10 @@ class DenseStrategy:
             raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
 
     def attend(self, layer, inputs: AttentionInputs, state):
+        if inputs.page_table is not None:
+            out = dense_attention_paged(inputs.q, inputs.k_cache, inputs.v_cache, inputs.page_table, inputs.q_start,
+                                        inputs.kv_len, phase=inputs.phase, chunk_at_zero=inputs.chunk_at_zero)
+            return out, state
         out = dense_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
                               phase=inputs.phase, chunk_at_zero=inputs.chunk_at_zero,
                               decode_kernel=self.decode_kernel)

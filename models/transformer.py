@@ -8,6 +8,7 @@ dense, an anchor or a reuse layer without the model knowing. Parameter names mir
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -17,6 +18,7 @@ from flax import nnx
 from models.attention import AttentionInputs
 from models.cache import KVCache, write_chunk, write_token
 from models.config import ModelConfig, RopeConfig
+from models.paged import write_paged
 
 
 class RMSNorm(nnx.Module):
@@ -104,12 +106,17 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if meta["phase"] == "decode":
+        page_table = meta.get("page_table")
+        if page_table is not None:  # paged cache: k_cache / v_cache are this layer's pools
+            k_cache, v_cache = (write_paged(k_cache, k, page_table, positions),
+                                write_paged(v_cache, v, page_table, positions))
+        elif meta["phase"] == "decode":
             k_cache, v_cache = write_token(k_cache, k, meta["q_start"]), write_token(v_cache, v, meta["q_start"])
         else:
             k_cache, v_cache = write_chunk(k_cache, k, meta["offset"]), write_chunk(v_cache, v, meta["offset"])
         inputs = AttentionInputs(q=q, k_cache=k_cache, v_cache=v_cache, q_start=meta["q_start"], kv_len=meta["kv_len"],
-                                 seq_len=meta["seq_len"], phase=meta["phase"], chunk_at_zero=meta["chunk_at_zero"])
+                                 seq_len=meta["seq_len"], phase=meta["phase"], chunk_at_zero=meta["chunk_at_zero"],
+                                 page_table=page_table)
         out, state = strategy.attend(layer, inputs, state)
         return self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim)), k_cache, v_cache, state
 
@@ -173,6 +180,7 @@ class Transformer(nnx.Module):
         inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
         x = self.embed_tokens(tokens)
         state = None
+        meta = dict(meta, page_table=getattr(cache, "page_table", None))  # a models.paged.PagedKVCache has one
         ks, vs = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):  # unrolled: each layer's role is a trace-time Python fact
             h = layer.input_layernorm(x)
@@ -185,5 +193,5 @@ class Transformer(nnx.Module):
         if last_only is not None:
             x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)[:, 0]
         logits = self.logits(self.norm(x))
-        new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=meta["lengths"])
+        new_cache = dataclasses.replace(cache, k=tuple(ks), v=tuple(vs), lengths=meta["lengths"])
         return logits, new_cache, state

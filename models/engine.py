@@ -1,0 +1,344 @@
+"""Continuous batching over a paged KV cache: a request queue, fixed slots, one compiled decode step.
+
+    engine = Engine(model, tokenizer, strategy, max_batch=8, page_size=64, num_pages=4096)
+    h = engine.submit("Summarise: ...", SamplingParams(max_new_tokens=128))
+    for tok in h:            # streams: drives engine.step() until this request is done
+        ...
+    engine.run()             # or: step until every submitted request has finished
+
+Design:
+- `max_batch` slots share one `PagedKVCache` (models/paged.py). A free slot's page-table row is all -1, so it rides
+  along in the batched decode step: its writes are dropped, its output is discarded (the active mask).
+- `step()` first admits queued requests (FIFO) while a slot is free and the free list can cover the request's worst
+  case, `pages_for(prompt + max_new_tokens)`, minus what running requests still have reserved. The reservation is a
+  count only: pages are taken from the free list as the sequence grows (the prompt's pages at admission, one more
+  page whenever decode crosses a page boundary), so a running sequence never runs out, and a request that does not
+  fit now waits in the queue (one that could never fit is refused at `submit`). Each admitted request is prefilled
+  alone into its slot's pages (`models.generate.prefill` on the pools seen through that slot's page-table row;
+  prompts are padded to a power of two >= 64 tokens so a trace of ragged prompts compiles a handful of shapes), and
+  its first token is sampled from the prefill logits (time to first token). Then one decode step runs over all
+  `max_batch` slots. The step is one jitted function of fixed shapes (tokens [max_batch], the page table, lengths,
+  the active mask, per-slot temperature/seed/step), so requests join and leave without recompiling
+  (`Engine.decode_compilations`).
+- A request leaves on EOS (unless `ignore_eos`) or after `max_new_tokens`; its pages go back to the free list and
+  its slot's row to -1.
+- Strategy state: Kascade's anchor indices are recomputed by every anchor layer in every decode step and threaded
+  only through the layers of that step (`state` is None at the start of every forward), so no per-sequence state
+  survives a step, and a reused slot starts clean; the only per-slot data are the cache pages and the page-table
+  row, both reset on release (tested: a request in a reused slot gives the same tokens as alone).
+
+Tokens follow `models.generate.generate`'s rules (greedy is bit-for-bit the same rule; temperature sampling uses one
+key per slot and step, so it is reproducible per request but not the same stream as `generate`'s batched draw).
+Not here: top-p / top-k in the engine, stop strings, preemption or swapping, prefix sharing, chunked prefill
+interleaved with decode (a long prompt's prefill runs whole, between decode steps).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.generate import _meta, prefill
+from models.paged import PageAllocator, PagedKVCache, check_page_size, pages_for
+
+_FIRST_STEP = 1 << 30  # sampling-key step index of the token sampled from the prefill logits (as generate)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
+            raise ValueError(f"seed must be an int in [0, 2**31), got {self.seed!r}")
+
+
+class RequestHandle:
+    """One submitted request. Iterate it to stream its tokens (EOS excluded); `result()` waits for all of them."""
+
+    def __init__(self, engine: "Engine", rid: int, prompt_ids: list[int], params: SamplingParams,
+                 on_token: Callable[[int], None] | None, arrival: float):
+        self.id = rid
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.tokens: list[int] = []  # generated token ids, EOS excluded
+        self.new_tokens = 0  # generated tokens, counting the EOS if one was emitted
+        self.finished = False
+        self.finish_reason: str | None = None  # "eos" | "length"
+        self.slot: int | None = None
+        self.arrival = arrival
+        self.token_times: list[float] = []  # perf_counter time of every generated token (EOS included)
+        self.finish_time: float | None = None
+        self._engine = engine
+        self._on_token = on_token
+        self._pages: list[int] = []
+        self._reserve = 0  # pages still reserved for this request's growth
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def text(self) -> str:
+        return self._engine.tokenizer.decode(self.tokens)
+
+    def __iter__(self) -> Iterator[int]:
+        i = 0
+        while True:
+            while i < len(self.tokens):
+                yield self.tokens[i]
+                i += 1
+            if self.finished:
+                return
+            self._engine.step()
+
+    def result(self) -> list[int]:
+        for _ in self:
+            pass
+        return self.tokens
+
+    def _emit(self, tok: int, now: float, eos: tuple[int, ...]) -> None:
+        self.new_tokens += 1
+        self.token_times.append(now)
+        if tok in eos and not self.params.ignore_eos:
+            self.finished, self.finish_reason = True, "eos"
+            return
+        self.tokens.append(tok)
+        if self._on_token is not None:
+            self._on_token(tok)
+        if self.new_tokens >= self.params.max_new_tokens:
+            self.finished, self.finish_reason = True, "length"
+
+
+def _sample_slots(logits, temps, seeds, steps):
+    """logits [batch, vocab] -> tokens [batch]: greedy where temps == 0, else one categorical draw per slot."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
+    scaled = logits / jnp.where(temps > 0, temps, 1.0)[:, None]
+    drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, scaled).astype(jnp.int32)
+    return jnp.where(temps > 0, drawn, greedy)
+
+
+def _decode_step(graphdef, strategy, params, cache: PagedKVCache, tokens, active, temps, seeds, steps):
+    """One decode step over every slot: tokens [max_batch] at each slot's length -> (next tokens, cache)."""
+    model = nnx.merge(graphdef, params)
+    q_start = cache.lengths
+    kv_len = q_start + 1
+    meta = _meta("decode", None, q_start, kv_len, kv_len, jnp.where(active, kv_len, q_start))
+    logits, cache, _ = model(tokens[:, None], cache, strategy, meta, last_only=jnp.zeros_like(q_start))
+    return _sample_slots(logits, temps, seeds, steps), cache
+
+
+_sample_one = jax.jit(_sample_slots)
+
+
+def _prefill_width(n: int, max_len: int) -> int:
+    """Prompt padding: the next power of two >= max(n, 64), capped at max_len (few prefill compilations)."""
+    return min(max(64, 1 << (n - 1).bit_length()), max_len)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, strategy, *, max_batch: int = 8, page_size: int = 64,
+                 num_pages: int | None = None, max_len: int | None = None, chunk_size: int | None = None,
+                 chat: bool = False, clock: Callable[[], float] = time.perf_counter):
+        cfg = model.config
+        page_size = check_page_size(page_size)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        max_len = cfg.max_position_embeddings if max_len is None else max_len
+        if max_len < 1 or max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len must be in [1, {cfg.max_position_embeddings}] (the model's maximum context), "
+                             f"got {max_len}")
+        max_len = max_len // page_size * page_size or page_size
+        if num_pages is None:
+            num_pages = max_batch * (max_len // page_size)
+        self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
+        self.max_batch, self.page_size, self.chunk_size, self.chat = max_batch, page_size, chunk_size, chat
+        self.cache = PagedKVCache.init(cfg, max_batch, num_pages, page_size, max_len, dtype=model.dtype)
+        self.max_len = self.cache.max_len
+        self.num_pages = num_pages
+        self.allocator = PageAllocator(num_pages)
+        self._table = np.full((max_batch, self.cache.max_pages), -1, np.int32)
+        self._lengths = np.zeros(max_batch, np.int32)
+        self._next = np.zeros(max_batch, np.int32)  # the token each slot feeds at the next decode step
+        self._slots: list[RequestHandle | None] = [None] * max_batch
+        self._queue: collections.deque[RequestHandle] = collections.deque()
+        self._reserved = 0
+        self._ids = 0
+        self._clock = clock
+        tok_eos = getattr(tokenizer, "eos_token_ids", None)
+        self.eos = tuple(sorted(set(cfg.eos_token_ids if tok_eos is None else tok_eos)))
+        self._graphdef, self._params = nnx.split(model)
+        # One jit object per engine, so its compilation count is this engine's (donates the cache).
+        self._decode = jax.jit(functools.partial(_decode_step, self._graphdef, strategy), donate_argnums=(1,))
+        self.decode_steps = 0
+
+    # public API ---------------------------------------------------------------------------------------------
+    def submit(self, prompt, params: SamplingParams | None = None, *, on_token: Callable[[int], None] | None = None,
+               arrival: float | None = None) -> RequestHandle:
+        """Queue a request (a string, or token ids used as they are). Refuses one that could never fit."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            ids = (self.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if self.chat
+                   else self.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        vocab = self.model.config.vocab
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}), got min {min(ids)} max {max(ids)}")
+        need = len(ids) + params.max_new_tokens
+        if need > self.max_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} exceeds "
+                             f"the engine's max_len {self.max_len}")
+        pages = pages_for(need, self.page_size)
+        if pages > self.num_pages:
+            raise ValueError(f"request needs {pages} pages of {self.page_size} tokens, more than the whole pool "
+                             f"(num_pages={self.num_pages}); it could never run")
+        h = RequestHandle(self, self._ids, ids, params, on_token, self._clock() if arrival is None else arrival)
+        self._ids += 1
+        self._queue.append(h)
+        return h
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self.active
+
+    @property
+    def decode_compilations(self) -> int:
+        return self._decode._cache_size()
+
+    def step(self) -> list[tuple[RequestHandle, int]]:
+        """Admit what fits (prefill + first token each), then one decode step over all slots.
+        Returns the (request, token) pairs generated in this step (EOS included)."""
+        events: list[tuple[RequestHandle, int]] = []
+        self._admit(events)
+        if self.active:
+            self._decode_all(events)
+        return events
+
+    def run(self) -> None:
+        while not self.idle:
+            self.step()
+
+    # internals ----------------------------------------------------------------------------------------------
+    def _admit(self, events) -> None:
+        while self._queue and None in self._slots:
+            h = self._queue[0]
+            need = pages_for(len(h.prompt_ids) + h.params.max_new_tokens, self.page_size)
+            if need > self.allocator.free - self._reserved:
+                return  # waits (FIFO) until running requests give pages back
+            self._queue.popleft()
+            slot = self._slots.index(None)
+            plen = len(h.prompt_ids)
+            n = pages_for(plen, self.page_size)
+            h._pages = self.allocator.allocate(n)
+            h._reserve = need - n
+            self._reserved += h._reserve
+            h.slot = slot
+            self._slots[slot] = h
+            self._table[slot] = -1
+            self._table[slot, :n] = h._pages
+            width = _prefill_width(plen, self.max_len)
+            toks = np.zeros((1, width), np.int32)
+            toks[0, :plen] = h.prompt_ids
+            view = self.cache.with_table(self._table[slot:slot + 1], np.zeros(1, np.int32))
+            try:
+                logits, view = prefill(self.model, toks, np.array([plen], np.int32), view, self.strategy,
+                                       chunk_size=self.chunk_size)
+            except Exception:
+                self._release(slot)  # e.g. a strategy that refuses paged caches: leave the engine consistent
+                raise
+            self.cache = dataclasses.replace(self.cache, k=view.k, v=view.v)
+            p = h.params
+            tok = int(_sample_one(logits, jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.seed], jnp.int32),
+                                  jnp.asarray([_FIRST_STEP], jnp.int32))[0])
+            self._lengths[slot] = plen
+            self._next[slot] = tok
+            h._emit(tok, self._clock(), self.eos)
+            events.append((h, tok))
+            if h.finished:
+                self._release(slot)
+
+    def _grow(self, slot: int) -> None:
+        pos = int(self._lengths[slot])
+        j = pos // self.page_size
+        if self._table[slot, j] < 0:
+            h = self._slots[slot]
+            page = self.allocator.allocate(1)[0]  # covered by the request's reservation
+            h._pages.append(page)
+            h._reserve -= 1
+            self._reserved -= 1
+            self._table[slot, j] = page
+
+    def _decode_all(self, events) -> None:
+        active = np.array([s is not None for s in self._slots])
+        temps = np.zeros(self.max_batch, np.float32)
+        seeds = np.zeros(self.max_batch, np.int32)
+        steps = np.zeros(self.max_batch, np.int32)
+        for b, h in enumerate(self._slots):
+            if h is not None:
+                self._grow(b)
+                temps[b], seeds[b], steps[b] = h.params.temperature, h.params.seed, h.new_tokens - 1
+        cache = self.cache.with_table(self._table, self._lengths)
+        nxt, cache = self._decode(self._params, cache, jnp.asarray(self._next), jnp.asarray(active),
+                                  jnp.asarray(temps), jnp.asarray(seeds), jnp.asarray(steps))
+        nxt = np.asarray(nxt)
+        self.cache = cache
+        self.decode_steps += 1
+        now = self._clock()
+        for b, h in enumerate(self._slots):
+            if h is None:
+                continue
+            self._lengths[b] += 1
+            tok = int(nxt[b])
+            self._next[b] = tok
+            h._emit(tok, now, self.eos)
+            events.append((h, tok))
+            if h.finished:
+                self._release(b)
+
+    def _release(self, slot: int) -> None:
+        h = self._slots[slot]
+        h.finish_time = self._clock()
+        self.allocator.release(h._pages)
+        self._reserved -= h._reserve
+        h._pages, h._reserve = [], 0
+        self._table[slot] = -1
+        self._lengths[slot] = 0
+        self._next[slot] = 0
+        self._slots[slot] = None

@@ -1,0 +1,157 @@
+"""Paged KV cache: fixed-size pages in per-layer pools, a page table per sequence, a host-side free list.
+
+Layout (see models/README.md for the contiguous one):
+- pools, one K and one V per layer: `[num_pages, page_size, kv_heads, head_dim]`; page_size a power of two in
+  16..256 (`check_page_size`);
+- page_table `[batch, max_pages]` int32: logical token position p of sequence b lives at row `p % page_size` of page
+  `page_table[b, p // page_size]`; -1 = no page (never read as data, and writes to it are dropped);
+- lengths `[batch]` int32, as in `KVCache`. The logical capacity of a sequence is `max_len = max_pages * page_size`.
+
+`PagedKVCache` is a drop-in for `KVCache` in `models.generate.prefill` / `decode_step` (it has `k`, `v`, `lengths`,
+`max_len`); the transformer sees `page_table` on the cache and writes through it (`write_paged`), and hands it to the
+strategy in `AttentionInputs.page_table`, with `k_cache` / `v_cache` then being this layer's pools. Writes to an
+unallocated page (-1) are dropped by the scatter (mode="drop"), so a slot whose page-table row is all -1 (a free
+slot of the serving engine) can ride along in a batched decode step without touching anyone's pages.
+
+`PageAllocator` is the host-side free list: pages are handed out as sequences grow and returned when a slot is
+released; asking for more than are free raises `OutOfPagesError` (a ValueError naming the numbers), never hands out
+a page twice. The serving engine (models/engine.py) reserves a request's worst case before admitting it, so a running
+sequence never meets that error; a request that does not fit waits in the queue.
+
+Deliberately not here: page sharing between sequences (prefix caching, copy-on-write) and swapping pages to host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+def check_page_size(page_size) -> int:
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or int(page_size) not in PAGE_SIZES:
+        raise ValueError(f"page_size must be a power of two in 16..256 ({', '.join(map(str, PAGE_SIZES))}), "
+                         f"got {page_size!r}")
+    return int(page_size)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages needed to hold `tokens` positions."""
+    return -(-int(tokens) // page_size)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    k: tuple  # per layer [num_pages, page_size, kv_heads, head_dim]
+    v: tuple  # per layer [num_pages, page_size, kv_heads, head_dim]
+    page_table: jax.Array  # [batch, max_pages] int32, -1 = no page
+    lengths: jax.Array  # [batch] int32
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.max_pages * self.page_size
+
+    @property
+    def batch(self) -> int:
+        return self.page_table.shape[0]
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, num_pages: int, page_size: int, max_len: int,
+             dtype=jnp.bfloat16) -> "PagedKVCache":
+        """Empty pools of `num_pages` pages and an all -1 page table for `batch` sequences of up to `max_len`
+        positions (rounded up to whole pages)."""
+        page_size = check_page_size(page_size)
+        if batch <= 0 or num_pages <= 0 or max_len <= 0:
+            raise ValueError(f"paged cache batch, num_pages and max_len must be positive, got batch={batch}, "
+                             f"num_pages={num_pages}, max_len={max_len}")
+        max_pages = pages_for(max_len, page_size)
+        if max_pages * page_size > config.max_position_embeddings:
+            raise ValueError(f"paged cache max_len {max_pages * page_size} (max_len {max_len} rounded up to pages of "
+                             f"{page_size}) exceeds the model's maximum context {config.max_position_embeddings}")
+        shape = (num_pages, page_size, config.kv_heads, config.head_dim)
+        zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
+        return cls(k=tuple(zeros() for _ in range(config.num_layers)),
+                   v=tuple(zeros() for _ in range(config.num_layers)),
+                   page_table=jnp.full((batch, max_pages), -1, jnp.int32),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    def with_table(self, page_table, lengths) -> "PagedKVCache":
+        """The same pools seen through another page table (e.g. one slot's row for a single-request prefill)."""
+        page_table = jnp.asarray(page_table, jnp.int32)
+        if page_table.ndim != 2 or page_table.shape[1] != self.max_pages:
+            raise ValueError(f"page_table must be [batch, {self.max_pages}], got shape {page_table.shape}")
+        return dataclasses.replace(self, page_table=page_table, lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def physical_rows(page_table, positions, page_size: int, num_pages: int):
+    """Logical positions [batch, T] -> rows of the flattened pool [num_pages * page_size]; positions on no page
+    (-1, or past the table) map to num_pages * page_size, one past the end."""
+    max_pages = page_table.shape[1]
+    slot = positions // page_size
+    page = jnp.take_along_axis(page_table, jnp.clip(slot, 0, max_pages - 1), axis=1)
+    ok = (page >= 0) & (page < num_pages) & (slot >= 0) & (slot < max_pages)
+    return jnp.where(ok, page * page_size + positions % page_size, num_pages * page_size)
+
+
+def write_paged(pool, new, page_table, positions):
+    """Write new [batch, T, kv_heads, d] at logical positions [batch, T] through the page table (prefill chunks and
+    decode tokens alike). Rows on no page are dropped."""
+    n, ps, kvh, d = pool.shape
+    rows = physical_rows(page_table, positions, ps, n).reshape(-1)
+    flat = pool.reshape(n * ps, kvh, d).at[rows].set(new.reshape(-1, kvh, d).astype(pool.dtype), mode="drop")
+    return flat.reshape(pool.shape)
+
+
+class OutOfPagesError(ValueError):
+    """More pages were asked for than the free list holds."""
+
+
+class PageAllocator:
+    """Host-side free list of page ids 0..num_pages-1 (LIFO: a released page is the next one handed out)."""
+
+    def __init__(self, num_pages: int):
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        self.num_pages = int(num_pages)
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n > len(self._free):
+            raise OutOfPagesError(f"out of KV pages: {n} requested, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def release(self, pages) -> None:
+        for p in pages:
+            p = int(p)
+            if p not in self._used:
+                raise ValueError(f"page {p} is not allocated (double free or foreign page)")
+            self._used.remove(p)
+            self._free.append(p)

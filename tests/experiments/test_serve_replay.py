@@ -1,0 +1,54 @@
+"""The serving benchmarks' CPU-checkable parts: the paged-vs-contiguous kernel check of bench_paged.py (interpret
+mode, tiny shape), the replay loop of serve_replay.py on a tiny random model, and the shared paged.json/md writer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import bench_paged, paged_report, serve_replay
+from experiments.timing import BenchShape
+
+
+def test_bench_paged_check_interpret():
+    shape = BenchShape(q_heads=4, kv_heads=2, head_dim=64, num_layers=4, num_anchors=2)
+    seed = int(np.random.default_rng().integers(1 << 20))
+    print("seed", seed)
+    res = bench_paged.check(1, 128, 16, shape, frac=0.2, min_k=16, seed=seed, interpret=True, anchor0=False)
+    assert [c["name"] for c in res] == ["dense", "A", "R"]
+    assert all(c["rel"] < 2e-2 for c in res) and res[1]["same_sets"] >= 0.99
+
+
+def test_replay_and_report(tmp_path):
+    from models.attention import DenseStrategy
+    from models.engine import Engine
+
+    model, tok, desc = serve_replay.build_model("random:tiny", 2, "float32")
+    trace = serve_replay.make_trace(5, 50.0, 40, 200, 3, 8, model.config.vocab, seed=1)
+    assert [t[0] for t in trace] == sorted(t[0] for t in trace) and all(40 <= len(t[1]) <= 200 for t in trace)
+    eng = Engine(model, tok, DenseStrategy(), max_batch=2, page_size=16, max_len=256)
+    row = serve_replay.replay(eng, trace)
+    assert row["requests"] == 5 and row["generated_tokens"] == sum(t[2] for t in trace)
+    assert row["tokens_per_s"] > 0 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
+    assert row["decode_compilations"] == 1 and eng.idle
+    meta = dict(gpu="cpu", date="d", jax="j", command="c", model=desc, num_requests=5, arrival_rate=50.0,
+                min_prompt=40, max_prompt=200, min_new=3, max_new=8, max_batch=2, page_size=16, num_pages=32, seed=1)
+    rows = [dict(strategy="dense", **row), dict(strategy="kascade", **dict(row, tokens_per_s=2 * row["tokens_per_s"]))]
+    md = paged_report.update(str(tmp_path), "replay", dict(meta=meta, rows=rows))
+    text = open(md).read()
+    assert "Continuous-batching replay" in text and "**2.00x**" in text
+    assert set(json.load(open(tmp_path / "paged.json"))) == {"replay"}
+    krow = dict(batch=8, context=32768, page_size=64, topk_frac=0.1)
+    for i, n in enumerate(("dense", "A0", "A", "R", "weighted")):
+        krow.update({f"{n}_contig": 1.0 + i, f"{n}_paged": 1.1 + i, f"{n}_ratio": (1.1 + i) / (1.0 + i)})
+    kmeta = dict(gpu="cpu", date="d", jax="j", command="c", iterations=10, heads="h", page_size="64", formula="f")
+    checks = [dict(name="A", rel=1e-3, same_sets=1.0)]
+    paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=checks, rows=[krow]))
+    text = open(md).read()
+    assert "paged vs contiguous cache" in text and "**1.100**" in text and "Continuous-batching replay" in text
+    assert set(json.load(open(tmp_path / "paged.json"))) == {"replay", "kernels"}
+    assert (tmp_path / "paged.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="section must be"):
+        paged_report.update(str(tmp_path), "other", {})

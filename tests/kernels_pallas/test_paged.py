@@ -1,0 +1,190 @@
+"""Paged decode kernels (kernels_pallas/paged.py) against the contiguous references.
+
+CPU tier: interpret mode at tiny shapes, ragged kv_len, page sizes 16 and 64, pages scattered at random over a pool
+with spare (dirty) pages, bf16 and fp32, peaky inputs so that the Top-k matters. The references are the contiguous
+ones on the same K/V laid out contiguously (not the gather path of paged.py), so the page mapping is what is tested.
+GPU tier (`-m gpu`): 32 q heads, 8 kv heads, d 128, 32K, batch 8, page sizes 16 and 64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from kernels_pallas import decode as dec
+from kernels_pallas import paged
+from kernels_pallas import reference as ref
+
+SEED = int(np.random.default_rng().integers(1 << 30))
+
+
+def _paged_inputs(seed, b, s, hq, kvh, d, ps, dtype, spare=3):
+    """Contiguous q, k, v [batch, s, ...] plus the same K/V scattered over pages of a shuffled pool."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, 1, hq, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
+    qm = q.reshape(b, kvh, hq // kvh, d).mean(axis=2)
+    for bi in range(b):  # peaky: a few keys aligned with the group's mean query
+        for h in range(kvh):
+            k[bi, rng.integers(0, s, 5), h] = 3.0 * qm[bi, h]
+    kv_len = rng.integers(s // 3, s + 1, size=b).astype(np.int32)
+    kv_len[0] = s
+    max_pages = s // ps
+    n = b * max_pages + spare
+    perm = rng.permutation(n)
+    kp = rng.standard_normal((n, ps, kvh, d)).astype(np.float32)  # dirty pool: unused pages hold noise
+    vp = rng.standard_normal((n, ps, kvh, d)).astype(np.float32)
+    table = np.full((b, max_pages), -1, np.int32)
+    for bi in range(b):
+        used = -(-int(kv_len[bi]) // ps)
+        for j in range(used):
+            page = perm[bi * max_pages + j]
+            table[bi, j] = page
+            kp[page] = k[bi, j * ps:(j + 1) * ps]
+            vp[page] = v[bi, j * ps:(j + 1) * ps]
+        k[bi, kv_len[bi]:] = 0.0  # contiguous padding differs from the pool's noise: it must never be read
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), cast(kp), cast(vp), jnp.asarray(table), jnp.asarray(kv_len)
+
+
+def _rel(a, r):
+    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+    assert np.all(np.isfinite(a))
+    return float(np.linalg.norm(a - r) / np.linalg.norm(r))
+
+
+CASES = [(16, jnp.bfloat16, 3e-2), (64, jnp.float32, 1e-5)]
+
+
+@pytest.mark.parametrize("ps,dtype,tol", CASES)
+@pytest.mark.parametrize("block", [128, 16])  # 128: blocks over several pages (gather); 16: within a page
+def test_dense_decode_interpret(ps, dtype, tol, block):
+    print("seed", SEED)
+    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED, 3, 128, 4, 2, 64, ps, dtype)
+    out = paged.dense_decode(q, kp, vp, table, kv_len, interpret=True,
+                             tuning=dec.DecodeTuning(stream_block=block))
+    want = ref.attention_reference(q, k, v, kv_len - 1, kv_len)
+    assert out.shape == want.shape and out.dtype == q.dtype
+    assert _rel(out, want) < tol
+
+
+@pytest.mark.parametrize("ps,dtype,tol", CASES)
+def test_reuse_decode_interpret(ps, dtype, tol):
+    print("seed", SEED)
+    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 1, 3, 128, 6, 2, 64, ps, dtype)
+    rng = np.random.default_rng(SEED + 1)
+    k_max = 40
+    idx = np.full((3, 2, k_max), -1, np.int32)
+    counts = np.zeros(3, np.int32)
+    for bi in range(3):
+        c = min(int(rng.integers(5, k_max + 1)), int(kv_len[bi]))
+        counts[bi] = c
+        for h in range(2):
+            idx[bi, h, :c] = rng.choice(int(kv_len[bi]), c, replace=False)
+    hm = jnp.asarray([1, 0], jnp.int32)
+    out = paged.reuse_decode(q, kp, vp, table, kv_len, jnp.asarray(idx), jnp.asarray(counts), hm, interpret=True)
+    want = ref.sparse_decode_reference(q, k, v, kv_len, jnp.asarray(idx), hm)
+    assert _rel(out, want) < tol
+
+
+@pytest.mark.parametrize("ps,dtype,tol,dense_out", [c + (i == 1,) for i, c in enumerate(CASES)])
+def test_anchor_decode_interpret(ps, dtype, tol, dense_out):
+    print("seed", SEED)
+    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 2, 2, 128, 4, 2, 64, ps, dtype)
+    kw = dict(topk_frac=0.2, min_k=8, k_max=ref.max_budget(128, 0.2, 8), dense_out=dense_out)
+    out, idx, counts = paged.anchor_decode(q, kp, vp, table, kv_len, interpret=True, **kw)
+    want, ref_idx, ref_counts = dec.anchor_decode(q, k, v, kv_len, impl="reference", **kw)
+    np.testing.assert_array_equal(counts, ref_counts)
+    scores = np.asarray(ref.pooled_scores_decode_reference(q, k, kv_len))
+    idx, ref_idx = np.asarray(idx), np.asarray(ref_idx)
+    for bi in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            c = int(counts[bi])
+            assert np.all(idx[bi, h, c:] == -1)
+            mine, theirs = set(idx[bi, h, :c].tolist()), set(ref_idx[bi, h, :c].tolist())
+            if mine != theirs:  # only near-ties may differ (bf16 / fused fp32 pooling)
+                sc = scores[bi, h]
+                gap = sc[sorted(theirs - mine)].max() - sc[sorted(mine - theirs)].min()
+                assert gap <= 1e-3 * abs(sc[sorted(theirs)].min()), (bi, h, mine ^ theirs)
+    assert _rel(out, want) < tol
+
+
+def test_gather_pages_and_errors():
+    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 3, 2, 64, 4, 2, 64, 16, jnp.float32)
+    view = np.asarray(paged.gather_pages(kp, table))
+    for bi in range(2):
+        n = int(kv_len[bi])
+        np.testing.assert_array_equal(view[bi, :n], np.asarray(k)[bi, :n])
+    with pytest.raises(ValueError, match="page_table must be"):
+        paged.dense_decode(q, kp, vp, table[:1], kv_len)
+    with pytest.raises(ValueError, match="head_dim must agree"):
+        paged.dense_decode(q[..., :32], kp, vp, table, kv_len)
+    with pytest.raises(ValueError, match="Pallas paged decode supports head_dim"):
+        paged.dense_decode(q[..., :32], kp[..., :32], vp[..., :32], table, kv_len, interpret=True)
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        paged.dense_decode(q, kp[:, :12], vp[:, :12], table, kv_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ps", [16, 64])
+def test_paged_kernels_gpu(ps):
+    """Realistic shapes on the GPU: 32/8 heads, d 128, 32K, batch 8, bf16, Triton lowering (no interpret); inputs
+    made on the device (peaky keys planted), pages a random permutation of the pool, ragged kv_len."""
+    import jax
+
+    print("seed", SEED)
+    s, b, hq, kvh, d = 32768, 8, 32, 8, 128
+    kq, kk, kv, kp_, kt = jax.random.split(jax.random.PRNGKey(SEED), 5)
+    q = jax.random.normal(kq, (b, 1, hq, d), jnp.bfloat16)
+    k = jax.random.normal(kk, (b, s, kvh, d), jnp.bfloat16)
+    v = jax.random.normal(kv, (b, s, kvh, d), jnp.bfloat16)
+    qm = q.astype(jnp.float32).reshape(b, kvh, hq // kvh, d).mean(axis=2)
+    pos = jax.random.randint(kp_, (b, kvh, 16), 0, s)
+    k = k.at[jnp.arange(b)[:, None, None], pos, jnp.arange(kvh)[None, :, None]].set(
+        jnp.broadcast_to(3.0 * qm[:, :, None, :], (b, kvh, 16, d)).astype(jnp.bfloat16))
+    mp = s // ps
+    n = b * mp + 5
+    table = jax.random.permutation(kt, n).astype(jnp.int32)[:b * mp].reshape(b, mp)
+    to_pool = lambda x: jnp.zeros((n, ps, kvh, d), x.dtype).at[table.reshape(-1)].set(  # noqa: E731
+        x.reshape(b * mp, ps, kvh, d))
+    kp, vp = to_pool(k), to_pool(v)
+    kv_len = jnp.asarray(np.random.default_rng(SEED).integers(s // 2, s + 1, b), jnp.int32)
+    out = paged.dense_decode(q, kp, vp, table, kv_len, impl="pallas")
+    assert _rel(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 2e-2
+    kw = dict(topk_frac=0.1, min_k=128, k_max=ref.max_budget(s, 0.1, 128))
+    for dense_out in (False, True):
+        o, idx, counts = paged.anchor_decode(q, kp, vp, table, kv_len, impl="pallas", dense_out=dense_out, **kw)
+        o_c, idx_c, counts_c = dec.anchor_decode(q, k, v, kv_len, impl="pallas", dense_out=dense_out, **kw)
+        np.testing.assert_array_equal(counts, counts_c)
+        a, c = np.asarray(idx).reshape(-1, idx.shape[-1]), np.asarray(idx_c).reshape(-1, idx.shape[-1])
+        same = np.mean([set(x[x >= 0].tolist()) == set(y[y >= 0].tolist()) for x, y in zip(a, c)])
+        assert same >= 0.99
+        assert _rel(o, o_c) < 2e-2
+    hm = jnp.arange(kvh, dtype=jnp.int32)[::-1]
+    o = paged.reuse_decode(q, kp, vp, table, kv_len, idx, counts, hm, impl="pallas")
+    assert _rel(o, dec.reuse_decode(q, k, v, kv_len, idx, counts, hm, impl="pallas")) < 2e-2
+
+def test_triton_modules_verify_for_sm90(triton_sm90_modules):
+    """Lower the paged kernels for CUDA on the CPU and verify the Triton modules (catches GPU-only lowering errors,
+    e.g. the page-table gather, without a GPU)."""
+    import jax
+
+    verified = triton_sm90_modules
+    b, kvh, g, d, ps, mp, n = 2, 2, 4, 128, 16, 40, 100
+    q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((n, ps, kvh, d), jnp.bfloat16)
+    pt = jax.ShapeDtypeStruct((b, mp), jnp.int32)
+    kv = jax.ShapeDtypeStruct((b,), jnp.int32)
+    idx = jax.ShapeDtypeStruct((b, kvh, 100), jnp.int32)
+    lower = lambda fn, *a: jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",))  # noqa: E731
+    lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas"), q, pool, pool, pt, kv)
+    lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas",
+                                                   tuning=dec.DecodeTuning(stream_block=16)), q, pool, pool, pt, kv)
+    lower(lambda q, k, v, t, l, i, c: paged.reuse_decode(q, k, v, t, l, i, c, jnp.arange(kvh), impl="pallas"),
+          q, pool, pool, pt, kv, idx, kv)
+    lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
+                                                    impl="pallas"), q, pool, pool, pt, kv)
+    assert len(verified) == 2 + 1 + 6  # dense (gather, in-page); reuse; anchor = stream + 4 select kernels + reuse

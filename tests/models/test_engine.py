@@ -1,0 +1,179 @@
+"""Paged KV cache (models/paged.py) and the continuous-batching engine (models/engine.py), dense strategy.
+
+Tiny random-weight fp32 models from a ModelConfig, short ragged prompts. Paged results are compared with the
+contiguous KVCache path (`models.generate`), token for token.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import generate as gen
+from models.attention import DenseStrategy
+from models.cache import KVCache
+from models.engine import Engine, SamplingParams
+from models.paged import OutOfPagesError, PageAllocator, PagedKVCache, check_page_size
+from models.params import random_model
+from tests.conftest import tiny_config
+
+S = DenseStrategy()
+
+
+class Tok:
+    eos_token_ids = ()
+
+    def encode(self, text):
+        return [5 + (ord(c) % 100) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_config(num_hidden_layers=2, max_position_embeddings=512), seed=3)
+
+
+def _scattered_cache(cfg, lens, ps, max_len, rng):
+    """A paged cache whose pages for each sequence are scattered at random over a pool with spare pages."""
+    mp = max_len // ps
+    n = len(lens) * mp + 5
+    cache = PagedKVCache.init(cfg, len(lens), n, ps, max_len, dtype=jnp.float32)
+    perm = rng.permutation(n)
+    table = np.full((len(lens), mp), -1, np.int32)
+    for b in range(len(lens)):
+        table[b] = perm[b * mp:(b + 1) * mp]
+    return cache.with_table(table, np.zeros(len(lens), np.int32))
+
+
+@pytest.mark.parametrize("ps", [16, 64])
+def test_paged_prefill_decode_equals_contiguous(model, rng, ps):
+    """prefill + decode_step on a scattered paged cache == the contiguous cache (logits), ragged lengths."""
+    lens = np.array([37, 90, 130], np.int32)
+    toks = rng.integers(5, 128, (3, 192)).astype(np.int32)
+    max_len = 256
+    pc = _scattered_cache(model.config, lens, ps, max_len, rng)
+    cc = KVCache.init(model.config, 3, max_len, jnp.float32)
+    lp, pc = gen.prefill(model, toks, lens, pc, S)
+    lc, cc = gen.prefill(model, toks, lens, cc, S)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(lc), atol=1e-5)
+    for _ in range(5):
+        nxt = jnp.argmax(lc, -1).astype(jnp.int32)
+        lp, pc = gen.decode_step(model, nxt, pc, S)
+        lc, cc = gen.decode_step(model, nxt, cc, S)
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(lc), atol=1e-5)
+    assert np.asarray(pc.lengths).tolist() == (lens + 5).tolist()
+
+
+def test_page_size_and_allocator_errors():
+    for bad in (12, 8, 512, 48, True, 16.0):
+        with pytest.raises(ValueError, match="page_size must be a power of two in 16..256"):
+            check_page_size(bad)
+    a = PageAllocator(4)
+    got = a.allocate(3)
+    assert len(set(got)) == 3 and a.free == 1
+    with pytest.raises(OutOfPagesError, match="out of KV pages: 2 requested, 1 free of 4"):
+        a.allocate(2)
+    assert a.free == 1  # a failed allocation takes nothing
+    a.release(got[:1])
+    with pytest.raises(ValueError, match="not allocated"):
+        a.release(got[:1])
+    assert a.allocate(2)[0] == got[0]  # LIFO: a released (dirty) page is handed out next
+
+
+@pytest.mark.parametrize("ps", [16])  # page size 64 through the engine: tests/kascade_jax/test_paged.py
+def test_engine_equals_generate(model, rng, ps):
+    """Requests joining at different steps, ragged prompts and lengths: the same greedy tokens as generate()."""
+    eng = Engine(model, Tok(), S, max_batch=3, page_size=ps, max_len=256)
+    prompts = [rng.integers(5, 128, n).tolist() for n in (21, 70, 5, 100)]
+    news = [9, 4, 12, 6]
+    streamed = []
+    hs = [eng.submit(prompts[0], SamplingParams(max_new_tokens=news[0]), on_token=streamed.append)]
+    eng.step()
+    eng.step()
+    hs += [eng.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[1:], news[1:])]
+    assert eng.queued == 3
+    eng.step()
+    assert eng.active == 3 and eng.queued == 1  # the fourth waits for a slot
+    eng.run()
+    for h, p, n in zip(hs, prompts, news):
+        (want,) = gen.generate(model, Tok(), [p], S, max_new_tokens=n, max_len=eng.max_len)
+        assert h.tokens == want.token_ids and h.finish_reason == "length" and len(h.tokens) == n
+    assert streamed == hs[0].tokens
+    assert eng.decode_compilations == 1  # joins and leaves never recompile the decode step
+    assert eng.allocator.free == eng.num_pages and eng.idle
+
+
+def test_streaming_iterator_and_eos(model, rng):
+    p = rng.integers(5, 128, 30).tolist()
+    (ref,) = gen.generate(model, Tok(), [p], S, max_new_tokens=8, max_len=256)
+    eos_tok = ref.token_ids[3]
+
+    class EosTok(Tok):
+        eos_token_ids = (eos_tok,)
+
+    eng = Engine(model, EosTok(), S, max_batch=2, page_size=16, max_len=256)
+    h = eng.submit(p, SamplingParams(max_new_tokens=8))
+    got = list(h)  # iterating drives the engine
+    cut = ref.token_ids.index(eos_tok)
+    assert got == ref.token_ids[:cut] and h.finish_reason == "eos" and h.new_tokens == cut + 1
+    h2 = eng.submit(p, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert h2.result() == ref.token_ids
+
+
+def test_slot_reuse_leaks_nothing(model, rng):
+    """A request run alone == the same request in a slot (and on dirty pages) another request used before."""
+    a = rng.integers(5, 128, 50).tolist()
+    other = rng.integers(5, 128, 120).tolist()
+    alone = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256)
+    want = alone.submit(a, SamplingParams(max_new_tokens=7)).result()
+    eng = Engine(model, Tok(), S, max_batch=1, page_size=16, max_len=256, num_pages=12)
+    first = eng.submit(other, SamplingParams(max_new_tokens=10))
+    eng.run()
+    h = eng.submit(a, SamplingParams(max_new_tokens=7))
+    eng.run()
+    assert first.slot == h.slot == 0 and h.tokens == want
+
+
+def test_out_of_pages_queues_then_runs(model, rng):
+    """Two requests that do not fit together: the second waits in the queue, then runs with correct tokens."""
+    p1, p2 = rng.integers(5, 128, 60).tolist(), rng.integers(5, 128, 40).tolist()
+    eng = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256, num_pages=6)  # 96 tokens of pages
+    h1 = eng.submit(p1, SamplingParams(max_new_tokens=20))  # 80 tokens: 5 pages
+    h2 = eng.submit(p2, SamplingParams(max_new_tokens=20))  # 60 tokens: 4 pages
+    eng.step()
+    assert eng.active == 1 and eng.queued == 1 and h2.slot is None
+    eng.run()
+    for h, p in ((h1, p1), (h2, p2)):
+        (want,) = gen.generate(model, Tok(), [p], S, max_new_tokens=20, max_len=256)
+        assert h.tokens == want.token_ids
+    assert h2.ttft > h1.ttft  # it waited
+    with pytest.raises(ValueError, match="more than the whole pool"):
+        eng.submit(rng.integers(5, 128, 90).tolist(), SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match="exceeds the engine's max_len 256"):
+        eng.submit([5] * 250, SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match="max_new_tokens must be"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.submit([])
+
+
+def test_sampling_depends_on_the_request_only(model, rng):
+    """Temperature sampling draws one key per (request seed, token index): the same tokens alone or batched next to
+    another request in a reused slot, and not the greedy tokens."""
+    p, other = rng.integers(5, 128, 33).tolist(), rng.integers(5, 128, 80).tolist()
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
+    alone = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256)
+    want = alone.submit(p, params).result()
+    greedy = alone.submit(p, SamplingParams(max_new_tokens=8)).result()
+    eng = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256)
+    eng.submit(other, SamplingParams(max_new_tokens=3))
+    eng.submit(other, SamplingParams(max_new_tokens=12, temperature=0.7, seed=1))
+    eng.step()
+    h = eng.submit(p, params)  # joins when the first request leaves, in its slot
+    eng.run()
+    assert h.tokens == want and want != greedy
+    with pytest.raises(ValueError, match="temperature must be"):
+        SamplingParams(temperature=float("nan"))
