@@ -111,8 +111,8 @@ def describe_strategy(strategy) -> str:
         if hm is None:
             lines.append(f"head_map ({HEAD_MAP.value}): identity")
         else:
-            lines.append(f"head_map ({HEAD_MAP.value}): " + " ".join(
-                f"L{l}:{list(row)}" for l, row in enumerate(hm) if list(row) != list(range(len(row)))) or "identity")
+            rows = " ".join(f"L{l}:{list(row)}" for l, row in enumerate(hm) if list(row) != list(range(len(row))))
+            lines.append(f"head_map ({HEAD_MAP.value}; rows not listed are the identity): {rows or 'identity'}")
         extra = [f"{f}={getattr(cfg, f)}" for f in ("topk_frac", "min_k", "tile_size") if hasattr(cfg, f)]
         lines.append("budget: " + ", ".join(extra))
     return "\n".join(lines)

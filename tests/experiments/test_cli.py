@@ -265,3 +265,24 @@ def test_bench_checks_run_at_a_qwen_shape_in_interpret_mode():
     assert errs["anchor_out"] < 2e-2
     errs = bench_prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05))
     assert errs["exact_set_fraction"] > 0.9
+
+
+def test_generate_and_speed_show_what_runs():
+    """Signs of life (issue 15): generate prints the strategy, its kernels and the anchors / head map `auto` chose
+    (from the SmolLM2 calibration shipped in the package); speed also shows tqdm progress."""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+           "KASCADE_JAX_CALIBRATION_DIR": "/nonexistent/empty-cache"}  # only the shipped calibration can match
+    res = subprocess.run([sys.executable, "-m", "experiments.generate", "--strategy=kascade", "--prompt=Hi",
+                          "--max_new_tokens=2"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stderr.splitlines()
+    assert "strategy: kascade, kernels: reference (kascade_jax kernels)" in lines, res.stderr[-3000:]
+    anchors = [l for l in lines if l.startswith("anchors (auto (calibrated)): [0, ")]
+    assert anchors and "recipe: recipe=default" in anchors[0]
+    assert any(l.startswith("head_map (auto; rows not listed are the identity): L") for l in lines)
+    assert "calibrating" not in res.stderr  # the shipped artifact matched its key
+    res = subprocess.run([sys.executable, "-m", "experiments.speed", "--prompt_len=64", "--new_tokens=2",
+                          "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "strategy: dense, kernels: jnp attention (XLA)" in res.stderr
+    assert "compile (prefill, generate): 100%" in res.stderr and "timed repeats: 100%" in res.stderr

@@ -403,3 +403,31 @@ def test_tile_size_must_divide_the_calibration_bucket():
             check_bucket(BUCKET, tile)
     with pytest.raises(ValueError, match="does not divide the calibration bucket"):  # before any model or prompt
         resolve.load_or_calibrate("no-such-model", tile_size=48, num_prompts=2, cache_dir="/nonexistent")
+
+
+def test_on_the_spot_calibration_announces_itself_and_is_cached_under_its_key(rng, tmp_path, capfd):
+    """No cached artifact matches: the calibration says so on stderr (prompt count, an estimated time, where it
+    goes, and the cached near misses it does not use, with their differing field), shows a tqdm bar, and saves
+    under its key, where the next identical request finds it without running anything."""
+    from flax import nnx
+
+    from models.config import ModelConfig
+    from models.transformer import Transformer
+
+    cfg = ModelConfig(model_type="llama", vocab=50_000, hidden=32, ffn=64, num_layers=3, q_heads=4, kv_heads=2,
+                      head_dim=8, max_position_embeddings=1024)
+    model = Transformer(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    kw = dict(num_prompts=1, min_tokens=300, max_tokens=400, k=32, tile_size=16, cache_dir=tmp_path, model=model,
+              tokenizer=FakeTokenizer())
+    art = resolve.load_or_calibrate("tiny-m", **kw)
+    err = capfd.readouterr().err
+    assert "calibrating tiny-m now (no cached calibration matches): 1 builtin dev prompts of 300-400 tokens" in err
+    assert "min (a rough estimate)" in err and "calibration forwards" in err and "1/1" in err  # the tqdm bar
+    key = resolve.calibration_key("tiny-m", num_prompts=1, min_tokens=300, max_tokens=400, k=32, tile_size=16)
+    assert art.key == key.to_dict() and resolve.find_cached(key, tmp_path)[0] == tmp_path / key.name()
+    again = resolve.load_or_calibrate("tiny-m", **kw)
+    assert "calibrating" not in capfd.readouterr().err
+    np.testing.assert_array_equal(again.sim, art.sim)
+    resolve.load_or_calibrate("tiny-m", **kw, seed=1)
+    err = capfd.readouterr().err
+    assert f"not using {key.name()}: seed: recorded 0, asked 1" in err
