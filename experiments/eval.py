@@ -50,8 +50,9 @@ flags.DEFINE_enum("split", "test", ["test", "dev"], "generator seed space (calib
 flags.DEFINE_integer("batch_size", 2, "prompts per generate call")
 flags.DEFINE_integer("batch_tokens", None, "if set, prompts per generate call = max(1, batch_tokens // context "
                      "length) instead of --batch_size (keeps memory flat across context lengths)")
-flags.DEFINE_integer("prefill_chunk", None, "prefill chunk length in tokens (a multiple of 64; default: whole "
+flags.DEFINE_integer("chunk_size", None, "prefill chunk length in tokens (a multiple of 64; default: whole "
                      "prompt on GPU, 1024 on CPU); smaller chunks bound the memory of the reference kernels")
+cli.deprecated_alias("prefill_chunk", "chunk_size")  # the name of EvalSpec's field; generate/speed say chunk_size
 flags.DEFINE_enum("kernels", "reference", ["reference", "pallas"], "Kascade-family kernels: the pure-JAX "
                   "reference semantics, or the Pallas GPU kernels (bf16/fp16 on a GPU; their references elsewhere)")
 flags.DEFINE_integer("max_new_tokens", 32, "cap on generated tokens; 0 = each task's official length")
@@ -104,8 +105,7 @@ def main(argv):
 
     t_start = time.perf_counter()
     suite.expand_tasks(FLAGS.tasks)  # unknown tasks or a missing data package fail before the model loads
-    if FLAGS.tile_size is not None and "auto" in (recipe_flags.ANCHORS.value.strip(), FLAGS.head_map.strip() or
-                                                  ("auto" if recipe_flags.ANCHORS.value.strip() == "auto" else "")):
+    if FLAGS.tile_size is not None and "auto" in (recipe_flags.ANCHORS.value.strip(), FLAGS.head_map.strip()):
         from kascade_jax.calibration.runner import BUCKET, check_bucket  # noqa: PLC0415
 
         check_bucket(BUCKET, FLAGS.tile_size)
@@ -118,7 +118,7 @@ def main(argv):
         model=FLAGS.model, strategies=tuple(FLAGS.strategies), topk_fracs=tuple(float(x) for x in FLAGS.topk_frac),
         tasks=tuple(FLAGS.tasks), context_lengths=tuple(int(x) for x in FLAGS.context_lengths),
         num_samples=FLAGS.num_samples, seed=FLAGS.seed, split=FLAGS.split, batch_size=FLAGS.batch_size,
-        batch_tokens=FLAGS.batch_tokens, prefill_chunk=FLAGS.prefill_chunk, kernels=FLAGS.kernels,
+        batch_tokens=FLAGS.batch_tokens, prefill_chunk=FLAGS.chunk_size, kernels=FLAGS.kernels,
         max_new_tokens=FLAGS.max_new_tokens or None, strategy_kwargs=kw,
         longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aa_lcr_path=FLAGS.aa_lcr_path,
         aime_runs=FLAGS.aime_runs,

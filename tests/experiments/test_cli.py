@@ -44,7 +44,7 @@ KASCADE_SHARED = ["--model", "--dtype", "--anchors", "--num_anchors", "--recipe"
 SHARED_HELP = {
     "generate": KASCADE_SHARED + ["--chunk_size", "--min_k", "--prompt_file"],
     "speed": KASCADE_SHARED + ["--chunk_size", "--min_k", "--prompt_len"],
-    "eval": KASCADE_SHARED + ["--prefill_chunk", "--min_k", "--tasks", "--overwrite", "--resume"],
+    "eval": KASCADE_SHARED + ["--chunk_size", "--min_k", "--tasks", "--overwrite", "--resume"],
     "calibrate": ["--model", "--dtype", "--calib_num_prompts", "--calib_k", "--calib_max_tokens", "--tile_size",
                   "--verbose"],
     "bench": ["--phase", "--heads", "--num_layers", "--num_anchors", "--decode_contexts", "--prefill_contexts",
