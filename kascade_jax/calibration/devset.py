@@ -138,7 +138,8 @@ def hf_devset(name: str, tokenizer, num_prompts: int, *, config: str | None = No
             if len(out) == num_prompts:
                 return out
     raise ValueError(f"dataset {name!r} gave only {len(out)} prompts of {min_tokens}..{max_tokens} tokens out of {seen} "
-                     f"records ({too_short} shorter, {too_long} longer); widen --calib_min_tokens/--calib_max_tokens or lower "
+                     f"records ({too_short} shorter, {too_long} longer); widen --calib_min_tokens/"
+                     f"--calib_max_tokens or lower "
                      f"--calib_num_prompts (asked {num_prompts})")
 
 

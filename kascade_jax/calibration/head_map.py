@@ -91,8 +91,8 @@ def load_head_map_file(path: str, num_layers: int, kv_heads: int, anchors=None) 
         if not (isinstance(rows, list) and rows and all(isinstance(r, list) and r and all(
                 isinstance(h, int) and not isinstance(h, bool) for h in r) for r in rows)
                 and len({len(r) for r in rows}) == 1):
-            raise ValueError(f"--head_map={path}: must be a list of equal-length rows of ints ([num_layers][kv_heads]), "
-                             f"got {json.dumps(rows)[:80]}")
+            raise ValueError(f"--head_map={path}: must be a list of equal-length rows of ints "
+                             f"([num_layers][kv_heads]), got {json.dumps(rows)[:80]}")
         hm = np.asarray(rows)
     else:
         raise ValueError(f"head map file must end in .npy or .json, got {path!r}")

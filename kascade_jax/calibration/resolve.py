@@ -5,7 +5,8 @@ prompt count, min/max tokens, seed, k, tile_size, reduce, block_tiles, dtype) eq
 directory (`artifact.default_cache_dir()`, or `cache_dir`) and then among the calibrations shipped in the package;
 else it runs the calibration (dense forwards on the development set; announced on stderr with its prompt count, an
 estimated time and the cached near misses it did not use, with their differing fields; a tqdm bar) and saves it
-under `<stem>-<digest of the key>.json`, so calibrations that differ in any key field never share a file, then returns the DP's anchor set for `num_anchors` with its head map.
+under `<stem>-<digest of the key>.json`, so calibrations that differ in any key field never share a file. It then
+returns the DP's anchor set for `num_anchors` with its head map.
 `resolve_flags` is what `experiments/generate.py` and `experiments/eval.py` call with their raw flag values.
 
 k defaults to the official 64, raised to 2 * tile_size when the tile is that large (k must exceed the tile:
@@ -74,13 +75,15 @@ def calibration_key(model_name: str, *, dataset: str = "builtin", num_prompts: i
                     tile_size: int = 32, reduce: str = "min", min_tokens: int = 2048, max_tokens: int = 4096,
                     seed: int = 0, dtype: str = "float32", dataset_config: str | None = None,
                     dataset_split: str | None = "validation", block_tiles: int | None = None,
-                    **model_file) -> CalibrationKey:
-    """The CalibrationKey of these parameters (k defaults to max(64, 2 * tile_size))."""
+                    model_file: str | None = ...) -> CalibrationKey:  # ...: computed
+    """The CalibrationKey of these parameters (k defaults to max(64, 2 * tile_size); model_file defaults to
+    `artifact.model_fingerprint(model_name)`)."""
+    fields = {} if model_file is ... else dict(model_file=model_file)
     return CalibrationKey.make(model_name, dataset=dataset, dataset_config=dataset_config,
                                dataset_split=dataset_split, num_prompts=int(num_prompts), min_tokens=int(min_tokens),
                                max_tokens=int(max_tokens), seed=int(seed), k=int(_calib_k(k, tile_size)),
                                tile_size=int(tile_size), reduce=reduce, block_tiles=block_tiles, dtype=dtype,
-                               **model_file)
+                               **fields)
 
 
 def artifact_path(key: CalibrationKey, cache_dir=None) -> Path:
