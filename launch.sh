@@ -50,8 +50,16 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
     ;;
   gpu-test)
+    # On a GPU VM: ./launch.sh setup; .venv/bin/python -m pip install -e ".[cuda12,test]" (or cuda13); then this.
+    # VENV_PY=/path/to/python runs it with another interpreter that has the project and its CUDA extra installed.
     shift
-    exec "${VENV_PY:-$VENV/bin/python}" -m pytest -q -p no:cacheprovider -m gpu "$@"
+    PY=${VENV_PY:-$VENV/bin/python}
+    [ -x "$PY" ] || { echo "error: $PY not found; run ./launch.sh setup (or set VENV_PY=/path/to/python)" >&2; exit 1; }
+    if [ "${JAX_PLATFORMS:-}" = cpu ]; then unset JAX_PLATFORMS; fi
+    "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null || {
+      echo "error: JAX in $PY sees no GPU (backend: $("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null || echo 'jax not importable')); install the CUDA extra: $PY -m pip install -e \".[cuda12,test]\" (or cuda13)" >&2
+      exit 1; }
+    exec "$PY" -m pytest -q -p no:cacheprovider -m gpu "$@"
     ;;
   models)
     [ -x "$VENV/bin/python" ] || { echo "error: $VENV not found; run ./launch.sh setup first" >&2; exit 1; }

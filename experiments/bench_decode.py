@@ -216,17 +216,17 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
         checks.append(check(seed=3, b=3, s=20000, hq=12, kvh=4, d=64, dtype="float16", frac=0.2, min_k=16, peaky=True,
                             tuning=tuning, log=log))
     rows = []
-    for dtype in dtypes:
-        for b in batches:
-            for s in contexts:
-                if _cache_bytes(b, s, shape, 2) / 1e9 > max_cache_gb:
-                    log(f"skip b={b} s={s}: caches over {max_cache_gb} GB")
-                    continue
-                for f in fracs:
-                    try:
-                        rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape))
-                    except Exception as e:  # keep the sweep going; the failure is reported
-                        log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
+    from tqdm import tqdm
+
+    plan = [(dtype, b, s, f) for dtype in dtypes for b in batches for s in contexts for f in fracs]
+    for dtype, b, s, f in tqdm(plan, desc="decode benchmark", unit="config", file=sys.stderr):
+        if _cache_bytes(b, s, shape, 2) / 1e9 > max_cache_gb:
+            log(f"skip b={b} s={s} k={f}: caches over {max_cache_gb} GB")
+            continue
+        try:
+            rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape))
+        except Exception as e:  # keep the sweep going; the failure is reported
+            log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
     write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), _markdown(rows, meta, shape),
                   (lambda path: _plot(rows, path, shape)) if rows else None)
     return rows

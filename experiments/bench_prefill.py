@@ -401,7 +401,9 @@ def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=
     rows = []
     plan = [(dtypes[0], s, f) for s in contexts for f in fracs] + [(dtypes[0], s, fracs[0]) for s in long_contexts]
     plan += [(dt, s, fracs[0]) for dt in dtypes[1:] for s in contexts]  # further dtypes: the first top-k only
-    for dtype, s, f in plan:
+    from tqdm import tqdm
+
+    for dtype, s, f in tqdm(plan, desc="prefill benchmark", unit="config", file=sys.stderr):
         try:
             rows.append(bench_one(s, f, dtype, min_k, tile, iters, tuning=tuning, log=log, shape=shape))
         except Exception as e:  # noqa: BLE001 - report and go on (e.g. out of memory at 256K)

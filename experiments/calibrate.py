@@ -1,10 +1,14 @@
 """Calibrate Kascade for a model: anchors for every budget, head maps, S/w plots, one artifact.
 
     python -m experiments.calibrate --model=smollm2-135m                      # built-in offline dev set, 64 prompts
-    python -m experiments.calibrate --dataset=bdsaglam/musique --dataset_config=answerable --num_prompts=1000
+    python -m experiments.calibrate --dataset=bdsaglam/musique --dataset_config=answerable --calib_num_prompts=1000
 
-Writes `<output_dir>/<model>-<dataset>-<n>-k<k>-ts<tile>.json` (+ .npz, + _S.png / _w.png). The default
-output_dir is the cache that `--anchors=auto` in generate/eval reads. Prints the anchor sets for M = 3..8 with
+Writes `<output_dir>/<model>-<dataset>-<n>-k<k>-ts<tile>-<digest>.json` (+ .npz, + _S.png / _w.png), the digest
+being that of the full calibration key (kascade_jax.calibration.artifact.CalibrationKey), which the JSON records.
+The default output_dir is the cache that `--anchors=auto` in generate/eval reads. The calibration flags have the
+names of the recipe fields they correspond to in generate/eval (`--calib_num_prompts`, `--calib_k`,
+`--calib_reduce`, `--calib_min_tokens`, `--calib_max_tokens`); the older `--num_prompts`, `--k`, `--reduce`,
+`--min_tokens`, `--max_tokens` still work and warn. Prints the anchor sets for M = 3..8 with
 their objective, the time taken, and (with --stability) the anchor sets found on two disjoint halves of the
 prompts.
 """
@@ -22,12 +26,15 @@ flags.DEFINE_string("model", "smollm2-135m", "Model: alias (smollm2-135m), HF sa
 flags.DEFINE_string("dataset", "builtin", "'builtin' (offline RULER-style + prose dev set) or a HF datasets name.")
 flags.DEFINE_string("dataset_config", None, "HF dataset config (e.g. 'answerable' for bdsaglam/musique).")
 flags.DEFINE_string("dataset_split", "validation", "HF dataset split.")
-flags.DEFINE_integer("num_prompts", 64, "Development prompts.")
-flags.DEFINE_integer("min_tokens", 2048, "Shortest prompt (model tokens).")
-flags.DEFINE_integer("max_tokens", 4096, "Longest prompt (model tokens).")
-flags.DEFINE_integer("k", 64, "Statistics budget: k - tile_size selected keys + the diagonal tile (official: 64).")
-flags.DEFINE_integer("tile_size", 32, "Query tile (tokens) pooled per index set.")
-flags.DEFINE_enum("reduce", "min", ["min", "mean"], "Reduction over query tiles within a prompt.")
+flags.DEFINE_integer("calib_num_prompts", 64, "Development prompts.", lower_bound=1)
+flags.DEFINE_integer("calib_min_tokens", 2048, "Shortest prompt (model tokens).")
+flags.DEFINE_integer("calib_max_tokens", 4096, "Longest prompt (model tokens).")
+flags.DEFINE_integer("calib_k", 64, "Statistics budget: k - tile_size selected keys + the diagonal tile (official: 64).")
+flags.DEFINE_integer("tile_size", 32, "Query tile (tokens) pooled per index set.", lower_bound=1)
+flags.DEFINE_enum("calib_reduce", "min", ["min", "mean"], "Reduction over query tiles within a prompt.")
+for _old, _new in (("num_prompts", "calib_num_prompts"), ("min_tokens", "calib_min_tokens"),
+                   ("max_tokens", "calib_max_tokens"), ("k", "calib_k"), ("reduce", "calib_reduce")):
+    cli.deprecated_alias(_old, _new)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Model dtype (scores are always fp32).")
 flags.DEFINE_string("output_dir", "", "Where to write the artifact and plots ('' = the --anchors=auto cache).")
 flags.DEFINE_integer("seed", 0, "Development-set seed.")
@@ -37,6 +44,17 @@ flags.DEFINE_boolean("stability", True, "Also select anchors on two disjoint hal
 flags.DEFINE_boolean("plots", True, "Write the S heatmap and w bar chart.")
 flags.DEFINE_string("xla_cache_dir", "", "Persistent XLA compilation cache ('' = off): reruns skip the compiles.")
 FLAGS = flags.FLAGS
+
+
+@flags.multi_flags_validator(["bucket", "tile_size"], message="--tile_size must divide --bucket")
+def _check_bucket(values):
+    from kascade_jax.calibration.runner import check_bucket  # noqa: PLC0415
+
+    try:
+        check_bucket(values["bucket"], values["tile_size"])
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+    return True
 
 
 def _budgets(num_layers):
@@ -49,7 +67,8 @@ def main(argv):
 
     import numpy as np
 
-    from kascade_jax.calibration.artifact import CalibrationArtifact, artifact_name, default_cache_dir
+    from kascade_jax.calibration.artifact import CalibrationArtifact
+    from kascade_jax.calibration.resolve import artifact_path, calibration_key
     from kascade_jax.calibration.devset import load_devset
     from kascade_jax.calibration.runner import calibrate
     from models import load_model
@@ -59,26 +78,29 @@ def main(argv):
 
         jax.config.update("jax_compilation_cache_dir", str(Path(FLAGS.xla_cache_dir).expanduser()))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    key = calibration_key(FLAGS.model, dataset=FLAGS.dataset, num_prompts=FLAGS.calib_num_prompts, k=FLAGS.calib_k,
+                          tile_size=FLAGS.tile_size, reduce=FLAGS.calib_reduce, min_tokens=FLAGS.calib_min_tokens,
+                          max_tokens=FLAGS.calib_max_tokens, seed=FLAGS.seed, dtype=FLAGS.dtype,
+                          dataset_config=FLAGS.dataset_config, dataset_split=FLAGS.dataset_split,
+                          block_tiles=FLAGS.block_tiles or None)  # checked (k > tile_size, ...) before the load
     t0 = time.perf_counter()
     model, tokenizer = load_model(FLAGS.model, FLAGS.dtype)
     t_load = time.perf_counter() - t0
-    prompts = load_devset(FLAGS.dataset, tokenizer, FLAGS.num_prompts, min_tokens=FLAGS.min_tokens,
-                          max_tokens=FLAGS.max_tokens, seed=FLAGS.seed, dataset_config=FLAGS.dataset_config,
+    prompts = load_devset(FLAGS.dataset, tokenizer, FLAGS.calib_num_prompts, min_tokens=FLAGS.calib_min_tokens,
+                          max_tokens=FLAGS.calib_max_tokens, seed=FLAGS.seed, dataset_config=FLAGS.dataset_config,
                           dataset_split=FLAGS.dataset_split)
     t_data = time.perf_counter() - t0 - t_load
-    meta = dict(seed=FLAGS.seed, min_tokens=FLAGS.min_tokens, max_tokens=FLAGS.max_tokens, dtype=FLAGS.dtype,
+    meta = dict(seed=FLAGS.seed, min_tokens=FLAGS.calib_min_tokens, max_tokens=FLAGS.calib_max_tokens, dtype=FLAGS.dtype,
                 dataset_config=FLAGS.dataset_config, dataset_split=FLAGS.dataset_split,
                 kinds=sorted({p.kind for p in prompts}))
-    art, stats = calibrate(model, prompts, model_name=FLAGS.model, dataset=FLAGS.dataset, k=FLAGS.k,
-                           tile_size=FLAGS.tile_size, reduce=FLAGS.reduce, bucket=FLAGS.bucket, meta=meta,
-                           block_tiles=FLAGS.block_tiles or None,
+    art, stats = calibrate(model, prompts, model_name=FLAGS.model, dataset=FLAGS.dataset, k=FLAGS.calib_k,
+                           tile_size=FLAGS.tile_size, reduce=FLAGS.calib_reduce, bucket=FLAGS.bucket, meta=meta,
+                           block_tiles=FLAGS.block_tiles or None, key=key,
                            return_stats=True)
-    out_dir = Path(FLAGS.output_dir).expanduser() if FLAGS.output_dir else default_cache_dir()
-    name = artifact_name(FLAGS.model, FLAGS.dataset, len(prompts), FLAGS.k, FLAGS.tile_size, FLAGS.reduce)
-    path = art.save(out_dir / name)
+    path = art.save(artifact_path(key, FLAGS.output_dir or None))
     print(f"model {FLAGS.model}: {art.num_layers} layers, {art.kv_heads} kv_heads; {len(prompts)} prompts of "
-          f"{stats.lengths.min()}-{stats.lengths.max()} tokens (mean {stats.lengths.mean():.0f}); k={FLAGS.k}, "
-          f"tile_size={FLAGS.tile_size}, reduce={FLAGS.reduce}")
+          f"{stats.lengths.min()}-{stats.lengths.max()} tokens (mean {stats.lengths.mean():.0f}); k={FLAGS.calib_k}, "
+          f"tile_size={FLAGS.tile_size}, reduce={FLAGS.calib_reduce}")
     print(f"time: load {t_load:.1f}s, dev set {t_data:.1f}s, forwards {stats.seconds:.1f}s "
           f"(compiled lengths {list(stats.compile_buckets)}; their first prompts, compile included, took "
           f"{stats.first_seconds:.1f}s; the other {len(prompts) - len(stats.compile_buckets)} prompts "
@@ -95,8 +117,8 @@ def main(argv):
         for sel in (np.arange(half), np.arange(half, 2 * half)):
             sim, w = stats.mean(sel)
             halves.append(CalibrationArtifact.from_statistics(sim, w, model_name=FLAGS.model, dataset=FLAGS.dataset,
-                                                              num_prompts=half, k=FLAGS.k, tile_size=FLAGS.tile_size,
-                                                              reduce=FLAGS.reduce))
+                                                              num_prompts=half, k=FLAGS.calib_k, tile_size=FLAGS.tile_size,
+                                                              reduce=FLAGS.calib_reduce))
         print(f"stability: two disjoint halves of {half} prompts")
         same = 0
         for m in _budgets(art.num_layers):

@@ -1,9 +1,14 @@
 """The error boundary of the entry points: `cli.run(main)` in place of absl's `app.run(main)`.
 
 Bad input ends a run with one line, `error: <message>`, on stderr and exit status 2: a ValueError,
-FileNotFoundError or `app.UsageError` raised by `main`, or a flag that does not parse or fails its validator.
+FileNotFoundError, `app.UsageError` or a missing data package (`kascade_jax.tasks.packages.MissingPackageError`)
+raised by `main`, or a flag that does not parse or fails its validator.
 `--verbose` prints the full traceback instead (same status). Ctrl-C exits 130 with one line. Any other exception
 is a bug and keeps absl's behaviour and its traceback; this module does not turn bugs into one-liners.
+
+`--help` (`-h`, `-?`, `--helpshort`) prints every flag of the project's modules the command uses (its own, the
+shared ones of experiments.common / recipe_flags / timing, `--verbose`), not only the main module's, and exits 0;
+`--helpfull` adds absl's and the libraries' flags. `deprecated_alias` keeps an old flag name working with a warning.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from absl import app, flags
 
 VERBOSE = flags.DEFINE_boolean("verbose", False, "On bad input, print the full traceback instead of one line.")
 
-BAD_INPUT = (ValueError, FileNotFoundError, app.UsageError)
+from kascade_jax.tasks.packages import MissingPackageError  # noqa: E402  (stdlib only: cheap)
+
+BAD_INPUT = (ValueError, FileNotFoundError, app.UsageError, MissingPackageError)
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
@@ -39,10 +46,66 @@ def _fail(error: BaseException, status: int, message: str | None = None):
     sys.exit(status)
 
 
+_ALIASES: dict[str, str] = {}  # deprecated flag name -> its current name
+
+
+def deprecated_alias(old: str, new: str) -> None:
+    """Define --old as a deprecated spelling of the already defined --new: given, it prints a warning and sets
+    --new (giving both is an error)."""
+    if old in flags.FLAGS:
+        return
+    flags.DEFINE_string(old, None, f"deprecated: use --{new}")
+    _ALIASES[old] = new
+
+
+def _apply_aliases():
+    for old, new in _ALIASES.items():
+        if old in flags.FLAGS and flags.FLAGS[old].present:
+            if flags.FLAGS[new].present:
+                raise flags.Error(f"give --{new} only (--{old} is its deprecated spelling)")
+            print(f"warning: --{old} is deprecated, use --{new}", file=sys.stderr, flush=True)
+            flags.FLAGS[new].parse(flags.FLAGS[old].value)
+            flags.FLAGS.validate_all_flags()
+
+
+HELP_ARGS = ("--help", "-h", "-?", "--helpshort")
+
+
+def help_text(argv0: str | None = None) -> str:
+    """Usage of the running command: its docstring's first line, then the flags of every project module it loaded
+    (the command's own first), deprecated aliases left out."""
+    main_mod = sys.modules.get("__main__")
+    doc = (getattr(main_mod, "__doc__", None) or "").strip().splitlines()
+    by_module = flags.FLAGS.flags_by_module_dict()
+    ours = [m for m in by_module if ("/experiments/" in m and m.endswith(".py")) or m.startswith("experiments")]
+    main_path = getattr(main_mod, "__file__", None) or argv0 or ""
+    ours.sort(key=lambda m: (not main_path.endswith(m.split("experiments")[-1].replace(".", "/") + ".py")
+                             and m != main_path, m))
+    out = [doc[0] if doc else "", ""] if doc else []
+    for m in ours:
+        fl = sorted((f for f in by_module[m] if f.name not in _ALIASES), key=lambda f: f.name)
+        if not fl:
+            continue
+        out.append(f"{m}:")
+        for f in fl:
+            default = "" if f.default is None else f" (default: {f.default_as_str})"
+            out.append(f"  --{'[no]' if f.boolean else ''}{f.name}: {f.help}{default}")
+    out += ["", "Try --helpfull to list absl's and the libraries' flags too."]
+    return "\n".join(out)
+
+
 def _parse_flags(argv):
-    """absl's parse_flags_with_usage with the one-line error: `flag --x=y: <why>`."""
+    """absl's parse_flags_with_usage with the one-line error: `flag --x=y: <why>`; --help exits 0."""
+    args = list(argv[1:])
+    if "--" in args:
+        args = args[: args.index("--")]
+    if any(a in HELP_ARGS for a in args):
+        print(help_text(argv[0]))
+        sys.exit(0)
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
+        _apply_aliases()
+        return rest
     except flags.Error as e:
         _fail(e, EXIT_BAD_INPUT)
 

@@ -1,23 +1,26 @@
-"""Flags shared by the entry points (a flag has the name of the config field it sets) and strategy building."""
+"""Flags shared by the entry points (a flag has the name of the config field it sets) and strategy building.
+
+The recipe and calibration flags (--anchors, --recipe, --num_anchors, --calib_*, the levers) live in
+`experiments.recipe_flags`, shared with `experiments.eval`.
+"""
 
 from __future__ import annotations
 
+import sys
+
 from absl import flags
+
+from experiments import recipe_flags
 
 MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model: alias (smollm2-135m), HF safetensors dir, .gguf file or hub id.")
 DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Model and KV-cache dtype.")
-ANCHORS = flags.DEFINE_string("anchors", "auto", "Kascade anchor layers: 'auto' (calibrated) or a list like 0,2,8,13,14.")
-NUM_ANCHORS = flags.DEFINE_integer("num_anchors", 5, "With --anchors=auto: how many anchors (M, layer 0 included).")
+ANCHORS = recipe_flags.ANCHORS
 HEAD_MAP = flags.DEFINE_string("head_map", "auto", "Kascade head map: identity, auto (calibrated) or a path to a .json/.npy file.")
 TOPK_FRAC = flags.DEFINE_float("topk_frac", 0.10, "Top-k budget as a fraction of the context (k = max(topk_frac*L, min_k)).")
 MIN_K = flags.DEFINE_integer("min_k", 128, "Minimum Top-k budget.", lower_bound=1)
 TILE_SIZE = flags.DEFINE_integer("tile_size", 32, "Query tile (tokens) pooled for prefill selection.")
 ROLLING = flags.DEFINE_boolean("rolling_prefill", True, "Per-tile rolling prefill budgets.")
 CHUNK = flags.DEFINE_integer("chunk_size", None, "Prefill chunk (multiple of 64); default: whole prompt on GPU, 1024 on CPU.")
-CALIB_PROMPTS = flags.DEFINE_integer("calib_prompts", 64, "With --anchors=auto and no saved calibration: dev prompts to calibrate on.")
-RECIPE = flags.DEFINE_string("recipe", "default", "Kascade recipe: 'default' (tuned for this model on the dev split, shipped in "
-                             "kascade_jax/data/recipes; the paper recipe where none is shipped), 'paper', "
-                             "'candidate:<name>' or a .json file. --num_anchors / --calib_prompts given explicitly win.")
 
 
 @flags.validator("topk_frac")
@@ -33,16 +36,24 @@ def _check_topk_frac(value):
     return True
 
 
-def recipe():
-    """The --recipe for --model, with an explicitly given --num_anchors / --calib_prompts applied on top."""
-    from kascade_jax.recipes import load_recipe
+@flags.multi_flags_validator(["tile_size", "anchors", "head_map"],
+                             message="--tile_size must divide the calibration bucket")
+def _check_tile_size(values):
+    """With --anchors/--head_map=auto, a --tile_size the calibration cannot pad to is refused at flag parsing,
+    before the model loads (kascade_jax.calibration.runner.check_bucket)."""
+    if "auto" in (values["anchors"], values["head_map"]) and values["tile_size"] is not None:
+        from kascade_jax.calibration.runner import BUCKET, check_bucket
 
-    over = {}
-    if flags.FLAGS["num_anchors"].present:
-        over["num_anchors"] = NUM_ANCHORS.value
-    if flags.FLAGS["calib_prompts"].present:
-        over["calib_num_prompts"] = CALIB_PROMPTS.value
-    return load_recipe(MODEL.value, RECIPE.value).replace(**over)
+        try:
+            check_bucket(BUCKET, values["tile_size"])
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from None
+    return True
+
+
+def recipe():
+    """The --recipe for --model, with the explicitly given recipe flags applied on top."""
+    return recipe_flags.resolve_recipe(MODEL.value)
 
 
 KASCADE_FAMILY = ("kascade", "no_remap", "all_heads_pooled", "pre_softmax_pooling", "oracle_topk", "decode_only")
@@ -71,22 +82,41 @@ def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = Non
 
 def resolve_anchors_and_head_map(model, tokenizer, r=None):
     from kascade_jax.calibration import resolve_anchors, resolve_head_map
+    from kascade_jax.calibration.resolve import parse_anchors
 
     cfg = model.config
     r = recipe() if r is None else r
-    calib = dict(k=r.calib_k, reduce=r.calib_reduce, max_tokens=r.calib_max_tokens,
-                 min_tokens=max(64, r.calib_max_tokens // 2))
-    if ANCHORS.value == "auto":
+    calib = recipe_flags.calibration_kwargs(r, DTYPE.value)
+    anchors = parse_anchors(ANCHORS.value, cfg.num_layers, r.num_anchors)
+    auto_map = None
+    if anchors == "auto":
         anchors, auto_map = resolve_anchors(model, tokenizer, model_name=MODEL.value, num_anchors=r.num_anchors,
-                                            tile_size=TILE_SIZE.value, num_prompts=r.calib_num_prompts,
-                                            importance=r.calib_importance, **calib)
-    else:
-        try:
-            anchors = tuple(int(a) for a in ANCHORS.value.split(",") if a.strip())
-        except ValueError:
-            raise ValueError(f"--anchors must be 'auto' or comma-separated layer indices, got {ANCHORS.value!r}") from None
-        auto_map = None
+                                            tile_size=TILE_SIZE.value, importance=r.calib_importance, **calib)
     head_map = resolve_head_map(HEAD_MAP.value, anchors, cfg.num_layers, cfg.kv_heads, auto_map=auto_map,
                                 model=model, tokenizer=tokenizer, model_name=MODEL.value, tile_size=TILE_SIZE.value,
-                                num_prompts=r.calib_num_prompts, **calib)
+                                **calib)
     return anchors, head_map
+
+
+def describe_strategy(strategy) -> str:
+    """One short block: the strategy, its kernels, and the anchors and head map it runs with."""
+    cfg = getattr(strategy, "config", None)
+    kernels = getattr(strategy, "kernels", None)
+    lines = [f"strategy: {strategy.name}, kernels: " + (f"{kernels} (kascade_jax kernels)" if kernels else
+                                                        "jnp attention (XLA)")]
+    if cfg is not None and hasattr(cfg, "anchors"):
+        src = "auto (calibrated)" if ANCHORS.value == "auto" else ANCHORS.value or "registry default"
+        lines.append(f"anchors ({src}): {list(cfg.anchors)}; recipe: {recipe().describe()}")
+        hm = cfg.head_map
+        if hm is None:
+            lines.append(f"head_map ({HEAD_MAP.value}): identity")
+        else:
+            rows = " ".join(f"L{l}:{list(row)}" for l, row in enumerate(hm) if list(row) != list(range(len(row))))
+            lines.append(f"head_map ({HEAD_MAP.value}; rows not listed are the identity): {rows or 'identity'}")
+        extra = [f"{f}={getattr(cfg, f)}" for f in ("topk_frac", "min_k", "tile_size") if hasattr(cfg, f)]
+        lines.append("budget: " + ", ".join(extra))
+    return "\n".join(lines)
+
+
+def print_strategy(strategy) -> None:
+    print(describe_strategy(strategy), file=sys.stderr, flush=True)

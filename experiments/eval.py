@@ -26,31 +26,13 @@ import time
 
 from absl import flags
 
-from experiments import cli
+from experiments import cli, recipe_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "model alias, .gguf file, HF directory or hub id")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "parameter / activation dtype")
 flags.DEFINE_list("strategies", ["dense", "kascade"], "strategy names (kascade_jax.registry.STRATEGY_NAMES)")
-flags.DEFINE_string("anchors", "auto", "'auto' = calibrated by the DP on the dev set (a shipped or cached "
-                    "calibration, else calibrate now), '' = the registry default (paper anchors scaled to depth), "
-                    "'even' = num_anchors evenly spaced layers, or a list like 0,2,8,12,13")
-flags.DEFINE_string("recipe", "default", "Kascade recipe (kascade_jax.recipes): 'default' (tuned on the dev split "
-                    "for this model, shipped in kascade_jax/data/recipes; the paper recipe where none is shipped), "
-                    "'paper' (the paper's method exactly) or a .json path. Explicit flags below override its fields")
-flags.DEFINE_integer("num_anchors", None, "anchor count M for --anchors=auto|even (default: the recipe's)")
-flags.DEFINE_integer("sink_tokens", None, "recipe lever: first keys forced into every anchor selection")
-flags.DEFINE_integer("recent_window", None, "recipe lever: keys just before the query/tile forced into every "
-                     "anchor selection")
-flags.DEFINE_integer("dense_suffix", None, "recipe lever: last prompt tokens that attend densely in prefill")
-flags.DEFINE_integer("calib_k", None, "--anchors=auto: similarity budget k of the calibration (paper: 64)")
-flags.DEFINE_enum("calib_reduce", None, ["min", "mean"], "--anchors=auto: reduction over query tiles (paper: min)")
-flags.DEFINE_enum("calib_importance", None, ["paper", "sqrt", "none"], "--anchors=auto: DP layer weighting "
-                  "(paper: the measured importance w; sqrt(w); none)")
 flags.DEFINE_list("topk_frac", ["0.1"], "Top-k fraction(s) of the context (budget_frac for quest/omnikv/less_is_more)")
-flags.DEFINE_integer("calib_num_prompts", None, "--anchors/--head_map=auto: development-set prompts (recipe: 64)")
-flags.DEFINE_integer("calib_max_tokens", None, "--anchors/--head_map=auto: longest dev prompt (shortest: half; "
-                     "recipe: 4096)")
 flags.DEFINE_string("head_map", "", "'' = calibrated with --anchors=auto else identity; 'identity', 'auto' or a "
                     ".npy/.json path")
 flags.DEFINE_integer("min_k", None, "Kascade budget floor (default: KascadeConfig's)")
@@ -68,8 +50,9 @@ flags.DEFINE_enum("split", "test", ["test", "dev"], "generator seed space (calib
 flags.DEFINE_integer("batch_size", 2, "prompts per generate call")
 flags.DEFINE_integer("batch_tokens", None, "if set, prompts per generate call = max(1, batch_tokens // context "
                      "length) instead of --batch_size (keeps memory flat across context lengths)")
-flags.DEFINE_integer("prefill_chunk", None, "prefill chunk length in tokens (a multiple of 64; default: whole "
+flags.DEFINE_integer("chunk_size", None, "prefill chunk length in tokens (a multiple of 64; default: whole "
                      "prompt on GPU, 1024 on CPU); smaller chunks bound the memory of the reference kernels")
+cli.deprecated_alias("prefill_chunk", "chunk_size")  # the name of EvalSpec's field; generate/speed say chunk_size
 flags.DEFINE_enum("kernels", "reference", ["reference", "pallas"], "Kascade-family kernels: the pure-JAX "
                   "reference semantics, or the Pallas GPU kernels (bf16/fp16 on a GPU; their references elsewhere)")
 flags.DEFINE_integer("max_new_tokens", 32, "cap on generated tokens; 0 = each task's official length")
@@ -88,45 +71,31 @@ flags.DEFINE_string("cache_dir", None, "converted-checkpoint cache (orbax) for f
 flags.DEFINE_bool("progress", True, "tqdm progress bars")
 
 
-def even_anchors(num_layers: int, m: int) -> tuple[int, ...]:
-    if not 1 <= m <= num_layers:
-        raise ValueError(f"num_anchors must lie in [1, {num_layers}], got {m}")
-    return tuple(sorted({round(i * num_layers / m) for i in range(m)}))
+from kascade_jax.calibration.resolve import even_anchors  # noqa: E402  (re-exported: the eval's spelling)
 
 
 def resolve_recipe():
-    """The --recipe, with every explicitly given flag applied on top."""
-    from kascade_jax.recipes import load_recipe  # noqa: PLC0415
-
-    return load_recipe(FLAGS.model, FLAGS.recipe).replace(
-        num_anchors=FLAGS.num_anchors, sink_tokens=FLAGS.sink_tokens, recent_window=FLAGS.recent_window,
-        dense_suffix=FLAGS.dense_suffix, calib_k=FLAGS.calib_k, calib_reduce=FLAGS.calib_reduce,
-        calib_importance=FLAGS.calib_importance, calib_num_prompts=FLAGS.calib_num_prompts,
-        calib_max_tokens=FLAGS.calib_max_tokens)
+    """The --recipe, with every explicitly given recipe flag applied on top (experiments.recipe_flags)."""
+    return recipe_flags.resolve_recipe(FLAGS.model)
 
 
 def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int, recipe):
     """(anchors or None, head_map or None, note) from --anchors / --head_map and the recipe's M and calibration."""
-    value, hm = FLAGS.anchors.strip(), FLAGS.head_map.strip()
-    if value in ("", "even") and hm in ("", "identity"):
-        anchors = even_anchors(num_layers, recipe.num_anchors) if value == "even" else None
-        return anchors, None, "anchors: " + ("evenly spaced" if anchors else "registry default")
     from kascade_jax.calibration import resolve_flags  # noqa: PLC0415
+    from kascade_jax.calibration.resolve import parse_anchors  # noqa: PLC0415
 
-    if value == "":
-        from kascade_jax.registry import default_anchors  # noqa: PLC0415
-        value = ",".join(map(str, default_anchors(num_layers)))
-    elif value == "even":
-        value = ",".join(map(str, even_anchors(num_layers, recipe.num_anchors)))
+    value, hm = recipe_flags.ANCHORS.value.strip(), FLAGS.head_map.strip()
+    parsed = parse_anchors(value, num_layers, recipe.num_anchors)
+    if value in ("", "even") and hm in ("", "identity"):
+        anchors = parsed if value == "even" else None
+        return anchors, None, "anchors: " + ("evenly spaced" if anchors else "registry default")
     hm = hm or ("auto" if value == "auto" else "identity")
     kw = dict(tile_size=FLAGS.tile_size) if FLAGS.tile_size else {}
-    kw.update(num_prompts=recipe.calib_num_prompts, max_tokens=recipe.calib_max_tokens,
-              min_tokens=max(64, recipe.calib_max_tokens // 2), k=recipe.calib_k, reduce=recipe.calib_reduce,
-              importance=recipe.calib_importance)
-    anchors, head_map = resolve_flags(FLAGS.model, value, hm, num_layers=num_layers, kv_heads=kv_heads,
-                                      num_anchors=recipe.num_anchors, model=model, tokenizer=tokenizer,
-                                      dtype=FLAGS.dtype, **kw)
-    return tuple(anchors), head_map, f"anchors: {FLAGS.anchors} -> {list(anchors)}, head_map: {hm}"
+    kw.update(recipe_flags.calibration_kwargs(recipe, FLAGS.dtype), importance=recipe.calib_importance)
+    anchors, head_map = resolve_flags(FLAGS.model, value if parsed == "auto" else ",".join(map(str, parsed)), hm,
+                                      num_layers=num_layers, kv_heads=kv_heads, num_anchors=recipe.num_anchors,
+                                      model=model, tokenizer=tokenizer, **kw)
+    return tuple(anchors), head_map, f"anchors: {recipe_flags.ANCHORS.value} -> {list(anchors)}, head_map: {hm}"
 
 
 def main(argv):
@@ -136,6 +105,10 @@ def main(argv):
 
     t_start = time.perf_counter()
     suite.expand_tasks(FLAGS.tasks)  # unknown tasks or a missing data package fail before the model loads
+    if FLAGS.tile_size is not None and "auto" in (recipe_flags.ANCHORS.value.strip(), FLAGS.head_map.strip()):
+        from kascade_jax.calibration.runner import BUCKET, check_bucket  # noqa: PLC0415
+
+        check_bucket(BUCKET, FLAGS.tile_size)
     out = FLAGS.output_dir
     report.check_output_dir(out, overwrite=FLAGS.overwrite, resume=FLAGS.resume)
     recipe = resolve_recipe()
@@ -145,7 +118,7 @@ def main(argv):
         model=FLAGS.model, strategies=tuple(FLAGS.strategies), topk_fracs=tuple(float(x) for x in FLAGS.topk_frac),
         tasks=tuple(FLAGS.tasks), context_lengths=tuple(int(x) for x in FLAGS.context_lengths),
         num_samples=FLAGS.num_samples, seed=FLAGS.seed, split=FLAGS.split, batch_size=FLAGS.batch_size,
-        batch_tokens=FLAGS.batch_tokens, prefill_chunk=FLAGS.prefill_chunk, kernels=FLAGS.kernels,
+        batch_tokens=FLAGS.batch_tokens, prefill_chunk=FLAGS.chunk_size, kernels=FLAGS.kernels,
         max_new_tokens=FLAGS.max_new_tokens or None, strategy_kwargs=kw,
         longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aa_lcr_path=FLAGS.aa_lcr_path,
         aime_runs=FLAGS.aime_runs,

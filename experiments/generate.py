@@ -43,6 +43,7 @@ def main(argv):
     text = PROMPT.value if PROMPT.value is not None else _read_prompt(PROMPT_FILE.value)
     model, tok = load_model(common.MODEL.value, common.DTYPE.value)
     strategy = common.build_strategy(STRATEGY.value, model, tok)
+    common.print_strategy(strategy)  # what `auto` chose, and which kernels run
     t0 = time.perf_counter()
     (res,) = generate(model, tok, [text], strategy, max_new_tokens=MAX_NEW.value, temperature=TEMPERATURE.value,
                       top_p=TOP_P.value, top_k=TOP_K.value, seed=SEED.value, stop=tuple(STOP.value), chat=CHAT.value,

@@ -29,7 +29,9 @@ DOC = flags.DEFINE_string("doc", None, "Text file with the long document (defaul
 DOC_TOKENS = flags.DEFINE_integer("doc_tokens", 4000, "Truncate the document to this many tokens.")
 NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens decoded after the prompt.")
 MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model alias or path.")
-ANCHORS = flags.DEFINE_string("anchors", "0,4,12,20", "Kascade anchor layers.")
+ANCHORS = flags.DEFINE_string("anchors", "0,4,12,20", "Kascade anchor layers, as everywhere: 'auto' (the DP's "
+                              "choice on the model's calibration), 'even' (5 evenly spaced), '' (the paper's scaled "
+                              "to depth) or a list like 0,4,12,20")
 HEAD_MAP = flags.DEFINE_string("head_map", None, "Head map .npy/.json (default: identity).")
 FRACS = flags.DEFINE_list("topk_fracs", ["0.1", "0.2"], "Top-k fractions to measure.")
 STRATEGIES = flags.DEFINE_list("strategies", ["kascade"], "Strategy names (kascade_jax.registry) to measure.")
@@ -85,9 +87,15 @@ def main(argv):
                             chunk_size=CHUNK.value)
     dense_ids = dense.token_ids
     print(f"dense: {len(dense_ids)} tokens in {time.perf_counter() - t0:.1f}s: {dense.text[:300]!r}", flush=True)
+    from kascade_jax.calibration.resolve import parse_anchors, resolve_anchors
+
+    chosen = parse_anchors(ANCHORS.value, cfg.num_layers)
+    if chosen == "auto":
+        chosen, _ = resolve_anchors(model, tok, model_name=MODEL.value, tile_size=TILE.value)
+    print(f"anchors ({ANCHORS.value or 'registry default'}): {list(chosen)}", flush=True)
     rows = []
     for name, frac in [(n, float(f)) for n in STRATEGIES.value for f in FRACS.value]:
-        anchors = ANCHORS.value if name != "oracle_topk" else None
+        anchors = tuple(chosen) if name != "oracle_topk" else None
         strategy = make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=HEAD_MAP.value,
                                  topk_frac=frac, min_k=MIN_K.value, tile_size=TILE.value)
         t0 = time.perf_counter()
@@ -107,7 +115,7 @@ def main(argv):
 
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=str(jax.devices()[0]), jax=jax.__version__, command=" ".join(sys.argv), model=MODEL.value,
-                doc=DOC.value or "builtin prose", prompt_tokens=len(prompt), new_tokens=NEW_TOKENS.value, anchors=ANCHORS.value,
+                doc=DOC.value or "builtin prose", prompt_tokens=len(prompt), new_tokens=NEW_TOKENS.value, anchors=list(chosen),
                 head_map=HEAD_MAP.value or "identity", min_k=MIN_K.value, tile_size=TILE.value, dense_text=dense.text)
     os.makedirs(os.path.dirname(OUT.value) or ".", exist_ok=True)
     with open(OUT.value + ".json", "w") as f:
@@ -115,7 +123,7 @@ def main(argv):
     with open(OUT.value + ".md", "w") as f:
         f.write(f"# Kascade vs dense greedy agreement ({meta['date']}, {meta['device']}, JAX {meta['jax']})\n\n")
         f.write(f"`{meta['command']}`  \nmodel {MODEL.value}, prompt {len(prompt)} tokens, {len(dense_ids)} decoded "
-                f"tokens, anchors {ANCHORS.value}, head_map {meta['head_map']}, min_k {MIN_K.value}, "
+                f"tokens, anchors {list(chosen)}, head_map {meta['head_map']}, min_k {MIN_K.value}, "
                 f"tile {TILE.value}\n\n")
         f.write("| strategy | topk_frac | teacher-forced agreement | free-running common prefix | "
                 "free-running positional match |\n|---|---|---|---|---|\n")

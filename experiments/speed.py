@@ -9,6 +9,7 @@ is complete); this times whole-model steps, not kernels — kernel timings use C
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import jax
@@ -33,6 +34,7 @@ def main(argv):
 
     model, tok = load_model(common.MODEL.value, common.DTYPE.value)
     strategy = common.build_strategy(STRATEGY.value, model, tok)
+    common.print_strategy(strategy)
     rng = np.random.default_rng(0)
     b, p, n = BATCH.value, PROMPT_LEN.value, NEW_TOKENS.value
     prompts = rng.integers(100, model.config.vocab - 100, (b, p)).tolist()
@@ -54,9 +56,13 @@ def main(argv):
 
         gen.generate(model, NoEos(), prompts, strategy, max_new_tokens=n, max_len=max_len, chunk_size=common.CHUNK.value)
 
-    run_prefill(), run_generate()  # compile
+    from tqdm import tqdm
+
+    with tqdm(total=2, desc="compile (prefill, generate)", file=sys.stderr) as bar:
+        run_prefill(); bar.update()
+        run_generate(); bar.update()
     t_pre, t_gen = [], []
-    for _ in range(REPEATS.value):
+    for _ in tqdm(range(REPEATS.value), desc="timed repeats", file=sys.stderr):
         t0 = time.perf_counter(); run_prefill(); t_pre.append(time.perf_counter() - t0)
         t0 = time.perf_counter(); run_generate(); t_gen.append(time.perf_counter() - t0)
     pre, tot = float(np.median(t_pre)), float(np.median(t_gen))

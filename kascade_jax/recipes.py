@@ -34,6 +34,7 @@ class Recipe:
     calib_importance: str = "paper"
     calib_num_prompts: int = 64
     calib_max_tokens: int = 4096
+    calib_dtype: str | None = None  # the calibration forwards' dtype; None: the model's --dtype
     sink_tokens: int = 0
     recent_window: int = 0
     dense_suffix: int = 0
@@ -50,6 +51,9 @@ class Recipe:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"recipe {self.name!r}: {f} must be an int >= 0, got {v!r}")
+        if self.calib_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"recipe {self.name!r}: calib_dtype must be float32, bfloat16, float16 or null, "
+                             f"got {self.calib_dtype!r}")
         if self.calib_reduce not in REDUCES:
             raise ValueError(f"recipe {self.name!r}: calib_reduce must be one of {REDUCES}, got {self.calib_reduce!r}")
         if self.calib_importance not in IMPORTANCE:

@@ -138,8 +138,9 @@ def hf_devset(name: str, tokenizer, num_prompts: int, *, config: str | None = No
             if len(out) == num_prompts:
                 return out
     raise ValueError(f"dataset {name!r} gave only {len(out)} prompts of {min_tokens}..{max_tokens} tokens out of {seen} "
-                     f"records ({too_short} shorter, {too_long} longer); widen --min_tokens/--max_tokens or lower "
-                     f"--num_prompts (asked {num_prompts})")
+                     f"records ({too_short} shorter, {too_long} longer); widen --calib_min_tokens/"
+                     f"--calib_max_tokens or lower "
+                     f"--calib_num_prompts (asked {num_prompts})")
 
 
 def load_devset(dataset: str, tokenizer, num_prompts: int, *, min_tokens: int = 2048, max_tokens: int = 4096,

@@ -72,13 +72,31 @@ def load_head_map_file(path: str, num_layers: int, kv_heads: int, anchors=None) 
     if not os.path.isfile(path):
         raise ValueError(f"--head_map must be 'identity', 'auto' or an existing .npy/.json file, got {path!r}")
     if path.endswith(".npy"):
-        hm = np.load(path, allow_pickle=False)
+        try:
+            hm = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--head_map={path}: not a readable .npy array ({e})") from None
     elif path.endswith(".json"):
         import json
 
-        with open(path) as f:
-            data = json.load(f)
-        hm = np.asarray(data["head_map"] if isinstance(data, dict) else data)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"--head_map={path}: not valid JSON ({e})") from None
+        if isinstance(data, dict) and "head_map" not in data:
+            raise ValueError(f"--head_map={path}: a JSON object needs a 'head_map' entry (a list of rows), got keys "
+                             f"{sorted(data)[:8]}")
+        rows = data["head_map"] if isinstance(data, dict) else data
+        if not (isinstance(rows, list) and rows and all(isinstance(r, list) and r and all(
+                isinstance(h, int) and not isinstance(h, bool) for h in r) for r in rows)
+                and len({len(r) for r in rows}) == 1):
+            raise ValueError(f"--head_map={path}: must be a list of equal-length rows of ints "
+                             f"([num_layers][kv_heads]), got {json.dumps(rows)[:80]}")
+        hm = np.asarray(rows)
     else:
         raise ValueError(f"head map file must end in .npy or .json, got {path!r}")
-    return check_head_map(hm, num_layers, kv_heads, anchors)
+    try:
+        return check_head_map(hm, num_layers, kv_heads, anchors)
+    except ValueError as e:
+        raise ValueError(f"--head_map={path}: {e}") from None

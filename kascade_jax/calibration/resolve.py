@@ -1,8 +1,12 @@
 """`--anchors=auto|0,2,8,...`, `--num_anchors`, `--head_map=identity|auto|<path>`: flag values -> anchors, head map.
 
-`resolve_anchors` finds the artifact of (model, dataset, num_prompts, k, tile_size, reduce) in the cache
-directory (`artifact.default_cache_dir()`, or `cache_dir`), or runs the calibration (dense forwards on the
-development set) and saves it there, then returns the DP's anchor set for `num_anchors` with its head map.
+`resolve_anchors` finds the artifact whose recorded `CalibrationKey` (model file identity, dataset and its config,
+prompt count, min/max tokens, seed, k, tile_size, reduce, block_tiles, dtype) equals the one asked for, in the cache
+directory (`artifact.default_cache_dir()`, or `cache_dir`) and then among the calibrations shipped in the package;
+else it runs the calibration (dense forwards on the development set; announced on stderr with its prompt count, an
+estimated time and the cached near misses it did not use, with their differing fields; a tqdm bar) and saves it
+under `<stem>-<digest of the key>.json`, so calibrations that differ in any key field never share a file. It then
+returns the DP's anchor set for `num_anchors` with its head map.
 `resolve_flags` is what `experiments/generate.py` and `experiments/eval.py` call with their raw flag values.
 
 k defaults to the official 64, raised to 2 * tile_size when the tile is that large (k must exceed the tile:
@@ -13,24 +17,43 @@ Deliberately not here: building a strategy or KascadeConfig (callers plug the re
 
 from __future__ import annotations
 
+import glob
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from kascade_jax.calibration.artifact import CalibrationArtifact, artifact_name, default_cache_dir
+from kascade_jax.calibration.artifact import (CalibrationArtifact, CalibrationKey, artifact_name, default_cache_dir,
+                                              read_key)
 from kascade_jax.calibration.head_map import check_anchors, head_map_for, identity_head_map, load_head_map_file
 
 
-def parse_anchors(value: str, num_layers: int):
-    """'auto' -> 'auto'; '0,2,8,13,14' -> (0, 2, 8, 13, 14), validated against num_layers."""
+def even_anchors(num_layers: int, m: int) -> tuple[int, ...]:
+    """`m` evenly spaced layers, layer 0 first."""
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= num_layers:
+        raise ValueError(f"num_anchors must lie in [1, {num_layers}], got {m!r}")
+    return tuple(sorted({round(i * num_layers / m) for i in range(m)}))
+
+
+def parse_anchors(value: str, num_layers: int, num_anchors: int | None = None):
+    """The one meaning of `--anchors=` in every entry point: 'auto' -> 'auto' (the calibrated DP choice);
+    'even' -> `num_anchors` evenly spaced layers; '' -> the registry default (the paper's anchors scaled to depth);
+    '0,2,8,13,14' -> (0, 2, 8, 13, 14). Validated against num_layers."""
     value = str(value).strip()
     if value == "auto":
         return "auto"
+    if value == "even":
+        return even_anchors(num_layers, 5 if num_anchors is None else num_anchors)
+    if value == "":
+        from kascade_jax.registry import default_anchors  # noqa: PLC0415
+
+        return default_anchors(num_layers)
     try:
         anchors = tuple(int(p) for p in value.split(",") if p.strip())
     except ValueError:
-        raise ValueError(f"--anchors must be 'auto' or comma-separated layer indices like 0,2,8, got {value!r}") from None
+        raise ValueError(f"--anchors must be 'auto', 'even', '' or comma-separated layer indices like 0,2,8, "
+                         f"got {value!r}") from None
     return check_anchors(anchors, num_layers)
 
 
@@ -38,56 +61,125 @@ def _calib_k(k, tile_size):
     return k if k is not None else max(64, 2 * tile_size)
 
 
-def artifact_path(model_name: str, *, dataset: str = "builtin", num_prompts: int = 64, k: int | None = None,
-                  tile_size: int = 32, reduce: str = "min", cache_dir=None) -> Path:
-    d = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    return d / artifact_name(model_name, dataset, num_prompts, _calib_k(k, tile_size), tile_size, reduce)
-
-
 # Calibrations shipped with the package (e.g. SmolLM2-135M on the built-in dev set, measured on an H200), searched
-# after the user's cache so that `--anchors=auto` works offline and instantly for those models.
+# after the user's cache so that `--anchors=auto` works offline and instantly for those models. Their JSON records
+# their key like any other artifact; they keep their short (pre-key) file names.
 PACKAGED_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
 
+# Rough throughput for the time estimate an on-the-spot calibration prints (FLOP/s of the forwards; a compile per
+# padded length). Measured orders of magnitude, not promises: 2-core CPU, one H100/H200.
+_RATE = {"cpu": (2e10, 20.0), "gpu": (1e14, 15.0)}
 
-def _find_cached(path: Path, model_name, dataset, num_prompts, k, tile_size, reduce) -> Path | None:
-    """The exact artifact, else the same calibration on more prompts (at least as good an estimate); the user's
+
+def calibration_key(model_name: str, *, dataset: str = "builtin", num_prompts: int = 64, k: int | None = None,
+                    tile_size: int = 32, reduce: str = "min", min_tokens: int = 2048, max_tokens: int = 4096,
+                    seed: int = 0, dtype: str = "float32", dataset_config: str | None = None,
+                    dataset_split: str | None = "validation", block_tiles: int | None = None,
+                    model_file: str | None = ...) -> CalibrationKey:  # ...: computed
+    """The CalibrationKey of these parameters (k defaults to max(64, 2 * tile_size); model_file defaults to
+    `artifact.model_fingerprint(model_name)`)."""
+    fields = {} if model_file is ... else dict(model_file=model_file)
+    return CalibrationKey.make(model_name, dataset=dataset, dataset_config=dataset_config,
+                               dataset_split=dataset_split, num_prompts=int(num_prompts), min_tokens=int(min_tokens),
+                               max_tokens=int(max_tokens), seed=int(seed), k=int(_calib_k(k, tile_size)),
+                               tile_size=int(tile_size), reduce=reduce, block_tiles=block_tiles, dtype=dtype,
+                               **fields)
+
+
+def artifact_path(key: CalibrationKey, cache_dir=None) -> Path:
+    """Where the calibration of `key` is saved in the cache (`<stem>-<digest of the key>.json`)."""
+    d = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    return d / key.name()
+
+
+def find_cached(key: CalibrationKey, cache_dir=None) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
+    """(the artifact whose recorded key equals `key`, or None; the near misses: artifacts of the same model,
+    dataset, prompt count, k, tile size and reduce that differ elsewhere, with the differing fields). The user's
     cache first, then the calibrations shipped in the package."""
-    for folder in (path.parent, PACKAGED_DIR):
-        if (folder / path.name).is_file():
-            return folder / path.name
-        best, best_n = None, num_prompts
-        for cand in folder.glob("*.json") if folder.is_dir() else ():
-            for n in re.findall(r"-(\d+)-k", cand.name):
-                if int(n) > best_n and cand.name == artifact_name(model_name, dataset, int(n), k, tile_size, reduce):
-                    best, best_n = cand, int(n)
-        if best is not None:
-            return best
-    return None
+    stem = artifact_name(key.model_name, key.dataset, key.num_prompts, key.k, key.tile_size, key.reduce)[:-5]
+    near = []
+    folder0 = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    for folder in (folder0, PACKAGED_DIR):
+        exact = folder / key.name()
+        cands = [exact] if exact.is_file() else []
+        cands += sorted(p for p in folder.glob(f"{glob.escape(stem)}*.json") if p != exact) if folder.is_dir() else []
+        for cand in cands:
+            if cand.name != f"{stem}.json" and not re.fullmatch(re.escape(stem) + r"-[0-9a-f]{10}\.json", cand.name):
+                continue  # another reduce (`-mean`) or another stem that merely starts the same
+            diff = key.diff(read_key(cand))
+            if not diff:
+                return cand, near
+            near.append((cand, diff))
+    return None, near
+
+
+def estimate_seconds(model, key: CalibrationKey) -> float:
+    """A rough wall time for calibrating `model` on `key`'s prompts (see _RATE): forwards plus one compile per
+    512-token padded length."""
+    import jax  # noqa: PLC0415
+
+    cfg = model.config
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_state(model)))
+    n = (key.min_tokens + key.max_tokens) / 2
+    flops = key.num_prompts * (2 * params * n + 2 * cfg.num_layers * cfg.q_heads * cfg.head_dim * n * n)
+    rate, compile_s = _RATE.get(jax.default_backend(), _RATE["cpu"])
+    lengths = len(range(-(-key.min_tokens // 512), -(-key.max_tokens // 512) + 1))
+    return flops / rate + lengths * compile_s
+
+
+def _dtype_name(model) -> str | None:
+    dt = getattr(model, "dtype", None)
+    return None if dt is None else np.dtype(dt).name
+
+
+def _state(model):
+    from flax import nnx  # noqa: PLC0415
+
+    return nnx.state(model, nnx.Param)
+
+
+def _announce(key: CalibrationKey, path: Path, near, model) -> None:
+    try:
+        eta = f"about {max(1, round(estimate_seconds(model, key) / 60))} min (a rough estimate)"
+    except Exception:  # noqa: BLE001  (a model without the usual config: no estimate, the calibration still runs)
+        eta = "time unknown"
+    lines = [f"calibrating {key.model_name} now (no cached calibration matches): {key.num_prompts} {key.dataset} "
+             f"dev prompts of {key.min_tokens}-{key.max_tokens} tokens, k={key.k}, tile_size={key.tile_size}, "
+             f"reduce={key.reduce}, dtype={key.dtype}, seed={key.seed}; {eta}; saved to {path}"]
+    for cand, diff in near[:3]:
+        lines.append(f"  not using {cand.name}: " + "; ".join(diff))
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def load_or_calibrate(model_name: str, *, dataset: str = "builtin", num_prompts: int = 64, k: int | None = None,
                       tile_size: int = 32, reduce: str = "min", min_tokens: int = 2048, max_tokens: int = 4096,
                       seed: int = 0, cache_dir=None, model=None, tokenizer=None, dtype: str = "float32",
                       recalibrate: bool = False, dataset_config: str | None = None,
-                      dataset_split: str = "validation") -> CalibrationArtifact:
-    """The cached artifact of this calibration, else run it (loading the model if not given) and cache it."""
-    k = _calib_k(k, tile_size)
-    path = artifact_path(model_name, dataset=dataset, num_prompts=num_prompts, k=k, tile_size=tile_size,
-                         reduce=reduce, cache_dir=cache_dir)
-    if not recalibrate:
-        found = _find_cached(path, model_name, dataset, num_prompts, k, tile_size, reduce)
-        if found is not None:
-            return CalibrationArtifact.load(found)
+                      dataset_split: str = "validation", block_tiles: int | None = None,
+                      progress: bool = True) -> CalibrationArtifact:
+    """The cached artifact whose key equals this calibration's, else run it (loading the model if not given, or
+    if it is not in `dtype`), announce it with an estimated time, and cache it under its key."""
+    key = calibration_key(model_name, dataset=dataset, num_prompts=num_prompts, k=k, tile_size=tile_size,
+                          reduce=reduce, min_tokens=min_tokens, max_tokens=max_tokens, seed=seed, dtype=dtype,
+                          dataset_config=dataset_config, dataset_split=dataset_split, block_tiles=block_tiles)
+    found, near = find_cached(key, cache_dir)
+    if found is not None and not recalibrate:
+        return CalibrationArtifact.load(found, key=key)
     from kascade_jax.calibration.devset import load_devset
-    from kascade_jax.calibration.runner import calibrate
+    from kascade_jax.calibration.runner import BUCKET, calibrate, check_bucket
 
-    if model is None or tokenizer is None:
+    check_bucket(BUCKET, tile_size)  # before the model loads or any prompt is made
+
+    if model is None or tokenizer is None or _dtype_name(model) not in (None, dtype):
         from models import load_model
 
         model, tokenizer = load_model(model_name, dtype)
+    path = artifact_path(key, cache_dir)
+    _announce(key, path, near, model)
     prompts = load_devset(dataset, tokenizer, num_prompts, min_tokens=min_tokens, max_tokens=max_tokens, seed=seed,
                           dataset_config=dataset_config, dataset_split=dataset_split)
-    art = calibrate(model, prompts, model_name=model_name, dataset=dataset, k=k, tile_size=tile_size, reduce=reduce,
+    art = calibrate(model, prompts, model_name=model_name, dataset=dataset, k=key.k, tile_size=tile_size,
+                    reduce=reduce, block_tiles=block_tiles, progress=progress, key=key,
                     meta=dict(seed=seed, min_tokens=min_tokens, max_tokens=max_tokens, dtype=dtype))
     art.save(path)
     return art

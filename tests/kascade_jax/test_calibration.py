@@ -1,6 +1,8 @@
 """Calibration: pooled scores vs the reference, the similarity formula, a planted model, artifacts, flag resolution."""
 
+import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -235,19 +237,24 @@ def test_flag_resolution(rng, tmp_path):
     np.testing.assert_array_equal(load_head_map_file(str(tmp_path / "hm.json"), 5, 3), hm)
 
 
-def test_resolve_anchors_uses_cached_artifact(rng, tmp_path):
+def _keyed_artifact(rng, **key_fields):
     art = _random_artifact(rng)
-    name = art_lib.artifact_name("m", "builtin", 7, 64, 32)
-    art.save(tmp_path / name)
+    key = resolve.calibration_key("m", num_prompts=7, **key_fields)
+    return dataclasses.replace(art, key=key.to_dict()), key
+
+
+def test_resolve_anchors_uses_cached_artifact(rng, tmp_path):
+    art, key = _keyed_artifact(rng)
+    art.save(resolve.artifact_path(key, tmp_path))
     anchors, hm = resolve.resolve_anchors("m", None, num_anchors=3, num_prompts=7, cache_dir=tmp_path,
                                           num_layers=5, kv_heads=3)
     assert anchors == art.anchors[3]
     np.testing.assert_array_equal(hm, art.head_maps[2])
     with pytest.raises(ValueError, match="num_layers=5"):
         resolve.resolve_anchors("m", None, num_anchors=3, num_prompts=7, cache_dir=tmp_path, num_layers=4, kv_heads=3)
-    # the (model, tokenizer, model_name=...) form; a smaller request reuses the larger cached calibration
+    # the (model, tokenizer, model_name=...) form
     model = type("M", (), {"config": type("C", (), {"num_layers": 5, "kv_heads": 3})()})()
-    anchors2, hm2 = resolve.resolve_anchors(model, object(), model_name="m", num_anchors=3, num_prompts=4,
+    anchors2, hm2 = resolve.resolve_anchors(model, object(), model_name="m", num_anchors=3, num_prompts=7,
                                             cache_dir=tmp_path)
     assert anchors2 == anchors and np.array_equal(hm2, hm)
     got, rows = resolve.resolve_flags("m", "auto", "auto", num_layers=5, kv_heads=3, num_anchors=4, num_prompts=7,
@@ -310,3 +317,117 @@ def test_collect_statistics_on_a_tiny_model(rng):
     assert art.num_prompts == 2 and art.anchors[1] == (0,) and len(art.anchors[2]) == 2
     with pytest.raises(ValueError, match="prompt lengths"):
         collect_statistics(model, [rng.integers(0, 97, 10)], k=32, tile_size=16, bucket=128, progress=False)
+
+
+KEY_CHANGES = dict(num_prompts=8, seed=1, min_tokens=1024, max_tokens=2048, k=96, tile_size=16, reduce="mean",
+                   dtype="bfloat16", block_tiles=2, dataset="bdsaglam/musique")
+
+
+@pytest.mark.parametrize("field", sorted(KEY_CHANGES) + ["model_file", "dataset_config"])
+def test_calibration_key_separates_every_field(rng, tmp_path, field):
+    """A cached calibration is found only under its own key: changing any field misses it (a near miss that names
+    the field), and loading it under the changed key is an error that names the field."""
+    art, key = _keyed_artifact(rng)
+    path = art.save(resolve.artifact_path(key, tmp_path))
+    assert resolve.find_cached(key, tmp_path) == (path, [])
+    if field == "model_file":
+        other = dataclasses.replace(key, model_file="sha256=00 size=1")
+    elif field == "dataset_config":
+        key = dataclasses.replace(key, dataset="bdsaglam/musique", dataset_split="validation")
+        art = dataclasses.replace(art, key=key.to_dict())
+        path = art.save(resolve.artifact_path(key, tmp_path))
+        other = dataclasses.replace(key, dataset_config="answerable")
+    else:
+        other = resolve.calibration_key("m", **{"num_prompts": 7, field: KEY_CHANGES[field]})
+    assert other.name() != key.name()
+    found, near = resolve.find_cached(other, tmp_path)
+    assert found is None
+    if field not in ("num_prompts", "k", "tile_size", "reduce", "dataset"):  # these change the file stem
+        assert [p for p, _ in near] == [path] and any(d.startswith(f"{field}:") for d in near[0][1])
+    with pytest.raises(ValueError, match=rf"does not match .*{field}: recorded"):
+        CalibrationArtifact.load(path, key=other)
+    CalibrationArtifact.load(path, key=key)
+
+
+def test_model_fingerprint_tracks_the_weights_file(tmp_path):
+    f = tmp_path / "w.gguf"
+    f.write_bytes(bytes(range(256)) * 16_000)
+    a = art_lib.model_fingerprint(str(f))
+    assert a.startswith("sample-sha256=") and a.endswith(f"size={f.stat().st_size}")
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 1  # the tail of the file is hashed too
+    f.write_bytes(bytes(data))
+    assert art_lib.model_fingerprint(str(f)) != a
+    assert art_lib.model_fingerprint("qwen2.5-coder-0.5b").startswith("sha256=1d9614638d")  # the registry's, no read
+    assert art_lib.model_fingerprint("no-such-model-anywhere") is None
+
+
+@pytest.mark.parametrize("model_name,dtype", [("qwen2.5-coder-0.5b", "bfloat16"), ("qwen2.5-coder-1.5b", "bfloat16"),
+                                              ("smollm2-135m", "float32")])
+def test_shipped_calibrations_are_found_under_their_keys(tmp_path, model_name, dtype):
+    """--anchors=auto with the shipped recipes finds the shipped artifacts offline (an empty user cache); the
+    Qwen recipes calibrate in bfloat16, as the shipped artifacts were, whatever the run's --dtype."""
+    from kascade_jax.recipes import load_recipe
+
+    r = load_recipe(model_name, "default")
+    assert (r.calib_dtype or "float32") == dtype
+    key = resolve.calibration_key(model_name, num_prompts=r.calib_num_prompts, k=r.calib_k, reduce=r.calib_reduce,
+                                  max_tokens=r.calib_max_tokens, min_tokens=max(64, r.calib_max_tokens // 2),
+                                  dtype=dtype)
+    found, _ = resolve.find_cached(key, tmp_path)
+    assert found is not None and found.parent == resolve.PACKAGED_DIR
+    art = CalibrationArtifact.load(found, key=key)
+    assert art.model_name == model_name and len(art.anchors_for(r.num_anchors)) == r.num_anchors
+
+
+@pytest.mark.parametrize("text,problem", [("{not json", "not valid JSON"), ('{"rows": [[0]]}', "'head_map' entry"),
+                                          ('[[0, 1], [1]]', "equal-length rows of ints"),
+                                          ('[[0, 1.5], [0, 1]]', "equal-length rows of ints"),
+                                          ('[[0, 1], [0, 1], [0, 1]]', "shape")])
+def test_malformed_head_map_json_names_the_file_and_the_problem(tmp_path, text, problem):
+    path = tmp_path / "hm.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"--head_map={path}: .*{re.escape(problem)}"):
+        resolve.resolve_head_map(str(path), (0,), 2, 2)
+    (tmp_path / "bad.npy").write_bytes(b"not an array")
+    with pytest.raises(ValueError, match="bad.npy: not a readable .npy"):
+        load_head_map_file(str(tmp_path / "bad.npy"), 2, 2)
+
+
+def test_tile_size_must_divide_the_calibration_bucket():
+    from kascade_jax.calibration.runner import BUCKET, check_bucket
+
+    check_bucket(BUCKET, 32)
+    for tile in (48, 96, 1024):
+        with pytest.raises(ValueError, match=f"--tile_size={tile} does not divide the calibration bucket"):
+            check_bucket(BUCKET, tile)
+    with pytest.raises(ValueError, match="does not divide the calibration bucket"):  # before any model or prompt
+        resolve.load_or_calibrate("no-such-model", tile_size=48, num_prompts=2, cache_dir="/nonexistent")
+
+
+def test_on_the_spot_calibration_announces_itself_and_is_cached_under_its_key(rng, tmp_path, capfd):
+    """No cached artifact matches: the calibration says so on stderr (prompt count, an estimated time, where it
+    goes, and the cached near misses it does not use, with their differing field), shows a tqdm bar, and saves
+    under its key, where the next identical request finds it without running anything."""
+    from flax import nnx
+
+    from models.config import ModelConfig
+    from models.transformer import Transformer
+
+    cfg = ModelConfig(model_type="llama", vocab=50_000, hidden=32, ffn=64, num_layers=3, q_heads=4, kv_heads=2,
+                      head_dim=8, max_position_embeddings=1024)
+    model = Transformer(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    kw = dict(num_prompts=1, min_tokens=300, max_tokens=400, k=32, tile_size=16, cache_dir=tmp_path, model=model,
+              tokenizer=FakeTokenizer())
+    art = resolve.load_or_calibrate("tiny-m", **kw)
+    err = capfd.readouterr().err
+    assert "calibrating tiny-m now (no cached calibration matches): 1 builtin dev prompts of 300-400 tokens" in err
+    assert "min (a rough estimate)" in err and "calibration forwards" in err and "1/1" in err  # the tqdm bar
+    key = resolve.calibration_key("tiny-m", num_prompts=1, min_tokens=300, max_tokens=400, k=32, tile_size=16)
+    assert art.key == key.to_dict() and resolve.find_cached(key, tmp_path)[0] == tmp_path / key.name()
+    again = resolve.load_or_calibrate("tiny-m", **kw)
+    assert "calibrating" not in capfd.readouterr().err
+    np.testing.assert_array_equal(again.sim, art.sim)
+    resolve.load_or_calibrate("tiny-m", **kw, seed=1)
+    err = capfd.readouterr().err
+    assert f"not using {key.name()}: seed: recorded 0, asked 1" in err

@@ -1,0 +1,64 @@
+"""The Kascade recipe flags, one definition shared by every entry point that builds Kascade (generate, speed, eval).
+
+A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
+`--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`,
+`--sink_tokens`, `--recent_window`, `--dense_suffix`; each defaults to None, "the recipe's", and an explicitly
+given value wins over the `--recipe`. `--anchors` is defined here too, so it parses and means the same everywhere
+(`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
+`--calib_num_prompts` (it warns; see `experiments.cli.deprecated_alias`).
+
+Deliberately not here: the model flags (`experiments.common`), building strategies.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from experiments import cli
+
+ANCHORS_HELP = ("Kascade anchor layers: 'auto' = the DP's choice on the dev-set calibration (shipped for SmolLM2 "
+                "and both Qwen models, else cached, else calibrated now), 'even' = --num_anchors evenly spaced "
+                "layers, '' = the registry default (the paper's anchors scaled to depth), or a list like 0,2,8,13,14")
+ANCHORS = flags.DEFINE_string("anchors", "auto", ANCHORS_HELP)
+RECIPE = flags.DEFINE_string("recipe", "default", "Kascade recipe (kascade_jax.recipes): 'default' (tuned on the "
+                             "dev split for this model, shipped in kascade_jax/data/recipes; the paper recipe where "
+                             "none is shipped), 'paper' (the paper's method exactly), 'candidate:<name>' or a .json "
+                             "path. The recipe flags below, given explicitly, override its fields")
+NUM_ANCHORS = flags.DEFINE_integer("num_anchors", None, "anchor count M for --anchors=auto|even (recipe: 5)")
+SINK = flags.DEFINE_integer("sink_tokens", None, "recipe lever: first keys forced into every anchor selection")
+RECENT = flags.DEFINE_integer("recent_window", None, "recipe lever: keys just before the query/tile forced into "
+                              "every anchor selection")
+SUFFIX = flags.DEFINE_integer("dense_suffix", None, "recipe lever: last prompt tokens that attend densely in prefill")
+CALIB_K = flags.DEFINE_integer("calib_k", None, "--anchors/--head_map=auto: similarity budget k of the calibration "
+                               "(recipe: 64)")
+CALIB_REDUCE = flags.DEFINE_enum("calib_reduce", None, ["min", "mean"], "--anchors/--head_map=auto: reduction over "
+                                 "query tiles (recipe: min)")
+CALIB_IMPORTANCE = flags.DEFINE_enum("calib_importance", None, ["paper", "sqrt", "none"], "--anchors=auto: DP "
+                                     "layer weighting (paper: the measured importance w; sqrt(w); none)")
+CALIB_NUM_PROMPTS = flags.DEFINE_integer("calib_num_prompts", None, "--anchors/--head_map=auto: development-set "
+                                         "prompts of the calibration (recipe: 64)")
+CALIB_MAX_TOKENS = flags.DEFINE_integer("calib_max_tokens", None, "--anchors/--head_map=auto: longest dev prompt "
+                                        "(shortest: half; recipe: 4096)")
+CALIB_DTYPE = flags.DEFINE_enum("calib_dtype", None, ["float32", "bfloat16", "float16"], "--anchors/--head_map=auto: "
+                                "dtype of the calibration forwards (recipe; else the model's --dtype)")
+RECALIBRATE = flags.DEFINE_boolean("recalibrate", False, "--anchors/--head_map=auto: calibrate anew even when a "
+                                   "cached calibration matches")
+cli.deprecated_alias("calib_prompts", "calib_num_prompts")
+
+
+def resolve_recipe(model_name: str):
+    """The --recipe for `model_name`, with every explicitly given recipe flag applied on top."""
+    from kascade_jax.recipes import load_recipe  # noqa: PLC0415
+
+    return load_recipe(model_name, RECIPE.value).replace(
+        num_anchors=NUM_ANCHORS.value, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
+        calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value, calib_importance=CALIB_IMPORTANCE.value,
+        calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
+        calib_dtype=CALIB_DTYPE.value)
+
+
+def calibration_kwargs(recipe, dtype: str) -> dict:
+    """`load_or_calibrate` keywords of `recipe` (its calibration fields; the run's dtype unless it names one)."""
+    return dict(num_prompts=recipe.calib_num_prompts, max_tokens=recipe.calib_max_tokens,
+                min_tokens=max(64, recipe.calib_max_tokens // 2), k=recipe.calib_k, reduce=recipe.calib_reduce,
+                dtype=recipe.calib_dtype or dtype, recalibrate=RECALIBRATE.value)
