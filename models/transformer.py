@@ -17,6 +17,7 @@ from flax import nnx
 from models.attention import AttentionInputs
 from models.cache import KVCache, write_chunk, write_token
 from models.config import ModelConfig, RopeConfig
+from models.sharding import attend_per_shard
 
 
 class RMSNorm(nnx.Module):
@@ -73,7 +74,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
         self.cfg = cfg
 
-    def __call__(self, layer, x, positions, k_cache, v_cache, meta, strategy, state, inv_freq):
+    def __call__(self, layer, x, positions, k_cache, v_cache, meta, strategy, state, inv_freq, mesh=None):
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.q_heads, cfg.head_dim)
@@ -82,6 +83,10 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if mesh is not None:  # cache write + attention per shard of the mesh (models/sharding.py)
+            out, k_cache, v_cache, state = attend_per_shard(mesh, strategy, layer, q, k, v, k_cache, v_cache, meta,
+                                                            state)
+            return self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim)), k_cache, v_cache, state
         if meta["phase"] == "decode":
             k_cache, v_cache = write_token(k_cache, k, meta["q_start"]), write_token(v_cache, v, meta["q_start"])
         else:
@@ -121,6 +126,7 @@ class Transformer(nnx.Module):
                                 for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden, cfg.vocab, False, dtype, param_dtype, rngs)
+        self.mesh = None  # a jax.sharding.Mesh once models.sharding.shard_model placed the model (static)
 
     def __call__(self, tokens, cache: KVCache, strategy, meta, *, last_only=None):
         """tokens [batch, T]; meta: phase and chunk_at_zero (static), offset (prefill chunk start), q_start/kv_len/
@@ -137,7 +143,8 @@ class Transformer(nnx.Module):
         ks, vs = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):  # unrolled: each layer's role is a trace-time Python fact
             h = layer.input_layernorm(x)
-            attn, ks[i], vs[i], state = layer.self_attn(i, h, positions, ks[i], vs[i], meta, strategy, state, inv_freq)
+            attn, ks[i], vs[i], state = layer.self_attn(i, h, positions, ks[i], vs[i], meta, strategy, state, inv_freq,
+                                                        self.mesh)
             post = getattr(strategy, "post_attention", None)
             if post is not None:
                 state = post(i, x, attn, state)
