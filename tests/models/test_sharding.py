@@ -1,0 +1,343 @@
+"""Sharded (data, model) generation equals unsharded generation, and bad meshes fail clearly (models/sharding.py).
+
+CPU tier: 8 simulated devices. XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax starts, and
+setting it for the whole suite slowed tests/models/test_generate.py + tests/kernels_pallas/test_decode.py from 48 s to
+81 s on the 2-core box, so `test_on_8_simulated_cpu_devices` re-runs this file in a subprocess with the flag (the
+8-device tests skip in a process that has fewer devices; run the file directly with the flag to see them one by one). Small random-weight models with lively weights (so tokens depend on attention and Kascade picks
+differ from dense), fp32, meshes (1,8), (2,4), (8,1) over kv_heads 2, 4 and 8. The gpu tier runs the same equality
+on the real devices when there are at least 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kascade_jax.registry import make_strategy
+from kascade_jax.strategies import REFERENCE_KERNELS, Kernels, register_kernels
+from models import generate as gen
+from models import sharding
+from models.attention import AttentionInputs, DenseStrategy
+from models.cache import write_token
+from models.config import ModelConfig
+from models.params import random_model
+
+MESHES = [(1, 8), (2, 4), (8, 1)]  # (data, model)
+LAYERS, BATCH, NEW = 4, 8, 5
+SEED = 1  # weights and prompts; fixed so that a failure replays (printed by the tests)
+
+needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+
+
+class NoEos:
+    eos_token_ids = ()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def config(kv_heads: int, *, group: int = 2, head_dim: int = 16, layers: int = LAYERS) -> ModelConfig:
+    return ModelConfig.from_hf(dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=layers, num_attention_heads=group * kv_heads,
+                                    num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
+                                    tie_word_embeddings=True, rms_norm_eps=1e-5))
+
+
+def lively_model(cfg: ModelConfig, seed: int, dtype=jnp.float32):
+    """Random weights at unit scale (the 0.02 init makes every position emit the same token)."""
+    model = random_model(cfg, seed=seed, dtype=dtype)
+    rng = np.random.default_rng(seed)
+    flat = nnx.to_flat_state(nnx.state(model))
+    for path, var in flat:
+        v = var.get_value()
+        if path[-1] == "kernel":
+            var.set_value(jnp.asarray(rng.normal(0, 1.5 / np.sqrt(v.shape[0]), v.shape), v.dtype))
+        elif path[-1] == "embedding":
+            var.set_value(jnp.asarray(rng.normal(0, 1, v.shape), v.dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+def prompts(batch: int, seed: int = SEED):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 128, int(n)).tolist() for n in rng.integers(20, 100, batch)]
+
+
+def kascade(kv_heads: int, kernels: str = "reference", layers: int = LAYERS, **kw):
+    """Anchors (0, 2); layer 1 reads the reversed heads (crosses shards), layer 3 swaps neighbours."""
+    ident = list(range(kv_heads))
+    rows = [ident, ident[::-1], ident, [h ^ 1 for h in ident]][:layers]
+    return make_strategy("kascade", layers, kv_heads, anchors=(0, 2)[:1 + (layers > 2)], head_map=rows, topk_frac=0.1,
+                         min_k=8,
+                         kernels=kernels, **kw)
+
+
+def run(model, strategy, batch=BATCH, new=NEW):
+    """(tokens [batch][new], last prompt logits [batch, vocab]) through generate's own prefill and decode."""
+    ps = prompts(batch)
+    out = gen.generate(model, NoEos(), ps, strategy, max_new_tokens=new, bucket=64)
+    lens = np.array([len(p) for p in ps], np.int32)
+    toks = np.zeros((batch, -(-int(lens.max()) // 64) * 64), np.int32)
+    for i, p in enumerate(ps):
+        toks[i, :len(p)] = p
+    cache = sharding.init_cache(model, batch, -(-(int(lens.max()) + new) // 64) * 64)
+    logits, _ = gen.prefill(model, toks, lens, cache, strategy)
+    return [r.token_ids for r in out], np.asarray(logits)
+
+
+@functools.cache
+def unsharded(strategy_name: str, kv_heads: int):
+    strategy = DenseStrategy() if strategy_name == "dense" else kascade(kv_heads)
+    return run(lively_model(config(kv_heads), SEED), strategy)
+
+
+def check_same(got, want, what):
+    (toks, logits), (ref_toks, ref_logits) = got, want
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4, err_msg=what)
+    assert toks == ref_toks, f"{what}: sharded tokens {toks} != unsharded {ref_toks} (seed {SEED})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@needs8
+@pytest.mark.parametrize("strategy_name", ["dense", "kascade"])
+@pytest.mark.parametrize("kv_heads", [2, 4, 8])
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"data{s[0]}-model{s[1]}")
+def test_sharded_generation_equals_unsharded(strategy_name, kv_heads, shape):
+    data, model_size = shape
+    mesh = sharding.make_mesh(data, model_size)
+    cfg = config(kv_heads)
+    if kv_heads % model_size:
+        with pytest.raises(ValueError, match=rf"model:{model_size} does not divide .*kv_heads={kv_heads}"):
+            sharding.shard_model(lively_model(cfg, SEED), mesh)
+        return
+    model = sharding.shard_model(lively_model(cfg, SEED), mesh)
+    strategy = DenseStrategy() if strategy_name == "dense" else kascade(kv_heads)
+    got = run(model, strategy)
+    want = unsharded(strategy_name, kv_heads)
+    check_same(got, want, f"{strategy_name} kv_heads={kv_heads} mesh={shape}")
+    if strategy_name == "kascade":  # the sparse path was exercised: Kascade's tokens are not dense's
+        assert want[0] != unsharded("dense", kv_heads)[0]
+
+
+@needs8
+def test_cache_and_params_are_laid_out_on_the_mesh():
+    mesh = sharding.make_mesh(2, 4)
+    model = sharding.shard_model(lively_model(config(4), SEED), mesh)
+    attn = model.layers[0].self_attn
+    assert attn.q_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert attn.o_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert model.layers[0].mlp.down_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert model.embed_tokens.embedding[...].sharding.is_fully_replicated
+    cache = sharding.init_cache(model, 4, 128)
+    assert cache.k[0].sharding.spec == sharding.CACHE_SPEC
+    # each device holds 2 sequences x 1 KV head of the [4, 128, 4, 16] cache
+    assert {s.data.shape for s in cache.k[0].addressable_shards} == {(2, 128, 1, 16)}
+
+
+_SHAPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
+
+
+def _collectives(hlo: str):
+    """(op, [shapes]) of every cross-device op in compiled HLO text."""
+    ops = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line)
+        if m:
+            ops.append((m.group(2), [tuple(int(x) for x in s.split(",") if x) for s in _SHAPE.findall(m.group(1))]))
+    return ops
+
+
+@needs8
+@pytest.mark.parametrize("strategy_name", ["dense", "kascade"])
+def test_decode_moves_no_kv_cache_between_devices(strategy_name):
+    """The compiled sharded decode step has collectives (o_proj/down_proj all-reduces, Kascade's index gather) but
+    none of them carries a K/V-cache-sized array: attention runs on each shard's own heads."""
+    kv_heads, max_len = 8, 320  # 320: a dimension no activation has
+    mesh = sharding.make_mesh(2, 4)
+    model = sharding.shard_model(lively_model(config(kv_heads), SEED), mesh)
+    strategy = DenseStrategy() if strategy_name == "dense" else kascade(kv_heads)
+    cache = sharding.init_cache(model, 4, max_len)
+    graphdef, params = nnx.split(model)
+    tokens = jnp.zeros((4,), jnp.int32)
+    hlo = gen._decode.lower(graphdef, params, tokens, cache, strategy).compile().as_text()
+    ops = _collectives(hlo)
+    assert any(op == "all-reduce" for op, _ in ops), ops
+    if strategy_name == "kascade":  # layer 1's reversed head map reads other shards' indices: gathered once
+        assert any(op == "all-gather" for op, _ in ops), ops
+    for op, shapes in ops:
+        assert all(max_len not in s for s in shapes), f"{op} moves a cache-sized array {shapes}"
+
+
+@needs8
+def test_mesh_that_does_not_divide_the_batch_fails_clearly():
+    mesh = sharding.make_mesh(2, 4)
+    model = sharding.shard_model(lively_model(config(4), SEED), mesh)
+    with pytest.raises(ValueError, match=r"data:2 does not divide the batch of 3 sequences"):
+        gen.generate(model, NoEos(), prompts(3), DenseStrategy(), max_new_tokens=2, bucket=64)
+    with pytest.raises(ValueError, match=r"data:2 does not divide the batch of 5"):
+        sharding.init_cache(model, 5, 64)
+
+
+@needs8
+def test_all_heads_pooled_needs_unsplit_heads():
+    """pool='all' pools over every query head: refused on a head-split mesh, exact with data parallelism only."""
+    kv_heads = 4
+    strategy = make_strategy("all_heads_pooled", LAYERS, kv_heads, anchors=(0, 2), topk_frac=0.1, min_k=8)
+    split = sharding.shard_model(lively_model(config(kv_heads), SEED), sharding.make_mesh(2, 4))
+    with pytest.raises(ValueError, match=r"pool='all' .* 4 head shards"):
+        run(split, strategy, new=2)
+    data_only = sharding.shard_model(lively_model(config(kv_heads), SEED), sharding.make_mesh(8, 1))
+    check_same(run(data_only, strategy, new=3), run(lively_model(config(kv_heads), SEED), strategy, new=3),
+               "all_heads_pooled data:8")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSpecStrategy:
+    """A user strategy that does not say how its state is sharded."""
+
+    name: str = "mine"
+
+    def attend(self, layer, inputs, state):
+        return DenseStrategy().attend(layer, inputs, state)
+
+
+@needs8
+def test_strategy_without_state_spec_cannot_run_on_a_mesh():
+    model = sharding.shard_model(lively_model(config(2), SEED), sharding.make_mesh(1, 2))
+    with pytest.raises(ValueError, match=r"strategy 'mine' does not say how its state is sharded"):
+        run(model, NoSpecStrategy(), batch=2, new=1)
+
+
+def _interpret_kernels() -> Kernels:
+    """The Pallas decode kernels in interpret mode (prefill: the references), for CPU."""
+    from kernels_pallas import decode as pd
+
+    def anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
+        return pd.anchor_decode(q, k, v, kv_len, topk_frac=cfg.topk_frac, min_k=cfg.min_k, k_max=k_max,
+                                head_map_row=head_map_row, dense_out=dense, pool=cfg.pool, interpret=True)
+
+    def reuse_decode(q, k, v, kv_len, idx, counts, head_map_row):
+        return pd.reuse_decode(q, k, v, kv_len, idx, counts, head_map_row, interpret=True)
+
+    return Kernels(anchor_decode=anchor_decode, reuse_decode=reuse_decode,
+                   anchor_prefill=REFERENCE_KERNELS.anchor_prefill, reuse_prefill=REFERENCE_KERNELS.reuse_prefill,
+                   query_block=REFERENCE_KERNELS.query_block)
+
+
+@needs8
+def test_pallas_decode_kernels_per_shard_interpret(rng):
+    """The Pallas decode kernels (interpret mode, bf16) run per shard through attend_per_shard: the anchor's and the
+    reuse layers' outputs and the cache write equal the unsharded ones exactly (attention has no cross-shard sums),
+    with a head map that reads other shards' indices."""
+    register_kernels("pallas_interpret_test", _interpret_kernels())
+    kv_heads, group, d, b, max_len, layers = 8, 2, 64, 2, 64, 2
+    strategy = kascade(kv_heads, kernels="pallas_interpret_test", layers=layers)
+    mesh = sharding.make_mesh(2, 4)
+    kv_len = jnp.asarray(rng.integers(20, max_len - 1, b), jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def unsharded(layer, q, kc, vc, kv_len, state):
+        inputs = AttentionInputs(q=q, k_cache=kc, v_cache=vc, q_start=kv_len - 1, kv_len=kv_len, seq_len=kv_len,
+                                 phase="decode")
+        return strategy.attend(layer, inputs, state)
+
+    def per_shard(layer, q, k, v, kc, vc, kv_len, state):
+        meta = dict(phase="decode", offset=None, q_start=kv_len - 1, kv_len=kv_len, seq_len=kv_len,
+                    chunk_at_zero=False)
+        return sharding.attend_per_shard(mesh, strategy, layer, q, k, v, kc, vc, meta, state)
+
+    bf = lambda *s: jnp.asarray(rng.normal(0, 1, s) * 2, jnp.bfloat16)  # noqa: E731  (peaky: Top-k matters)
+    place = lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, sharding.CACHE_SPEC))  # noqa: E731
+    state = sharded_state = None
+    for layer in range(layers):
+        q, k, v = bf(b, 1, kv_heads * group, d), bf(b, 1, kv_heads, d), bf(b, 1, kv_heads, d)
+        kc, vc = bf(b, max_len, kv_heads, d), bf(b, max_len, kv_heads, d)
+        kw, vw = write_token(kc, k, kv_len - 1), write_token(vc, v, kv_len - 1)
+        want, state = unsharded(layer, q, kw, vw, kv_len, state)
+        got, kg, vg, sharded_state = jax.jit(per_shard, static_argnums=0)(
+            layer, place(q), place(k), place(v), place(kc), place(vc), kv_len, sharded_state)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(np.asarray(kg, np.float32), np.asarray(kw, np.float32))
+        np.testing.assert_array_equal(np.asarray(sharded_state["idx"]), np.asarray(state["idx"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_parse_mesh():
+    n = len(jax.devices())
+    assert sharding.parse_mesh(None) is None and sharding.parse_mesh("none") is None and sharding.parse_mesh("") is None
+    mesh = sharding.parse_mesh(f"data:1,model:{n}")
+    assert dict(mesh.shape) == {"data": 1, "model": n}
+    assert dict(sharding.parse_mesh("model:1").shape) == {"data": 1, "model": 1}
+    assert dict(sharding.parse_mesh(f" model : 1 , data : {n} ").shape) == {"data": n, "model": 1}
+    for bad, msg in [("data=2", "must look like"), ("tensor:2", "must be one of"), ("data:0", "size >= 1"),
+                     ("data:1,data:1", "given twice"), (f"data:{n + 1}", f"needs {n + 1} devices")]:
+        with pytest.raises(ValueError, match=msg):
+            sharding.parse_mesh(bad)
+
+
+def test_unsharded_model_is_untouched():
+    model = random_model(config(2), seed=0)
+    assert model.mesh is None and sharding.shard_model(model, None) is model
+    assert sharding.init_cache(model, 3, 64).k[0].shape == (3, 64, 2, 16)
+
+
+@pytest.mark.skipif(len(jax.devices()) >= 8, reason="this process has 8 devices: the tests above run here")
+def test_on_8_simulated_cpu_devices():
+    """This file's tests in a subprocess with 8 simulated CPU devices."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the simulated-device tier runs on CPU")
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-rs",
+                          os.path.abspath(__file__)], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    tail = res.stdout[-6000:] + res.stderr[-2000:]
+    print(tail)
+    assert res.returncode == 0, tail
+    summary = res.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "failed" not in summary and "error" not in summary, summary
+    assert "needs 8 (simulated) devices" not in res.stdout, tail  # the 8-device tests really ran
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy_name", ["dense", "kascade"])
+def test_gpu_sharded_generation_equals_unsharded(strategy_name):
+    """On >= 2 real GPUs, every (data, model) factorisation of the devices, 8 KV heads, head_dim 128, fp32 with the
+    reference kernels (exact equality) and bf16 with the Pallas kernels (logits close, first tokens equal)."""
+    n = len(jax.devices())
+    if n < 2:
+        pytest.skip(f"needs >= 2 devices, found {n}")
+    kv_heads = 8
+    shapes = [(d, n // d) for d in range(1, n + 1) if n % d == 0 and kv_heads % (n // d) == 0]
+    for dtype, kernels in [(jnp.float32, "reference"), (jnp.bfloat16, "pallas")]:
+        cfg = config(kv_heads, group=4, head_dim=128)
+        strategy = DenseStrategy() if strategy_name == "dense" else kascade(kv_heads, kernels=kernels)
+        batch = n * 2
+        want = run(lively_model(cfg, SEED, dtype), strategy, batch=batch, new=8)
+        for shape in shapes:
+            got = run(sharding.shard_model(lively_model(cfg, SEED, dtype), sharding.make_mesh(*shape)), strategy,
+                      batch=batch, new=8)
+            what = f"{strategy_name} {jnp.dtype(dtype).name} mesh={shape}"
+            if dtype == jnp.float32:
+                check_same(got, want, what)
+            else:
+                np.testing.assert_allclose(got[1], want[1], rtol=5e-2, atol=5e-2, err_msg=what)
+                assert [t[0] for t in got[0]] == [t[0] for t in want[0]], what
