@@ -36,6 +36,7 @@ and sequence parallelism over the cache length are not implemented.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -183,8 +184,13 @@ def init_cache(model, batch: int, max_len: int, dtype=None, mesh=None) -> KVCach
         return KVCache.init(config, batch, max_len, dtype=dtype)
     check_heads(config, mesh)
     check_batch(batch, mesh)
-    make = jax.jit(lambda: KVCache.init(config, batch, max_len, dtype=dtype), out_shardings=cache_shardings(config, mesh))
-    return make()
+    return _cache_maker(config, batch, max_len, jnp.dtype(dtype), mesh)()
+
+
+@functools.lru_cache(maxsize=32)
+def _cache_maker(config, batch, max_len, dtype, mesh):
+    """A jitted zeros-maker per cache shape, so that every device only ever allocates its own block."""
+    return jax.jit(lambda: KVCache.init(config, batch, max_len, dtype=dtype), out_shardings=cache_shardings(config, mesh))
 
 
 def to_host(x) -> np.ndarray:
