@@ -371,5 +371,6 @@ class KascadeStrategy:
             out = _dense_suffix(inputs, out, cfg.dense_suffix)
         if anchor:
             idx = jnp.concatenate(idxs, axis=2)
-            state = {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": jnp.concatenate(counts_all, axis=1)}
+            counts = jnp.concatenate(counts_all, axis=1)
+            state = {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": counts}
         return out, state

@@ -190,7 +190,8 @@ def init_cache(model, batch: int, max_len: int, dtype=None, mesh=None) -> KVCach
 @functools.lru_cache(maxsize=32)
 def _cache_maker(config, batch, max_len, dtype, mesh):
     """A jitted zeros-maker per cache shape, so that every device only ever allocates its own block."""
-    return jax.jit(lambda: KVCache.init(config, batch, max_len, dtype=dtype), out_shardings=cache_shardings(config, mesh))
+    return jax.jit(lambda: KVCache.init(config, batch, max_len, dtype=dtype),
+                   out_shardings=cache_shardings(config, mesh))
 
 
 def to_host(x) -> np.ndarray:

@@ -3,7 +3,8 @@
 CPU tier: 8 simulated devices. XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax starts, and
 setting it for the whole suite slowed tests/models/test_generate.py + tests/kernels_pallas/test_decode.py from 48 s to
 81 s on the 2-core box, so `test_on_8_simulated_cpu_devices` re-runs this file in a subprocess with the flag (the
-8-device tests skip in a process that has fewer devices; run the file directly with the flag to see them one by one). Small random-weight models with lively weights (so tokens depend on attention and Kascade picks
+8-device tests skip in a process that has fewer devices; run the file directly with the flag to see them one by one).
+Small random-weight models with lively weights (so tokens depend on attention and Kascade picks
 differ from dense), fp32, meshes (1,8), (2,4), (8,1) over kv_heads 2, 4 and 8. The gpu tier runs the same equality
 on the real devices when there are at least 2.
 """
