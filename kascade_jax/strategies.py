@@ -18,6 +18,13 @@ current call, never [layers x L x L] (long prefill chunks are cut into blocks of
 "pallas" = kernels_pallas.decode / prefill (Pallas on GPU, their own references on CPU). Other bundles plug in
 with `register_kernels(name, Kernels(...))`, without touching the layer logic here.
 
+On a mesh (models/sharding.py) `attend` runs per shard on the local KV heads, and `state_spec` gives the state's
+layout: idx [batch -> data, idx_heads -> model, ...], counts [batch -> data, ...]. A reuse layer's KV head h reads
+index head head_map_row[h]; when that head lives on another shard for some reuse layer of an anchor, the anchor
+all-gathers its idx over the head axis once (so its state is whole over heads) and every reuse layer picks its
+local heads' rows with a traced take (the kernels then see the identity row). pool='all' pools over every query
+head and is refused on a head-split mesh.
+
 This module deliberately holds no calibration (anchor DP, head maps) and no baselines (see baselines.py).
 """
 

@@ -96,10 +96,14 @@ def run(model, strategy, batch=BATCH, new=NEW):
     return [r.token_ids for r in out], np.asarray(logits)
 
 
+def layers_for(strategy_name: str) -> int:
+    return 2 if strategy_name == "dense" else LAYERS  # Kascade: two anchors, a cross-shard and a local head map
+
+
 @functools.cache
 def unsharded(strategy_name: str, kv_heads: int):
     strategy = DenseStrategy() if strategy_name == "dense" else kascade(kv_heads)
-    return run(lively_model(config(kv_heads), SEED), strategy)
+    return run(lively_model(config(kv_heads, layers=layers_for(strategy_name)), SEED), strategy)
 
 
 def check_same(got, want, what):
@@ -118,7 +122,7 @@ def check_same(got, want, what):
 def test_sharded_generation_equals_unsharded(strategy_name, kv_heads, shape):
     data, model_size = shape
     mesh = sharding.make_mesh(data, model_size)
-    cfg = config(kv_heads)
+    cfg = config(kv_heads, layers=layers_for(strategy_name))
     if kv_heads % model_size:
         with pytest.raises(ValueError, match=rf"model:{model_size} does not divide .*kv_heads={kv_heads}"):
             sharding.shard_model(lively_model(cfg, SEED), mesh)
@@ -128,8 +132,9 @@ def test_sharded_generation_equals_unsharded(strategy_name, kv_heads, shape):
     got = run(model, strategy)
     want = unsharded(strategy_name, kv_heads)
     check_same(got, want, f"{strategy_name} kv_heads={kv_heads} mesh={shape}")
-    if strategy_name == "kascade":  # the sparse path was exercised: Kascade's tokens are not dense's
-        assert want[0] != unsharded("dense", kv_heads)[0]
+    if strategy_name == "kascade" and shape == (8, 1):  # the sparse path mattered: dense on this model differs
+        dense = run(lively_model(cfg, SEED), DenseStrategy())
+        assert dense[0] != want[0] and not np.allclose(dense[1], want[1], atol=1e-3)
 
 
 @needs8
@@ -194,13 +199,13 @@ def test_mesh_that_does_not_divide_the_batch_fails_clearly():
 @needs8
 def test_all_heads_pooled_needs_unsplit_heads():
     """pool='all' pools over every query head: refused on a head-split mesh, exact with data parallelism only."""
-    kv_heads = 4
-    strategy = make_strategy("all_heads_pooled", LAYERS, kv_heads, anchors=(0, 2), topk_frac=0.1, min_k=8)
-    split = sharding.shard_model(lively_model(config(kv_heads), SEED), sharding.make_mesh(2, 4))
+    kv_heads, cfg = 4, config(4, layers=2)
+    strategy = make_strategy("all_heads_pooled", 2, kv_heads, anchors=(0,), topk_frac=0.1, min_k=8)
+    split = sharding.shard_model(lively_model(cfg, SEED), sharding.make_mesh(2, 4))
     with pytest.raises(ValueError, match=r"pool='all' .* 4 head shards"):
         run(split, strategy, new=2)
-    data_only = sharding.shard_model(lively_model(config(kv_heads), SEED), sharding.make_mesh(8, 1))
-    check_same(run(data_only, strategy, new=2), run(lively_model(config(kv_heads), SEED), strategy, new=2),
+    data_only = sharding.shard_model(lively_model(cfg, SEED), sharding.make_mesh(8, 1))
+    check_same(run(data_only, strategy, new=2), run(lively_model(cfg, SEED), strategy, new=2),
                "all_heads_pooled data:8")
 
 
@@ -243,7 +248,7 @@ def test_pallas_decode_kernels_per_shard_interpret(rng):
     reuse layers' outputs and the cache write equal the unsharded ones exactly (attention has no cross-shard sums),
     with a head map that reads other shards' indices."""
     register_kernels("pallas_interpret_test", _interpret_kernels())
-    check_decode_per_shard(rng, "pallas_interpret_test", sharding.make_mesh(2, 2), kv_heads=4, group=2, d=64, b=2,
+    check_decode_per_shard(rng, "pallas_interpret_test", sharding.make_mesh(1, 2), kv_heads=2, group=2, d=64, b=1,
                            max_len=64, layers=2)
 
 
