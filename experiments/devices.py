@@ -31,10 +31,9 @@ def initialize_distributed() -> None:
     global _initialized
     if not DISTRIBUTED.value or _initialized:
         return
-    import jax
+    from models.sharding import initialize_distributed as init
 
-    jax.distributed.initialize(coordinator_address=COORDINATOR.value, num_processes=NUM_PROCESSES.value,
-                               process_id=PROCESS_ID.value)
+    init(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value)
     _initialized = True
 
 

@@ -91,6 +91,19 @@ def make_mesh(data: int, model: int, devices=None):
     return jax.make_mesh((data, model), AXES, axis_types=auto, devices=devices[:data * model])
 
 
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """jax.distributed.initialize (multi-host; arguments left None come from the environment: SLURM, Open MPI,
+    JAX_COORDINATOR_ADDRESS, ...). Must run before anything touches a device. CPU-only processes (JAX_PLATFORMS=cpu)
+    get the gloo cross-process collectives, so a multi-process mesh also runs on CPUs (tests)."""
+    import os
+
+    if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+
+
 def mesh_sizes(mesh) -> tuple[int, int]:
     return mesh.shape[DATA], mesh.shape[MODEL]
 
@@ -261,5 +274,5 @@ def describe(mesh) -> str:
     return f"mesh data:{d},model:{m} over {d * m} {mesh.devices.flat[0].platform} devices"
 
 
-__all__ = ["DATA", "MODEL", "parse_mesh", "make_mesh", "shard_model", "init_cache", "cache_shardings",
+__all__ = ["DATA", "MODEL", "initialize_distributed", "parse_mesh", "make_mesh", "shard_model", "init_cache", "cache_shardings",
            "param_spec", "attend_per_shard", "layout", "to_host", "check_batch", "check_heads", "describe"]

@@ -37,7 +37,8 @@ MESHES = [(1, 8), (2, 4), (8, 1)]  # (data, model)
 LAYERS, BATCH, NEW = 4, 8, 5
 SEED = 1  # weights and prompts; fixed so that a failure replays (printed by the tests)
 
-needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+# string conditions: evaluated at test time, so importing this file (the multi-process worker) starts no backend
+needs8 = pytest.mark.skipif("len(jax.devices()) < 8", reason="needs 8 (simulated) devices")
 
 
 class NoEos:
@@ -93,7 +94,7 @@ def run(model, strategy, batch=BATCH, new=NEW):
         toks[i, :len(p)] = p
     cache = sharding.init_cache(model, batch, -(-(int(lens.max()) + new) // 64) * 64)
     logits, _ = gen.prefill(model, toks, lens, cache, strategy)
-    return [r.token_ids for r in out], np.asarray(logits)
+    return [r.token_ids for r in out], sharding.to_host(logits)
 
 
 def layers_for(strategy_name: str) -> int:
@@ -354,7 +355,7 @@ def test_baselines_per_shard_equal_unsharded(rng, name):
         assert 0 < int(np.asarray(state).sum()) < b * max_len  # a real subset was selected
 
 
-@pytest.mark.skipif(len(jax.devices()) >= 8, reason="this process has 8 devices: the tests above run here")
+@pytest.mark.skipif("len(jax.devices()) >= 8", reason="this process has 8 devices: the tests above run here")
 def test_on_8_simulated_cpu_devices():
     """This file's tests in a subprocess with 8 simulated CPU devices."""
     if jax.default_backend() != "cpu":
@@ -363,7 +364,7 @@ def test_on_8_simulated_cpu_devices():
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-rs",
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-rs", "-k", "not two_processes",
                           os.path.abspath(__file__)], env=env, cwd=root, capture_output=True, text=True, timeout=900)
     tail = res.stdout[-6000:] + res.stderr[-2000:]
     print(tail)
@@ -371,6 +372,42 @@ def test_on_8_simulated_cpu_devices():
     summary = res.stdout.strip().splitlines()[-1]
     assert "passed" in summary and "failed" not in summary and "error" not in summary, summary
     assert "needs 8 (simulated) devices" not in res.stdout, tail  # the 8-device tests really ran
+
+
+def _worker(process_id: int, port: int) -> int:
+    """One of 2 processes x 2 CPU devices: Kascade generation on a data:2,model:2 mesh spanning both processes (the
+    anchor's index gather crosses processes) equals this process' own unsharded generation."""
+    sharding.initialize_distributed(f"localhost:{port}", 2, process_id)
+    assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+    kv_heads, layers = 4, 2
+    strategy = kascade(kv_heads, layers=layers)
+    cfg = config(kv_heads, layers=layers)
+    want = run(lively_model(cfg, SEED), strategy, batch=4, new=3)
+    got = run(sharding.shard_model(lively_model(cfg, SEED), sharding.parse_mesh("data:2,model:2")), strategy,
+              batch=4, new=3)
+    same = got[0] == want[0] and np.allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
+    print(f"process {process_id}: sharded {got[0]} unsharded {want[0]} same={same}", flush=True)
+    return 0 if same else 1
+
+
+def test_two_processes_generate_like_one():
+    """Multi-host on one machine: 2 processes joined by jax.distributed (gloo collectives on CPU)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the multi-process tier runs on CPU")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(i), str(port)], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}:\n{out[-4000:]}"
+        assert f"process {i}: " in out and "same=True" in out, out[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -417,3 +454,7 @@ def test_gpu_pallas_decode_per_shard_equals_unsharded():
     for shape in [(1, 2)] + ([(2, n // 2)] if n >= 4 and 8 % (n // 2) == 0 else []):
         check_decode_per_shard(rng, "pallas", sharding.make_mesh(*shape), kv_heads=8, group=4, d=128, b=2,
                                max_len=4096, layers=4, exact=False)
+
+
+if __name__ == "__main__":  # a worker of test_two_processes_generate_like_one
+    sys.exit(_worker(int(sys.argv[1]), int(sys.argv[2])))
