@@ -29,12 +29,12 @@ from kascade_jax.strategies import REFERENCE_KERNELS, Kernels, register_kernels
 from models import generate as gen
 from models import sharding
 from models.attention import AttentionInputs, DenseStrategy
-from models.cache import write_token
+from models.cache import write_chunk, write_token
 from models.config import ModelConfig
 from models.params import random_model
 
 MESHES = [(1, 8), (2, 4), (8, 1)]  # (data, model)
-LAYERS, BATCH, NEW = 4, 8, 5
+LAYERS, GEN_LAYERS, BATCH, NEW = 4, 2, 8, 5  # GEN_LAYERS: the generation tests (compile time grows with depth)
 SEED = 1  # weights and prompts; fixed so that a failure replays (printed by the tests)
 
 # string conditions: evaluated at test time, so importing this file (the multi-process worker) starts no backend
@@ -97,14 +97,15 @@ def run(model, strategy, batch=BATCH, new=NEW):
     return [r.token_ids for r in out], sharding.to_host(logits)
 
 
-def layers_for(strategy_name: str) -> int:
-    return 2 if strategy_name == "dense" else LAYERS  # Kascade: two anchors, a cross-shard and a local head map
+def gen_strategy(strategy_name: str, kv_heads: int):
+    """Generation tests: dense, or Kascade with anchor 0 and reuse layer 1 reading the reversed heads (other
+    shards' indices); the within-shard remap of deeper head maps is covered layer by layer below."""
+    return DenseStrategy() if strategy_name == "dense" else kascade(kv_heads, layers=GEN_LAYERS)
 
 
 @functools.cache
 def unsharded(strategy_name: str, kv_heads: int):
-    strategy = DenseStrategy() if strategy_name == "dense" else kascade(kv_heads)
-    return run(lively_model(config(kv_heads, layers=layers_for(strategy_name)), SEED), strategy)
+    return run(lively_model(config(kv_heads, layers=GEN_LAYERS), SEED), gen_strategy(strategy_name, kv_heads))
 
 
 def check_same(got, want, what):
@@ -123,13 +124,13 @@ def check_same(got, want, what):
 def test_sharded_generation_equals_unsharded(strategy_name, kv_heads, shape):
     data, model_size = shape
     mesh = sharding.make_mesh(data, model_size)
-    cfg = config(kv_heads, layers=layers_for(strategy_name))
+    cfg = config(kv_heads, layers=GEN_LAYERS)
     if kv_heads % model_size:
         with pytest.raises(ValueError, match=rf"model:{model_size} does not divide .*kv_heads={kv_heads}"):
             sharding.shard_model(lively_model(cfg, SEED), mesh)
         return
     model = sharding.shard_model(lively_model(cfg, SEED), mesh)
-    strategy = DenseStrategy() if strategy_name == "dense" else kascade(kv_heads)
+    strategy = gen_strategy(strategy_name, kv_heads)
     got = run(model, strategy)
     want = unsharded(strategy_name, kv_heads)
     check_same(got, want, f"{strategy_name} kv_heads={kv_heads} mesh={shape}")
@@ -256,41 +257,62 @@ def test_pallas_decode_kernels_per_shard_interpret(rng):
                            max_len=64, layers=2)
 
 
-def check_decode_per_shard(rng, kernels, mesh, *, kv_heads, group, d, b, max_len, layers, exact=True):
-    """exact=False (real GPU kernels): the kernels pick their split-K from the head count, so a shard's sums may
+def check_decode_per_shard(rng, kernels, mesh, *, kv_heads, group, d, b, max_len, layers, exact=True,
+                           phase="decode", dtype=jnp.bfloat16):
+    """Layer by layer, strategy.attend on whole arrays vs attend_per_shard on the mesh, same inputs.
+
+    exact=False (real GPU kernels): the kernels pick their split-K from the head count, so a shard's sums may
     associate differently; outputs then agree to bf16 rounding and >= 99% of the indices agree."""
     strategy = kascade(kv_heads, kernels=kernels, layers=layers)
-    kv_len = jnp.asarray(rng.integers(20, max_len - 1, b), jnp.int32)
+    decode = phase == "decode"
+    t = 1 if decode else max_len // 2  # prefill: one chunk at 0 of a whole number of tiles
+    kv_len = jnp.asarray(rng.integers(20, max_len - 1, b) if decode else rng.integers(t // 2, t + 1, b), jnp.int32)
+    q_start = kv_len - 1 if decode else jnp.zeros((b,), jnp.int32)
 
     @functools.partial(jax.jit, static_argnums=0)
     def unsharded(layer, q, kc, vc, kv_len, state):
-        inputs = AttentionInputs(q=q, k_cache=kc, v_cache=vc, q_start=kv_len - 1, kv_len=kv_len, seq_len=kv_len,
-                                 phase="decode")
+        inputs = AttentionInputs(q=q, k_cache=kc, v_cache=vc, q_start=q_start, kv_len=kv_len, seq_len=kv_len,
+                                 phase=phase, chunk_at_zero=not decode)
         return strategy.attend(layer, inputs, state)
 
     def per_shard(layer, q, k, v, kc, vc, kv_len, state):
-        meta = dict(phase="decode", offset=None, q_start=kv_len - 1, kv_len=kv_len, seq_len=kv_len,
-                    chunk_at_zero=False)
+        meta = dict(phase=phase, offset=None if decode else 0, q_start=q_start, kv_len=kv_len, seq_len=kv_len,
+                    chunk_at_zero=not decode)
         return sharding.attend_per_shard(mesh, strategy, layer, q, k, v, kc, vc, meta, state)
 
-    bf = lambda *s: jnp.asarray(rng.normal(0, 1, s) * 2, jnp.bfloat16)  # noqa: E731  (peaky: Top-k matters)
+    rand = lambda *s: jnp.asarray(rng.normal(0, 1, s) * 2, dtype)  # noqa: E731  (peaky: Top-k matters)
     place = lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, sharding.CACHE_SPEC))  # noqa: E731
     state = sharded_state = None
     for layer in range(layers):
-        q, k, v = bf(b, 1, kv_heads * group, d), bf(b, 1, kv_heads, d), bf(b, 1, kv_heads, d)
-        kc, vc = bf(b, max_len, kv_heads, d), bf(b, max_len, kv_heads, d)
-        kw, vw = write_token(kc, k, kv_len - 1), write_token(vc, v, kv_len - 1)
+        q, k, v = rand(b, t, kv_heads * group, d), rand(b, t, kv_heads, d), rand(b, t, kv_heads, d)
+        kc, vc = rand(b, max_len, kv_heads, d), rand(b, max_len, kv_heads, d)
+        if decode:
+            kw, vw = write_token(kc, k, q_start), write_token(vc, v, q_start)
+        else:
+            kw, vw = write_chunk(kc, k, 0), write_chunk(vc, v, 0)
         want, state = unsharded(layer, q, kw, vw, kv_len, state)
         got, kg, vg, sharded_state = jax.jit(per_shard, static_argnums=0)(
             layer, place(q), place(k), place(v), place(kc), place(vc), kv_len, sharded_state)
         np.testing.assert_array_equal(np.asarray(kg, np.float32), np.asarray(kw, np.float32))
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        if not decode:  # rows past a sequence's length are padding
+            valid = (np.arange(t)[None, :] < np.asarray(kv_len)[:, None])[:, :, None, None]
+            got, want = np.where(valid, got, 0), np.where(valid, want, 0)
         if exact:
-            np.testing.assert_array_equal(got, want, err_msg=f"layer {layer}")
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"layer {layer}")
             np.testing.assert_array_equal(np.asarray(sharded_state["idx"]), np.asarray(state["idx"]))
         else:
             np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=f"layer {layer}")
             assert np.mean(np.asarray(sharded_state["idx"]) == np.asarray(state["idx"])) >= 0.99
+
+
+@needs8
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_kascade_per_shard_layers_equal_unsharded(rng, phase):
+    """4 layers, anchors (0, 2), mesh (2, 4) over 8 KV heads (2 per shard): layer 1 reads other shards' indices
+    (anchor 0 gathers), layer 3 swaps heads within a shard (anchor 2 does not gather, local take)."""
+    check_decode_per_shard(rng, "reference", sharding.make_mesh(2, 4), kv_heads=8, group=2, d=16, b=2, max_len=128,
+                           layers=4, phase=phase, dtype=jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
