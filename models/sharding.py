@@ -274,5 +274,6 @@ def describe(mesh) -> str:
     return f"mesh data:{d},model:{m} over {d * m} {mesh.devices.flat[0].platform} devices"
 
 
-__all__ = ["DATA", "MODEL", "initialize_distributed", "parse_mesh", "make_mesh", "shard_model", "init_cache", "cache_shardings",
+__all__ = ["DATA", "MODEL", "initialize_distributed", "parse_mesh", "make_mesh", "shard_model", "init_cache",
+           "cache_shardings",
            "param_spec", "attend_per_shard", "layout", "to_host", "check_batch", "check_heads", "describe"]
