@@ -275,5 +275,4 @@ def describe(mesh) -> str:
 
 
 __all__ = ["DATA", "MODEL", "initialize_distributed", "parse_mesh", "make_mesh", "shard_model", "init_cache",
-           "cache_shardings",
-           "param_spec", "attend_per_shard", "layout", "to_host", "check_batch", "check_heads", "describe"]
+           "cache_shardings", "param_spec", "attend_per_shard", "layout", "to_host", "check_batch", "check_heads", "describe"]

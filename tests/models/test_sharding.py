@@ -387,7 +387,8 @@ def test_on_8_simulated_cpu_devices():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-rs",
-                          "-k", "not two_processes", os.path.abspath(__file__)], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+                          "-k", "not two_processes", os.path.abspath(__file__)],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=900)
     tail = res.stdout[-6000:] + res.stderr[-2000:]
     print(tail)
     assert res.returncode == 0, tail
