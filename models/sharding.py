@@ -5,7 +5,7 @@ One `jax.sharding.Mesh` with the named axes `data` (the batch) and `model` (the 
 `init_cache(model, batch, max_len)` creates a KV cache already laid out on the mesh; `generate`, `prefill` and
 `decode_step` then run unchanged (everything else is GSPMD inside the same jitted functions).
 
-Layout (`param_spec`, `cache_spec`):
+Layout (`param_spec`, `CACHE_SPEC`):
 - q_proj / k_proj / v_proj kernels (and biases) are column-sharded over `model` by heads: shard j holds KV heads
   [j*kv_heads/m, (j+1)*kv_heads/m) and exactly the q heads of their GQA groups (q head i reads KV head i // group,
   so contiguous column blocks line up); o_proj is row-sharded, so its output is one all-reduce over `model`;
@@ -28,7 +28,9 @@ anchor layer and step in decode, [batch, kv_heads, tiles, k_max] in prefill: e.g
 Validation: a mesh whose `model` size does not divide kv_heads (and so q_heads), or whose `data` size does not
 divide the batch, is a ValueError naming the numbers. Without a mesh nothing here runs: the model's unsharded path
 is the code it always was. Multi-host: call `jax.distributed.initialize()` before anything touches a device (the
-entry points do it with `--distributed`, see experiments/devices.py); the mesh then spans every process' devices.
+entry points do it with `--distributed`, see experiments/devices.py); the mesh then spans every process' devices,
+every process runs the same program on the same prompts, and results come back through `to_host` (gathered over
+processes). Tested with 2 CPU processes (gloo collectives); not yet on several GPU hosts.
 
 This module deliberately holds no strategy logic and imports no kascade_jax; pipeline parallelism over layers
 and sequence parallelism over the cache length are not implemented.
