@@ -26,7 +26,7 @@ import time
 
 from absl import flags
 
-from experiments import cli, recipe_flags
+from experiments import cli, devices, recipe_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "model alias, .gguf file, HF directory or hub id")
@@ -111,6 +111,12 @@ def main(argv):
         check_bucket(BUCKET, FLAGS.tile_size)
     out = FLAGS.output_dir
     report.check_output_dir(out, overwrite=FLAGS.overwrite, resume=FLAGS.resume)
+    mesh = devices.setup()
+    if mesh is not None:  # before the model loads
+        devices.check_batch(FLAGS.batch_size, mesh)
+        if mesh.shape["data"] > 1 and "fidelity" in FLAGS.tasks:
+            raise ValueError(f"fidelity runs one document at a time, which --mesh={FLAGS.mesh} splits over data:"
+                             f"{mesh.shape['data']}; use a mesh with data:1 (model:N) for it")
     recipe = resolve_recipe()
     kw = tuple((k, v) for k, v in (("min_k", FLAGS.min_k), ("tile_size", FLAGS.tile_size)) if v is not None)
     kw += tuple((k, v) for k, v in recipe.levers().items() if v)
@@ -138,6 +144,7 @@ def main(argv):
     model, tokenizer = load_model(FLAGS.model, FLAGS.dtype, cache_dir=FLAGS.cache_dir)
     cfg = model.config
     anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, recipe)
+    model = devices.place(model, mesh)  # after calibration (which runs one prompt at a time)
     note = f"{recipe.describe()}; {note}"
     spec = dataclasses.replace(spec, anchors=anchors, head_map=head_map)
     record = suite.spec_record(spec, **flag_fields)

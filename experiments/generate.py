@@ -9,7 +9,7 @@ import time
 
 from absl import app, flags
 
-from experiments import cli, common
+from experiments import cli, common, devices
 
 PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (chat template applied unless --nochat).")
 PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Read the prompt from this file instead.")
@@ -40,9 +40,12 @@ def main(argv):
     if (PROMPT.value is None) == (PROMPT_FILE.value is None):
         raise app.UsageError("give exactly one of --prompt or --prompt_file")
     check_sampling(TEMPERATURE.value, TOP_P.value, TOP_K.value)  # before the model loads; generate() checks top_k <= vocab
+    mesh = devices.setup()
+    devices.check_batch(1, mesh)  # one prompt: a mesh may split the heads, not the batch
     text = PROMPT.value if PROMPT.value is not None else _read_prompt(PROMPT_FILE.value)
     model, tok = load_model(common.MODEL.value, common.DTYPE.value)
     strategy = common.build_strategy(STRATEGY.value, model, tok)
+    model = devices.place(model, mesh)
     common.print_strategy(strategy)  # what `auto` chose, and which kernels run
     t0 = time.perf_counter()
     (res,) = generate(model, tok, [text], strategy, max_new_tokens=MAX_NEW.value, temperature=TEMPERATURE.value,

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from experiments import cli, common
+from experiments import cli, common, devices
 
 BATCH = flags.DEFINE_integer("batch", 1, "Sequences per batch.")
 PROMPT_LEN = flags.DEFINE_integer("prompt_len", 1024, "Prompt tokens per sequence (random ids).")
@@ -30,10 +30,13 @@ def main(argv):
     del argv
     from models import load_model
     from models import generate as gen
-    from models.cache import KVCache
+    from models.sharding import init_cache
 
+    mesh = devices.setup()
+    devices.check_batch(BATCH.value, mesh)
     model, tok = load_model(common.MODEL.value, common.DTYPE.value)
     strategy = common.build_strategy(STRATEGY.value, model, tok)
+    model = devices.place(model, mesh)
     common.print_strategy(strategy)
     rng = np.random.default_rng(0)
     b, p, n = BATCH.value, PROMPT_LEN.value, NEW_TOKENS.value
@@ -41,7 +44,7 @@ def main(argv):
     max_len = -(-(p + n + 1) // 64) * 64
 
     def run_prefill():
-        cache = KVCache.init(model.config, b, max_len, dtype=model.dtype)
+        cache = init_cache(model, b, max_len)
         logits, cache = gen.prefill(model, np.array(prompts), [p] * b, cache, strategy, chunk_size=common.CHUNK.value)
         jax.block_until_ready(logits)
         return cache
@@ -68,7 +71,7 @@ def main(argv):
     pre, tot = float(np.median(t_pre)), float(np.median(t_gen))
     dec = max(tot - pre, 1e-9)
     res = dict(model=common.MODEL.value, strategy=strategy.name, device=str(jax.devices()[0]), jax=jax.__version__,
-               batch=b, prompt_len=p, new_tokens=n, dtype=common.DTYPE.value, prefill_s=pre,
+               mesh=devices.MESH.value, batch=b, prompt_len=p, new_tokens=n, dtype=common.DTYPE.value, prefill_s=pre,
                prefill_tok_per_s=b * p / pre, decode_s=dec, decode_tok_per_s=b * n / dec)
     print(json.dumps(res, indent=1))
     if OUT.value:

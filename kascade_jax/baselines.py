@@ -21,6 +21,10 @@ settings (docs/reference-notes.md §5); budgets use the same exact integer rule 
 The layer lists default to the paper's Llama-3.1-8B choices, (2, 8, 18) for OmniKV and (2, 13) for LessIsMore;
 they fit SmolLM2 (30 layers) unchanged. The registry drops entries >= num_layers for shallower models.
 These are accuracy simulations: they compute dense scores and mask them; they save no work.
+
+On a mesh (models/sharding.py) every baseline runs per shard: StreamingLLM and Quest are per-head already;
+OmniKV's max over query heads and LessIsMore's rank-order union over heads are reduced over the head axis
+(`lax.pmax` / `lax.pmin` of a [batch, keys] array), so every shard selects the same shared key set.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.dense import dense_attention
 from kernels_pallas.reference import attention_reference, frac_numerator, select_topk_reference, topk_budget
@@ -54,6 +60,11 @@ def _shared_keys(inputs, keys):
     """Attention restricted to one key set shared by every head: keys [batch, keys] bool."""
     return attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
                                mask=keys[:, None, None, :])
+
+
+def _head_axis(inputs):
+    """The mesh axis the heads are split over when attention runs per shard (models/sharding.py), else None."""
+    return None if inputs.shards is None else inputs.shards.head_axis
 
 
 def _check_pos_int(name, value, lo=1):
@@ -122,6 +133,9 @@ class StreamingLLMStrategy:
     def post_attention(self, layer, x, attn_out, state):
         return state
 
+    def state_spec(self, layer, phase, shards):
+        return P()  # no state; the mask is per position
+
 
 @dataclasses.dataclass(frozen=True)
 class QuestStrategy:
@@ -179,6 +193,9 @@ class QuestStrategy:
     def post_attention(self, layer, x, attn_out, state):
         return state
 
+    def state_spec(self, layer, phase, shards):
+        return P()  # no state; pages are chosen per query head
+
 
 @dataclasses.dataclass(frozen=True)
 class OmniKVStrategy:
@@ -199,10 +216,12 @@ class OmniKVStrategy:
     def is_dense(self, layer: int) -> bool:
         return layer < self.dense_layers or layer in self.filter_layers or (layer - 1) in self.filter_layers
 
-    def select(self, q, k, kv_len):
-        """[batch, keys] bool: top-budget keys of the max over query heads of the post-softmax probabilities."""
+    def select(self, q, k, kv_len, head_axis=None):
+        """[batch, keys] bool: top-budget keys of the max over query heads of the post-softmax probabilities
+        (over every shard's heads when the heads are split over `head_axis`)."""
         probs = jax.nn.softmax(_decode_logits(q, k, kv_len), axis=-1)  # [batch, q_heads, keys]
-        score = jnp.where(jnp.arange(k.shape[1])[None, :] < kv_len[:, None], probs.max(axis=1), -jnp.inf)
+        top = probs.max(axis=1) if head_axis is None else lax.pmax(probs.max(axis=1), head_axis)
+        score = jnp.where(jnp.arange(k.shape[1])[None, :] < kv_len[:, None], top, -jnp.inf)
         budget = topk_budget(kv_len, self.budget_frac, self.min_budget)
         return _membership(select_topk_reference(score, budget, k.shape[1]), k.shape[1])
 
@@ -211,13 +230,16 @@ class OmniKVStrategy:
         if inputs.phase == "prefill":
             return _dense(inputs), state
         if layer in self.filter_layers:
-            state = self.select(inputs.q, inputs.k_cache, inputs.kv_len)
+            state = self.select(inputs.q, inputs.k_cache, inputs.kv_len, _head_axis(inputs))
         if self.is_dense(layer) or state is None:
             return _dense(inputs), state
         return _shared_keys(inputs, state), state
 
     def post_attention(self, layer, x, attn_out, state):
         return state
+
+    def state_spec(self, layer, phase, shards):
+        return P() if phase == "prefill" or layer < min(self.filter_layers) else P(shards.batch_axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +260,9 @@ class LessIsMoreStrategy:
         frac_numerator(self.budget_frac)
         frac_numerator(self.recent_frac)
 
-    def select(self, q, k, kv_len):
-        """[batch, keys] bool: sinks + recent window + the head-unified top keys of the middle region."""
+    def select(self, q, k, kv_len, head_axis=None):
+        """[batch, keys] bool: sinks + recent window + the head-unified top keys of the middle region (the union
+        runs over every shard's heads when the heads are split over `head_axis`)."""
         n_keys = k.shape[1]
         budget = topk_budget(kv_len, self.budget_frac, self.min_budget)  # [batch]
         n_sink = jnp.minimum(self.sinks, kv_len)
@@ -251,10 +274,13 @@ class LessIsMoreStrategy:
         recent = (keys >= (kv_len - n_recent)[:, None]) & (keys < kv_len[:, None])
         middle = (keys >= n_sink[:, None]) & (keys < (kv_len - n_recent)[:, None])  # [batch, keys]
         logits = jnp.where(middle[:, None, :], _decode_logits(q, k, kv_len), -jnp.inf)  # [batch, q_heads, keys]
-        hq = logits.shape[1]
+        hq = logits.shape[1]  # this shard's q heads
+        shards = 1 if head_axis is None else lax.axis_size(head_axis)
+        first = 0 if head_axis is None else lax.axis_index(head_axis) * hq  # global index of local head 0
         rank = jnp.argsort(jnp.argsort(-logits, axis=-1, stable=True), axis=-1, stable=True)  # rank of key in head
         # Slot of key j in the rank-major union order: min over heads of rank * H + head.
-        slot = jnp.min(rank * hq + jnp.arange(hq)[None, :, None], axis=1).astype(jnp.float32)  # [batch, keys]
+        slot = jnp.min(rank * (hq * shards) + first + jnp.arange(hq)[None, :, None], axis=1)  # [batch, keys]
+        slot = (slot if head_axis is None else lax.pmin(slot, head_axis)).astype(jnp.float32)
         chosen = _membership(select_topk_reference(jnp.where(middle, -slot, -jnp.inf), n_mid, n_keys), n_keys)
         return sink | recent | chosen
 
@@ -263,10 +289,13 @@ class LessIsMoreStrategy:
         if inputs.phase == "prefill":
             return _dense(inputs), state
         if layer in self.selection_layers:
-            return _dense(inputs), self.select(inputs.q, inputs.k_cache, inputs.kv_len)
+            return _dense(inputs), self.select(inputs.q, inputs.k_cache, inputs.kv_len, _head_axis(inputs))
         if state is None:
             return _dense(inputs), state
         return _shared_keys(inputs, state), state
 
     def post_attention(self, layer, x, attn_out, state):
         return state
+
+    def state_spec(self, layer, phase, shards):
+        return P() if phase == "prefill" or layer < min(self.selection_layers) else P(shards.batch_axis)

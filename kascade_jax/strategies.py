@@ -23,6 +23,13 @@ Paged caches (`inputs.page_table`, models/paged.py): decode goes through `Kernel
 "reference" bundle gathers the pages, as the readable statement); prefill gathers the chunk's sequences' pages into a
 contiguous view per chunk and layer and runs the contiguous path unchanged (`_contiguous_view`).
 
+On a mesh (models/sharding.py) `attend` runs per shard on the local KV heads, and `state_spec` gives the state's
+layout: idx [batch -> data, idx_heads -> model, ...], counts [batch -> data, ...]. A reuse layer's KV head h reads
+index head head_map_row[h]; when that head lives on another shard for some reuse layer of an anchor, the anchor
+all-gathers its idx over the head axis once (so its state is whole over heads) and every reuse layer picks its
+local heads' rows with a traced take (the kernels then see the identity row). pool='all' pools over every query
+head and is refused on a head-split mesh.
+
 This module deliberately holds no calibration (anchor DP, head maps) and no baselines (see baselines.py).
 """
 
@@ -289,8 +296,7 @@ class KascadeStrategy:
         cfg = self.config
         if not 0 <= layer < cfg.num_layers:
             raise ValueError(f"layer must lie in [0, {cfg.num_layers - 1}] for this config, got {layer}")
-        if inputs.k_cache.shape[2] != cfg.kv_heads:
-            raise ValueError(f"config has kv_heads={cfg.kv_heads} but the cache has {inputs.k_cache.shape[2]}")
+        self._check_shards(inputs.shards, inputs.k_cache.shape[2])
         if inputs.page_table is not None and inputs.phase == "prefill":
             inputs = _contiguous_view(inputs)  # prefill gathers the chunk's sequences' pages (see _contiguous_view)
         if inputs.phase == "prefill" and cfg.decode_only:
@@ -308,18 +314,77 @@ class KascadeStrategy:
     def post_attention(self, layer, x, attn_out, state):
         return state
 
+    # on a mesh (models/sharding.py) ---------------------------------------------------------------------------
+    def state_spec(self, layer: int, phase: str, shards):
+        """idx [batch -> batch_axis, idx_heads -> head_axis, ...] and counts [batch -> batch_axis, ...]; idx is
+        whole over the heads (gathered by its anchor) when a reuse layer reads an index head of another shard."""
+        P = jax.sharding.PartitionSpec
+        cfg = self.config
+        self._check_shards(shards, None)
+        if phase == "prefill" and cfg.decode_only:
+            return P()
+        heads = None if self._gathers(cfg.anchor_of(layer), shards.head_shards) else shards.head_axis
+        return {"idx": P(shards.batch_axis, heads), "counts": P(shards.batch_axis)}
+
+    def _check_shards(self, shards, local_kv: int | None):
+        cfg = self.config
+        split = shards is not None and shards.head_axis is not None
+        if split and cfg.pool == "all":
+            raise ValueError("pool='all' (all_heads_pooled) pools scores over every query head, which a mesh splits "
+                             f"over {shards.head_shards} head shards; run it with a mesh of model size 1 "
+                             "(data parallelism only) or without a mesh")
+        if local_kv is None:
+            return
+        want = cfg.kv_heads // shards.head_shards if split else cfg.kv_heads
+        if local_kv != want or (split and cfg.kv_heads % shards.head_shards):
+            where = f" on each of {shards.head_shards} head shards" if split else ""
+            raise ValueError(f"config has kv_heads={cfg.kv_heads} but the cache has {local_kv} heads{where}")
+
+    def _gathers(self, anchor: int, head_shards: int) -> bool:
+        """Whether some reuse layer reading `anchor`'s indices maps a KV head to an index head of another shard."""
+        cfg = self.config
+        if head_shards == 1 or cfg.oracle_topk or cfg.pool == "all":
+            return False
+        per = cfg.kv_heads // head_shards
+        return any(cfg.anchor_of(layer) == anchor and not cfg.is_anchor(layer)
+                   and any(r // per != h // per for h, r in enumerate(cfg.head_map_row(layer)))
+                   for layer in range(anchor + 1, cfg.num_layers))
+
+    def _gather_anchor(self, layer: int, idx, shards):
+        """An anchor's idx [batch, local heads, ...], all-gathered over the head axis when _gathers says so."""
+        if shards is None or shards.head_axis is None or not self._gathers(layer, shards.head_shards):
+            return idx
+        return lax.all_gather(idx, shards.head_axis, axis=1, tiled=True)
+
+    def _reuse_indices(self, layer: int, idx, shards, local_kv: int):
+        """(idx, head_map_row) for a reuse layer's local KV heads. Unsharded: the state and the config's row. On a
+        head-split mesh: idx re-ordered so that local head j reads row j (the kernels' row is then the identity)."""
+        cfg = self.config
+        row = cfg.head_map_row(layer)
+        if shards is None or shards.head_axis is None:
+            return idx, row
+        gathered = self._gathers(cfg.anchor_of(layer), shards.head_shards)
+        if row == tuple(range(cfg.kv_heads)) and not gathered:
+            return idx, tuple(range(local_kv))
+        shard = lax.axis_index(shards.head_axis)
+        table = jnp.asarray(row, jnp.int32).reshape(shards.head_shards, local_kv)[shard]  # [local_kv] index heads
+        if not gathered:
+            table = table - shard * local_kv
+        return jnp.take(idx, table, axis=1), tuple(range(local_kv))
+
     # phases ---------------------------------------------------------------------------------------------------
     def _decode(self, layer, inputs, state):
         cfg, kern = self.config, get_kernels(self.kernels)
         q, k, v, kv_len = inputs.q, inputs.k_cache, inputs.v_cache, inputs.kv_len
-        row = cfg.head_map_row(layer)
         if inputs.page_table is not None:
-            return self._decode_paged(layer, kern, inputs, state, row)
+            return self._decode_paged(layer, kern, inputs, state, cfg.head_map_row(layer))
         if cfg.is_anchor(layer):
+            row = tuple(range(k.shape[2])) if cfg.pool != "all" else cfg.head_map_row(layer)
             out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=cfg, k_max=static_k_max(cfg, k.shape[1]),
                                                   dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
-            return out, {"idx": idx, "counts": counts}
-        return kern.reuse_decode(q, k, v, kv_len, state["idx"], state["counts"], row), state
+            return out, {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": counts}
+        idx, row = self._reuse_indices(layer, state["idx"], inputs.shards, k.shape[2])
+        return kern.reuse_decode(q, k, v, kv_len, idx, state["counts"], row), state
 
     def _decode_paged(self, layer, kern, inputs, state, row):
         """Decode through the page table, inside the kernels (no contiguous copy of the cache)."""
@@ -339,8 +404,11 @@ class KascadeStrategy:
         cfg, kern = self.config, get_kernels(self.kernels)
         q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
         q_len, ts = q.shape[1], cfg.tile_size
-        row = cfg.head_map_row(layer)
         anchor = cfg.is_anchor(layer)
+        if anchor:
+            row = tuple(range(k.shape[2])) if cfg.pool != "all" else cfg.head_map_row(layer)
+        else:
+            reuse_idx, row = self._reuse_indices(layer, state["idx"], inputs.shards, k.shape[2])
         k_max = static_k_max(cfg, k.shape[1])
         # Static blocks of whole tiles (a block never splits a tile, so per-tile results are unchanged).
         block = q_len if kern.query_block is None else max(ts, kern.query_block // ts * ts)
@@ -356,12 +424,14 @@ class KascadeStrategy:
                 idxs.append(idx)
                 counts_all.append(counts)
             else:
-                out = kern.reuse_prefill(qb, k, v, q_start, inputs.kv_len, state["idx"][:, :, t0:t1],
+                out = kern.reuse_prefill(qb, k, v, q_start, inputs.kv_len, reuse_idx[:, :, t0:t1],
                                          state["counts"][:, t0:t1], row, ts)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
         if cfg.dense_suffix and not (layer == 0 and cfg.layer0_dense):
             out = _dense_suffix(inputs, out, cfg.dense_suffix)
         if anchor:
-            state = {"idx": jnp.concatenate(idxs, axis=2), "counts": jnp.concatenate(counts_all, axis=1)}
+            idx = jnp.concatenate(idxs, axis=2)
+            counts = jnp.concatenate(counts_all, axis=1)
+            state = {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": counts}
         return out, state

@@ -11,6 +11,17 @@ from kernels_pallas.dense import DECODE_KERNELS, dense_attention
 from kernels_pallas.paged import dense_attention_paged
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How attention is split when it runs per shard of a mesh (models/sharding.py): the mesh axis the batch is
+    split over and the one the heads are split over (None: not split), and into how many head shards. The arrays
+    of AttentionInputs are then the shard's local blocks."""
+
+    batch_axis: str | None = None
+    head_axis: str | None = None
+    head_shards: int = 1
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionInputs:
@@ -25,6 +36,7 @@ class AttentionInputs:
     # Paged cache (models/paged.py): [batch, max_pages] int32, and then k_cache / v_cache are this layer's page
     # pools [num_pages, page_size, kv_heads, head_dim]. None = the contiguous cache above.
     page_table: jax.Array | None = None
+    shards: ShardLayout | None = dataclasses.field(default=None, metadata=dict(static=True))  # None: all heads here
 
 
 class AttentionStrategy(Protocol):
@@ -33,6 +45,10 @@ class AttentionStrategy(Protocol):
     def attend(self, layer: int, inputs: AttentionInputs, state: Any) -> tuple[jax.Array, Any]: ...
 
     def post_attention(self, layer: int, x: jax.Array, attn_out: jax.Array, state: Any) -> Any: ...
+
+    # Optional, needed to run on a mesh (models/sharding.py): the PartitionSpec tree of the state that
+    # attend(layer, ...) returns, given the layout (P() for a state that stays None).
+    # def state_spec(self, layer: int, phase: str, shards: ShardLayout) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,3 +75,6 @@ class DenseStrategy:
 
     def post_attention(self, layer, x, attn_out, state):
         return state
+
+    def state_spec(self, layer, phase, shards):
+        return jax.sharding.PartitionSpec()  # no state: every head's attention is local

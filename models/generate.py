@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from models.cache import KVCache
+from models.sharding import init_cache, to_host
 
 CHUNK_MULTIPLE = 64
 OUT_MULTIPLE = 128  # generated-token buffers are this wide a multiple, so nearby max_new_tokens share a compile
@@ -231,7 +232,7 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, t
     tokens = np.zeros((len(ids), min(_round_up(int(lens.max()), bucket), max_len)), np.int32)
     for i, p in enumerate(ids):
         tokens[i, :len(p)] = p
-    cache = KVCache.init(cfg, len(ids), max_len, dtype=model.dtype)
+    cache = init_cache(model, len(ids), max_len)  # KVCache.init, laid out on the model's mesh if it has one
     logits, cache = prefill(model, tokens, lens, cache, strategy, chunk_size=chunk_size)
     tok = sample(logits, jax.random.fold_in(jax.random.key(seed), 1 << 30), temperature, top_p, top_k)
     b = len(ids)
@@ -249,13 +250,13 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, t
         if i >= max_new_tokens or bool(jnp.all(carry[2])):
             break
         if stop:
-            texts = [tokenizer.decode([t for t in row[:i] if t >= 0 and t not in eos]) for row in np.asarray(carry[4])]
+            texts = [tokenizer.decode([t for t in row[:i] if t >= 0 and t not in eos]) for row in to_host(carry[4])]
             for j, t in enumerate(texts):
                 if stopped[j] is None and _first_stop(t, stop) is not None:
                     stopped[j] = True
-            if all(s or f for s, f in zip(stopped, np.asarray(carry[2]))):
+            if all(s or f for s, f in zip(stopped, to_host(carry[2]))):
                 break
-    out = np.asarray(carry[4])[:, :max_new_tokens]
+    out = to_host(carry[4])[:, :max_new_tokens]
     results = []
     for j in range(b):
         row = [int(t) for t in out[j] if t >= 0]

@@ -19,6 +19,7 @@ from models.attention import AttentionInputs
 from models.cache import KVCache, write_chunk, write_token
 from models.config import ModelConfig, RopeConfig
 from models.paged import write_paged
+from models.sharding import attend_per_shard
 
 
 class RMSNorm(nnx.Module):
@@ -97,7 +98,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
         self.cfg = cfg
 
-    def __call__(self, layer, x, positions, k_cache, v_cache, meta, strategy, state, inv_freq):
+    def __call__(self, layer, x, positions, k_cache, v_cache, meta, strategy, state, inv_freq, mesh=None):
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.q_heads, cfg.head_dim)
@@ -107,6 +108,13 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         page_table = meta.get("page_table")
+        if mesh is not None:  # cache write + attention per shard of the mesh (models/sharding.py)
+            if page_table is not None:
+                raise ValueError("a paged KV cache on a device mesh is not supported; use the contiguous KVCache "
+                                 "with --mesh, or the paged cache on one device")
+            out, k_cache, v_cache, state = attend_per_shard(mesh, strategy, layer, q, k, v, k_cache, v_cache, meta,
+                                                            state)
+            return self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim)), k_cache, v_cache, state
         if page_table is not None:  # paged cache: k_cache / v_cache are this layer's pools
             k_cache, v_cache = (write_paged(k_cache, k, page_table, positions),
                                 write_paged(v_cache, v, page_table, positions))
@@ -150,6 +158,7 @@ class Transformer(nnx.Module):
                                 for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden, cfg.vocab, False, dtype, param_dtype, rngs)
+        self.mesh = None  # a jax.sharding.Mesh once models.sharding.shard_model placed the model (static)
 
     def logits(self, x):
         """Normed hidden states [..., hidden] -> fp32 logits [..., vocab].
@@ -184,7 +193,8 @@ class Transformer(nnx.Module):
         ks, vs = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):  # unrolled: each layer's role is a trace-time Python fact
             h = layer.input_layernorm(x)
-            attn, ks[i], vs[i], state = layer.self_attn(i, h, positions, ks[i], vs[i], meta, strategy, state, inv_freq)
+            attn, ks[i], vs[i], state = layer.self_attn(i, h, positions, ks[i], vs[i], meta, strategy, state, inv_freq,
+                                                        self.mesh)
             post = getattr(strategy, "post_attention", None)
             if post is not None:
                 state = post(i, x, attn, state)
