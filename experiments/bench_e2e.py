@@ -435,7 +435,8 @@ def _x(x):
 def render_markdown(meta: dict, rows: list) -> str:
     lines = ["# End-to-end speed: dense (cuDNN) vs Kascade in the model", ""]
     for run in meta.get("runs", []):
-        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, `{run.get('command')}`")
+        where = f"mesh {run['mesh']} over {run.get('devices')} devices" if run.get("mesh") else "one device"
+        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, {where}, `{run.get('command')}`")
     lines += ["", "Wall clock after compilation (TTFT: prefill of the whole prompt + first greedy sample, batch 1; "
               "decode: ms per step of the jitted decode loop, (t(N2) - t(N1)) / (N2 - N1)). Attention / rest: CUPTI "
               "kernel time split by kernel name (cuDNN attention and the Pallas kernels vs everything else; the "
@@ -886,7 +887,8 @@ def device_budget_bytes(mesh=None) -> float:
     """Memory of one device (the first of the mesh): every device of a mesh holds the same share."""
     import jax
 
-    dev = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    local = [] if mesh is None else [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    dev = local[0] if local else jax.devices()[0]
     stats = dev.memory_stats() or {}
     return float(stats.get("bytes_limit") or 139 * GB * 0.95)
 
