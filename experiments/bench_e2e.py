@@ -923,8 +923,8 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
     t_start = time.monotonic()
     mname, (n_data, n_model) = mesh_name(mesh), mesh_sizes(mesh)
     stem = output_stem(tag, mname)
+    check_decode_batches(decode_specs, mesh)  # bad input first, before the GPU is needed
     require_gpu()
-    check_decode_batches(decode_specs, mesh)
     for s in strategies:
         if s not in STRATEGY_NAMES:
             raise ValueError(f"--e2e_strategies: unknown strategy {s!r}; choose from {list(STRATEGY_NAMES)}")

@@ -148,6 +148,9 @@ def test_a_batch_the_data_axis_does_not_divide_is_refused():
     with pytest.raises(ValueError, match=r"data:2 does not divide the batch of 32768:3"):
         e2e.check_decode_batches(specs, fake_mesh(2, 1))
     e2e.check_decode_batches(e2e.parse_decode_specs(["32768:8", "131072:max"]), fake_mesh(2, 4))
+    with pytest.raises(ValueError, match=r"data:4 does not divide the batch of 32768:2"):  # run() refuses it first
+        e2e.run([e2e.SPECS["llama3.1-8b-random"]], metrics=["decode"], contexts=[], decode_specs=[(32768, 2)],
+                strategies=["dense"], mesh=fake_mesh(4, 2), out_dir="/nonexistent")
 
 
 def test_bench_help_lists_mesh_and_kernel_phases_refuse_it():
