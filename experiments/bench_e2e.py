@@ -43,9 +43,23 @@ starting measurements predicted to end past that many seconds since start (predi
 step at `--e2e_profile_shape=model:context:batch`, for every strategy, with categories (attention, gemm,
 cache_write, copy, fusion), to find the non-attention overhead.
 
-Hook for several GPUs: `mesh_hook()` is the one place a `--mesh` flag (experiments/common.py, another branch) plugs
-in (bench.py must then import experiments.common before flags are parsed); until this benchmark shards, a set --mesh
-is refused here rather than ignored.
+Several GPUs (`--mesh=data:D,model:M`, experiments/devices.py; `--distributed` for several hosts): the random-weight
+models are created directly in models/sharding.py's layout (`random_model(..., mesh)`: every parameter's jitted RNG
+call has its NamedSharding as out_shardings, so no GPU ever holds the whole model; the real model goes through
+`shard_model`), and the caches created inside the measured programs get the mesh's KV layout ([batch -> data,
+kv_heads -> model]) through `with_sharding_constraint`, so each GPU fills only its block. The measured code is the
+product's own: `_prefill_chunk` and `_decode_loop` see `model.mesh` and run attention per shard (shard_map).
+Memory is per device: the largest batch is (budget - weights per device - headroom) // (KV per sequence / model),
+times data (so a multiple of data; `device_weight_bytes` counts the heads-split weights 1/model, embeddings, lm_head
+and norms whole); the byte floor is per device (its weights + its KV, every device reading in parallel). An explicit
+decode batch that data does not divide is a ValueError before anything runs; TTFT (batch 1) rows on a mesh with
+data > 1 are recorded as skipped (use data:1,model:M for TTFT). Rows record `mesh` ('data:D,model:M', None on one
+device) and `devices`; the mesh is part of a row's key (resume never mixes meshes) and, unless `--e2e_tag` is given,
+of the file stem: e2e.* on one device, e2e_mesh-data<D>-model<M>.* on a mesh, so one-GPU numbers are never
+overwritten. Example, 2 GPUs, heads split in two:
+  python -m experiments.bench --phase=e2e --mesh=model:2 --e2e_models=llama3.1-8b-random \
+      --e2e_contexts=131072,262144 --e2e_decode=32768:8,32768:32,131072:max   # -> benchmarks/e2e_mesh-data1-model2.*
+A mesh of size 1 (`--mesh=data:1,model:1`) runs the sharded code path on one GPU.
 
 Does not: run without a GPU (it refuses), or time host-side tokenisation / detokenisation.
 """
@@ -63,9 +77,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from absl import flags
 
-from experiments import cli
+from experiments import cli, devices
 
 MODELS = flags.DEFINE_list("e2e_models", ["llama3.1-8b-random", "qwen3-8b-random", "qwen2.5-coder-1.5b"],
                            "Models: llama3.1-8b-random, qwen3-8b-random (real configs, random bf16 weights), "
@@ -166,11 +181,67 @@ def kv_bytes_per_token(cfg, itemsize: int = 2) -> int:
     return 2 * cfg.num_layers * cfg.kv_heads * cfg.head_dim * itemsize
 
 
-def largest_batch(budget_bytes: float, weight_bytes: float, per_seq_bytes: float, headroom_bytes: float) -> int:
-    """The most sequences whose KV caches fit beside the weights and the headroom (0 if not even one)."""
+def largest_batch(budget_bytes: float, weight_bytes: float, per_seq_bytes: float, headroom_bytes: float,
+                  data: int = 1, model: int = 1) -> int:
+    """The most sequences whose KV caches fit beside the weights and the headroom (0 if not even one).
+
+    All sizes are per device except per_seq_bytes (one whole sequence's K/V): on a (data, model) mesh a device holds
+    weight_bytes (its slice of the weights, see `device_weight_bytes`), per_seq_bytes / model of every sequence of its
+    batch / data sequences. The result is a multiple of `data` (every data shard holds as many sequences)."""
     if per_seq_bytes <= 0:
         raise ValueError(f"per_seq_bytes must be positive, got {per_seq_bytes}")
-    return max(0, int((budget_bytes - weight_bytes - headroom_bytes) // per_seq_bytes))
+    if data < 1 or model < 1:
+        raise ValueError(f"mesh sizes must be >= 1, got data={data}, model={model}")
+    per_shard = max(0, int((budget_bytes - weight_bytes - headroom_bytes) // (per_seq_bytes / model)))
+    return per_shard * data
+
+
+def mesh_name(mesh) -> str | None:
+    """'data:D,model:M' of a mesh (what rows record and the md shows), None for one device."""
+    if mesh is None:
+        return None
+    return f"data:{mesh.shape['data']},model:{mesh.shape['model']}"
+
+
+def mesh_sizes(mesh) -> tuple[int, int]:
+    return (1, 1) if mesh is None else (int(mesh.shape["data"]), int(mesh.shape["model"]))
+
+
+def check_decode_batches(decode_specs, mesh) -> None:
+    """Explicit decode batches the mesh's data axis does not divide are refused before anything runs."""
+    d, _ = mesh_sizes(mesh)
+    bad = [f"{c}:{b}" for c, b in decode_specs if b != "max" and int(b) % d]
+    if bad:
+        raise ValueError(f"--e2e_decode: mesh axis data:{d} does not divide the batch of {', '.join(bad)}; use batches "
+                         f"that are multiples of {d} (or 'max', rounded down to a multiple)")
+
+
+def device_weight_bytes(cfg, mesh, itemsize: int = 2) -> int:
+    """Weight bytes one device holds with models/sharding.py's layout (`param_spec`): parameters split over `model`
+    count 1/model; embeddings, lm_head, norms (and the MLP when model does not divide ffn) are whole on every device.
+    Without a mesh: every parameter (= param_count * itemsize)."""
+    if mesh is None:
+        return param_count(cfg) * itemsize
+    from models.sharding import MODEL, param_spec
+
+    m = int(mesh.shape[MODEL])
+    h, d, hq, kvh = cfg.hidden, cfg.head_dim, cfg.q_heads, cfg.kv_heads
+    params = [(("q_proj", "kernel"), (h, hq * d)), (("k_proj", "kernel"), (h, kvh * d)),
+              (("v_proj", "kernel"), (h, kvh * d)), (("o_proj", "kernel"), (hq * d, h)),
+              (("gate_proj", "kernel"), (h, cfg.ffn)), (("up_proj", "kernel"), (h, cfg.ffn)),
+              (("down_proj", "kernel"), (cfg.ffn, h)), (("input_layernorm", "weight"), (h,)),
+              (("post_attention_layernorm", "weight"), (h,))]
+    if cfg.qkv_bias:
+        params += [(("q_proj", "bias"), (hq * d,)), (("k_proj", "bias"), (kvh * d,)), (("v_proj", "bias"), (kvh * d,))]
+    if cfg.qk_norm:
+        params += [(("q_norm", "weight"), (d,)), (("k_norm", "weight"), (d,))]
+    layer = 0
+    for path, shape in params:
+        n = int(np.prod(shape))
+        spec = param_spec(path, shape, cfg, mesh)
+        layer += n // m if MODEL in tuple(spec) else n
+    whole = cfg.vocab * h * (1 if cfg.tie_embeddings else 2) + h
+    return (whole + cfg.num_layers * layer) * itemsize
 
 
 def byte_floor_s(weight_bytes: float, kv_bytes: float, tbps: float) -> float:
@@ -269,7 +340,18 @@ def top_kernels(kernels: dict, n: int = TOP_N) -> list:
 
 
 def row_key(row: dict) -> tuple:
-    return (row["model"], row["metric"], int(row["context"]), int(row["batch"]))
+    """(model, metric, context, batch, mesh): rows of another mesh (None = one device, also rows written before
+    meshes existed) are other rows, so a sharded run never overwrites a one-GPU number."""
+    return (row["model"], row["metric"], int(row["context"]), int(row["batch"]), row.get("mesh"))
+
+
+def order(row: dict) -> tuple:
+    """Sort key of rows (row_key with None, one device, first)."""
+    return row_key(row)[:4] + (row.get("mesh") or "",)
+
+
+def _mesh_cell(row: dict) -> str:
+    return f"{row.get('mesh') or 'none'} ({row.get('devices', 1)})"
 
 
 def summarize(row: dict) -> dict:
@@ -353,31 +435,32 @@ def _x(x):
 def render_markdown(meta: dict, rows: list) -> str:
     lines = ["# End-to-end speed: dense (cuDNN) vs Kascade in the model", ""]
     for run in meta.get("runs", []):
-        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, `{run.get('command')}`")
+        where = f"mesh {run['mesh']} over {run.get('devices')} devices" if run.get("mesh") else "one device"
+        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, {where}, `{run.get('command')}`")
     lines += ["", "Wall clock after compilation (TTFT: prefill of the whole prompt + first greedy sample, batch 1; "
               "decode: ms per step of the jitted decode loop, (t(N2) - t(N1)) / (N2 - N1)). Attention / rest: CUPTI "
               "kernel time split by kernel name (cuDNN attention and the Pallas kernels vs everything else; the "
               "small XLA fusions around the Pallas kernels count as rest). Speedup = dense wall / Kascade wall.", ""]
     for note in meta.get("notes", []):
         lines.append(f"- note: {note}")
-    ttft = sorted((r for r in rows if r["metric"] == "ttft" and "runs" in r), key=row_key)
-    dec = sorted((r for r in rows if r["metric"] == "decode_step" and "runs" in r), key=row_key)
+    ttft = sorted((r for r in rows if r["metric"] == "ttft" and "runs" in r), key=order)
+    dec = sorted((r for r in rows if r["metric"] == "decode_step" and "runs" in r), key=order)
     if ttft:
         lines += ["", "## Time to first token (s)", "",
-                  "| model | context | dense | Kascade | speedup | dense attn / rest | Kascade attn / rest | "
-                  "attn share dense | attn share Kascade | attention speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | mesh (devices) | context | dense | Kascade | speedup | dense attn / rest | Kascade attn / rest | "
+                  "attn share dense | attn share Kascade | attention speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in ttft:
             lines.append(
-                f"| {r['model']} | {r['context']} | {_s(r.get('dense_s'))} | {_s(r.get('kascade_s'))} | "
+                f"| {r['model']} | {_mesh_cell(r)} | {r['context']} | {_s(r.get('dense_s'))} | {_s(r.get('kascade_s'))} | "
                 f"{_x(r.get('speedup'))} | {_s(r.get('dense_attention_s'))} / {_s(r.get('dense_rest_s'))} | "
                 f"{_s(r.get('kascade_attention_s'))} / {_s(r.get('kascade_rest_s'))} | "
                 f"{_pct(r.get('attention_share_dense'))} | {_pct(r.get('attention_share_kascade'))} | "
                 f"{_x(r.get('attention_speedup'))} |")
     if dec:
         pallas = any("dense_pallas" in r["runs"] for r in dec)
-        head = ("| model | context | batch | dense | Kascade | speedup | dense attn / rest | Kascade attn / rest | "
+        head = ("| model | mesh (devices) | context | batch | dense | Kascade | speedup | dense attn / rest | Kascade attn / rest | "
                 "attn share dense | attn share Kascade | dense byte floor | dense wall - kernels |")
-        sep = "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         if pallas:
             head += " dense split-K Pallas (attn) |"
             sep += "---|"
@@ -386,7 +469,7 @@ def render_markdown(meta: dict, rows: list) -> str:
             gap = None
             if r.get("dense_s") is not None and r.get("dense_kernel_s") is not None:
                 gap = r["dense_s"] - r["dense_kernel_s"]
-            line = (f"| {r['model']} | {r['context']} | {r['batch']} | {_ms(r.get('dense_s'))} | "
+            line = (f"| {r['model']} | {_mesh_cell(r)} | {r['context']} | {r['batch']} | {_ms(r.get('dense_s'))} | "
                     f"{_ms(r.get('kascade_s'))} | {_x(r.get('speedup'))} | "
                     f"{_ms(r.get('dense_attention_s'))} / {_ms(r.get('dense_rest_s'))} | "
                     f"{_ms(r.get('kascade_attention_s'))} / {_ms(r.get('kascade_rest_s'))} | "
@@ -398,8 +481,9 @@ def render_markdown(meta: dict, rows: list) -> str:
     skipped = [r for r in rows if r.get("skipped")]
     if skipped:
         lines += ["", "## Not measured", ""]
-        for r in sorted(skipped, key=row_key):
-            lines.append(f"- {r['model']} {r['metric']} context {r['context']} batch {r['batch']}: {r['skipped']}")
+        for r in sorted(skipped, key=order):
+            lines.append(f"- {r['model']} {r['metric']} context {r['context']} batch {r['batch']} mesh "
+                         f"{r.get('mesh') or 'none'}: {r['skipped']}")
     notes = sorted({n for r in rows for n in r.get("notes", [])})
     if notes:
         lines += ["", "## Row notes", ""] + [f"- {n}" for n in notes]
@@ -409,7 +493,7 @@ def render_markdown(meta: dict, rows: list) -> str:
         for r in tops:
             for s, run in sorted(r["runs"].items()):
                 top = ", ".join(f"`{n[:40]}` {1e3 * t:.3f} ({c})" for n, t, c in run.get("top", [])[:8])
-                lines.append(f"- {r['model']} {r['context']} b{r['batch']} {s}: {top}")
+                lines.append(f"- {r['model']} {r['context']} b{r['batch']} mesh {r.get('mesh') or 'none'} {s}: {top}")
     return "\n".join(lines) + "\n"
 
 
@@ -421,12 +505,12 @@ def plot(rows: list, path: str) -> None:
 
     ttft = [r for r in rows if r["metric"] == "ttft" and r.get("speedup")]
     dec = sorted((r for r in rows if r["metric"] == "decode_step" and r.get("dense_kernel_s")
-                  and r.get("kascade_kernel_s")), key=row_key)
+                  and r.get("kascade_kernel_s")), key=order)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[1, 2]))
     ax = axes[0]
-    for model in sorted({r["model"] for r in ttft}):
-        pts = sorted((r["context"], r["speedup"]) for r in ttft if r["model"] == model)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=model)
+    for model, mesh in sorted({(r["model"], r.get("mesh") or "") for r in ttft}):
+        pts = sorted((r["context"], r["speedup"]) for r in ttft if r["model"] == model and (r.get("mesh") or "") == mesh)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=model + (f" {mesh}" if mesh else ""))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT speedup (dense / Kascade)")
@@ -443,7 +527,8 @@ def plot(rows: list, path: str) -> None:
             ax.bar(x, a, bottom=rest, color="#1f77b4" if s == "dense" else "#d62728",
                    label=f"attention ({s})" if i == 0 else None)
     ax.set_xticks([3 * i + 0.5 for i in range(len(dec))])
-    ax.set_xticklabels([f"{r['model'].split('-random')[0]}\n{r['context'] // 1024}K b{r['batch']}" for r in dec],
+    ax.set_xticklabels([f"{r['model'].split('-random')[0]}\n{r['context'] // 1024}K b{r['batch']}"
+                        + (f"\n{r['mesh']}" if r.get("mesh") else "") for r in dec],
                        fontsize=6)
     ax.set_ylabel("CUPTI kernel ms per decode step")
     ax.set_title("decode step: dense (left) vs Kascade (right) bars, attention on top of the rest", fontsize=9)
@@ -494,12 +579,18 @@ def load(out_dir: str, stem: str) -> tuple[dict, list]:
     return meta, doc["rows"]
 
 
-def output_stem(tag: str) -> str:
+def output_stem(tag: str, mesh: str | None = None) -> str:
+    """e2e_<tag> when a tag is given; else e2e for one device and e2e_mesh-data<D>-model<M> on a mesh, so a sharded
+    run never writes into the one-GPU file (rows also carry their mesh in row_key)."""
     from experiments.timing import _TAG
 
     if tag and not _TAG.fullmatch(tag):
         raise ValueError(f"--e2e_tag must be letters, digits, '_', '.' or '-', got {tag!r}")
-    return f"e2e_{tag}" if tag else "e2e"
+    if tag:
+        return f"e2e_{tag}"
+    if mesh:
+        return "e2e_mesh-" + mesh.replace(":", "").replace(",", "-")
+    return "e2e"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -507,14 +598,23 @@ def output_stem(tag: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def random_model(cfg, dtype, seed: int = 0):
+def random_model(cfg, dtype, seed: int = 0, mesh=None):
     """Transformer(cfg) with normal(0.02) weights (norm scales 1, biases 0), created on the default device by one
-    jitted RNG call per parameter: no host arrays, no per-module default initialisers."""
+    jitted RNG call per parameter: no host arrays, no per-module default initialisers.
+
+    With a mesh every parameter is created directly in its models/sharding.py layout (the jitted RNG call has that
+    out_sharding, so no device ever holds more than its slice) and the model is marked as sharded (`model.mesh`),
+    exactly what `shard_model` would give; the values equal the unsharded ones (partitionable threefry)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jax.sharding import NamedSharding
 
+    from models.sharding import check_heads, param_spec
     from models.transformer import Transformer
+
+    if mesh is not None:
+        check_heads(cfg, mesh)
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -522,26 +622,33 @@ def random_model(cfg, dtype, seed: int = 0):
 
     fns = {}  # one jitted RNG per (shape, dtype): a handful of compilations for the whole model
 
-    def make(shape, dt):
-        if (shape, dt) not in fns:
-            fns[(shape, dt)] = jax.jit(lambda key: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dt))
-        return fns[(shape, dt)]
+    def make(shape, dt, sharding):
+        if (shape, dt, sharding) not in fns:
+            fns[(shape, dt, sharding)] = jax.jit(
+                lambda key: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dt), out_shardings=sharding)
+        return fns[(shape, dt, sharding)]
 
     key = jax.random.key(seed)
     for i, (path, var) in enumerate(sorted(flat.items(), key=lambda kv: str(kv[0]))):
         sd = var.get_value()
         shape, dt = tuple(sd.shape), sd.dtype
         leaf = str(path[-1])
+        sharding = None if mesh is None else NamedSharding(mesh, param_spec(path, shape, cfg, mesh))
         if leaf in ("kernel", "embedding"):
-            value = make(shape, dt)(jax.random.fold_in(key, i))
+            value = make(shape, dt, sharding)(jax.random.fold_in(key, i))
         elif leaf == "weight":  # RMSNorm scales
             value = jnp.ones(shape, dt)
         elif leaf == "bias":
             value = jnp.zeros(shape, dt)
         else:
             raise ValueError(f"random_model: no initialiser for parameter {'/'.join(map(str, path))}")
+        if sharding is not None and leaf != "kernel" and leaf != "embedding":
+            value = jax.device_put(value, sharding)  # small: norms and biases
         var.set_value(value)
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    if mesh is not None:
+        model.mesh = mesh  # attention per shard from now on (as models.sharding.shard_model marks it)
+    return model
 
 
 def weight_bytes(model) -> int:
@@ -551,14 +658,15 @@ def weight_bytes(model) -> int:
     return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
-def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print):
-    """(model, notes, kascade kwargs, max context it may run, its config's own max positions) for a spec; a real
-    model that does not resolve raises ValueError."""
+def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print, mesh=None):
+    """(model, notes, kascade kwargs, max context it may run, its config's own max positions) for a spec, placed on
+    `mesh` when given; a real model that does not resolve (or a mesh that does not divide its heads) raises
+    ValueError."""
     if spec.random:
         orig, _ = load_shape_config(spec)
         cfg, note = load_shape_config(spec, max_context)
         t0 = time.perf_counter()
-        model = random_model(cfg, dtype, seed)
+        model = random_model(cfg, dtype, seed, mesh=mesh)
         log(f"{spec.name}: random weights initialised on the device in {time.perf_counter() - t0:.1f} s")
         return (model, [note] if note else [], dict(anchors=spec.anchors, head_map=None), cfg.max_position_embeddings,
                 orig.max_position_embeddings)
@@ -566,6 +674,10 @@ def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print):
 
     model, _ = load_model(spec.alias, "bfloat16", with_tokenizer=False)
     kw, note = calibrated_kascade(spec.alias, model.config.num_layers, model.config.kv_heads)
+    if mesh is not None:
+        from models.sharding import shard_model
+
+        model = shard_model(model, mesh)
     notes = [f"{spec.alias}: real weights (GGUF dequantised to bf16), {note}"]
     return model, notes, kw, model.config.max_position_embeddings, model.config.max_position_embeddings
 
@@ -574,15 +686,19 @@ def calibrated_kascade(alias: str, num_layers: int, kv_heads: int) -> tuple[dict
     """(make_strategy kwargs, description) of the shipped default recipe of a real model: its levers and the anchors
     and head map of its shipped (or cached) calibration. Never runs a calibration: without one it raises."""
     from kascade_jax.calibration.artifact import CalibrationArtifact
-    from kascade_jax.calibration.resolve import _calib_k, _find_cached, artifact_path
+    from kascade_jax.calibration.resolve import calibration_key, find_cached
     from kascade_jax.recipes import load_recipe
 
     r = load_recipe(alias, "default")
-    k = _calib_k(r.calib_k, 32)
-    path = artifact_path(alias, num_prompts=r.calib_num_prompts, k=k, tile_size=32, reduce=r.calib_reduce)
-    found = _find_cached(path, alias, "builtin", r.calib_num_prompts, k, 32, r.calib_reduce)
+    # the keywords experiments/recipe_flags.calibration_kwargs gives load_or_calibrate (the run's dtype: bfloat16)
+    key = calibration_key(alias, num_prompts=r.calib_num_prompts, k=r.calib_k, tile_size=32, reduce=r.calib_reduce,
+                          max_tokens=r.calib_max_tokens, min_tokens=max(64, r.calib_max_tokens // 2),
+                          dtype=r.calib_dtype or "bfloat16")
+    found, near = find_cached(key)
     if found is None:
-        raise ValueError(f"{alias}: no shipped or cached calibration ({path.name}); run experiments.calibrate first")
+        miss = "; ".join(f"{p.name} differs in {', '.join(d)}" for p, d in near) or "none near"
+        raise ValueError(f"{alias}: no shipped or cached calibration for {key.name()} ({miss}); run "
+                         f"experiments.calibrate first")
     art = CalibrationArtifact.load(found)
     art.check_model(num_layers, kv_heads)
     anchors = tuple(int(a) for a in art.anchors_for(r.num_anchors, r.calib_importance))
@@ -606,16 +722,6 @@ def make_strategies(names, cfg, kascade_kw: dict, topk_frac: float, min_k: int) 
         else:
             raise ValueError(f"--e2e_strategies: unknown strategy {name!r}; choose from {list(STRATEGY_NAMES)}")
     return out
-
-
-def mesh_hook():
-    """The seam for several GPUs: experiments/common.py's --mesh (another branch) is read here; until this benchmark
-    shards the model and cache, a set --mesh is refused instead of silently running on one device."""
-    common = sys.modules.get("experiments.common")  # not imported here: its flags would clash with eval's own
-    flag = getattr(common, "MESH", None)
-    if flag is not None and flag.value:
-        raise ValueError(f"bench --phase=e2e does not shard yet: --mesh={flag.value} is not supported here")
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -642,12 +748,19 @@ def prepare_ttft(model, strategy, context: int, seed: int) -> Prepared:
 
     from models import generate as gen
     from models.cache import KVCache
+    from models.sharding import cache_shardings, check_batch, model_mesh
 
     cfg = model.config
+    if model_mesh(model) is not None:
+        check_batch(1, model_mesh(model))
     graphdef, params = nnx.split(model)
+
+    mesh = model_mesh(model)
 
     def run(params, tokens):
         cache = KVCache.init(cfg, 1, context, dtype=model.dtype)
+        if mesh is not None:  # the mesh's KV layout ([batch -> data, kv_heads -> model]), as sharding.init_cache
+            cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cfg, mesh))
         plens = jnp.full((1,), context, jnp.int32)
         logits, cache, _ = gen._prefill_chunk(graphdef, params, tokens, cache, plens, 0, strategy, True, False)
         return gen.sample(logits, jax.random.key(0), 0.0, 1.0, 0), cache
@@ -663,11 +776,18 @@ def prepare_decode(model, strategy, context: int, batch: int, steps: tuple[int, 
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from models import generate as gen
     from models.cache import KVCache
+    from models.sharding import CACHE_SPEC, DATA, model_mesh
 
     cfg = model.config
+    mesh = model_mesh(model)
+    if mesh is not None:
+        from models.sharding import check_batch
+
+        check_batch(batch, mesh)
     n1, n2 = steps
     if n2 >= context:
         raise ValueError(f"decode context {context} must exceed the step count {n2}")
@@ -679,7 +799,11 @@ def prepare_decode(model, strategy, context: int, batch: int, steps: tuple[int, 
         key = jax.random.key(seed)
         shape = (batch, context, cfg.kv_heads, cfg.head_dim)
         kv = [jax.random.normal(jax.random.fold_in(key, i), shape, model.dtype) for i in range(2 * cfg.num_layers)]
-        cache = KVCache(k=tuple(kv[0::2]), v=tuple(kv[1::2]), lengths=jnp.full((batch,), start, jnp.int32))
+        lengths = jnp.full((batch,), start, jnp.int32)
+        if mesh is not None:  # each device fills only its block of the cache (partitionable RNG)
+            kv = [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, CACHE_SPEC)) for x in kv]
+            lengths = jax.lax.with_sharding_constraint(lengths, NamedSharding(mesh, P(DATA)))
+        cache = KVCache(k=tuple(kv[0::2]), v=tuple(kv[1::2]), lengths=lengths)
         tok = jax.random.randint(jax.random.fold_in(key, 2 * cfg.num_layers), (batch,), 0, cfg.vocab, jnp.int32)
         carry = (cache, tok, jnp.zeros((batch,), bool), jnp.asarray(0, jnp.int32),
                  jnp.full((batch, out_w), -1, jnp.int32))
@@ -759,10 +883,13 @@ def require_gpu():
         raise ValueError(f"bench --phase=e2e needs a GPU, found backend {jax.default_backend()!r}")
 
 
-def device_budget_bytes() -> float:
+def device_budget_bytes(mesh=None) -> float:
+    """Memory of one device (the first of the mesh): every device of a mesh holds the same share."""
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
+    local = [] if mesh is None else [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    dev = local[0] if local else jax.devices()[0]
+    stats = dev.memory_stats() or {}
     return float(stats.get("bytes_limit") or 139 * GB * 0.95)
 
 
@@ -786,16 +913,18 @@ def plan(metrics, contexts, decode_specs):
 
 def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), iterations=2, wall_repeats=2,
         topk_frac=0.1, min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", tag="", resume=True,
-        deadline_s=0.0, compile_threads=1, seed=0, log=print):
-    """Measure every planned (model, row, strategy) not yet in <out_dir>/e2e[_tag].json; returns the rows."""
+        deadline_s=0.0, compile_threads=1, seed=0, mesh=None, log=print):
+    """Measure every planned (model, row, strategy) not yet in <out_dir>/<output_stem(tag, mesh)>.json, on `mesh`
+    (a models.sharding Mesh) or one device (None); returns the rows."""
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
     t_start = time.monotonic()
-    stem = output_stem(tag)
+    mname, (n_data, n_model) = mesh_name(mesh), mesh_sizes(mesh)
+    stem = output_stem(tag, mname)
+    check_decode_batches(decode_specs, mesh)  # bad input first, before the GPU is needed
     require_gpu()
-    mesh_hook()
     for s in strategies:
         if s not in STRATEGY_NAMES:
             raise ValueError(f"--e2e_strategies: unknown strategy {s!r}; choose from {list(STRATEGY_NAMES)}")
@@ -803,14 +932,16 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
     meta, rows = load(out_dir, stem) if resume else ({"runs": [], "notes": []}, [])
     meta["runs"].append(dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                              gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv),
-                             devices=len(jax.devices()), topk_frac=topk_frac, min_k=min_k, steps=list(steps)))
+                             devices=n_data * n_model, mesh=mname, topk_frac=topk_frac, min_k=min_k,
+                             steps=list(steps)))
     dtype = jnp.bfloat16
-    budget = device_budget_bytes()
+    budget = device_budget_bytes(mesh)
     bar = tqdm(total=len(specs) * len(todo) * len(strategies), desc="e2e", mininterval=1.0, disable=None)
     for spec in specs:
         max_ctx = max([c for m, c, _ in todo] or [0])
         try:
-            model, notes, kascade_kw, model_max, orig_max = build_model(spec, max_ctx, dtype, seed, log=log)
+            model, notes, kascade_kw, model_max, orig_max = build_model(spec, max_ctx, dtype, seed, log=log,
+                                                                        mesh=mesh)
         except ValueError as e:
             msg = f"{spec.name}: not measured: {e}"
             log(msg)
@@ -820,39 +951,48 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
             continue
         cfg = model.config
         wbytes, kvpt = weight_bytes(model), kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize)
-        log(f"{spec.name}: {wbytes / GB:.2f} GB of weights, {kvpt} KV bytes/token, device budget {budget / GB:.1f} GB")
+        wdev = wbytes if mesh is None else device_weight_bytes(cfg, mesh, jnp.dtype(dtype).itemsize)
+        shards = n_data * n_model
+        log(f"{spec.name}: {wbytes / GB:.2f} GB of weights ({wdev / GB:.2f} GB per device), {kvpt} KV bytes/token, "
+            f"device budget {budget / GB:.1f} GB, {mname or 'one device'}")
         strats = make_strategies(strategies, cfg, kascade_kw, topk_frac, min_k)
         jobs = []  # (key, strategy, base row, row notes, predicted seconds) still to measure
         for metric, ctx, b in todo:
             if b == "max":
-                b = largest_batch(budget, wbytes, ctx * kvpt, headroom_gb * GB)
-            base = dict(model=spec.name, metric=metric, context=ctx, batch=int(b), devices=len(jax.devices()),
+                b = largest_batch(budget, wdev, ctx * kvpt, headroom_gb * GB, n_data, n_model)
+            kv_dev = int(b) * ctx * kvpt / shards  # every device: batch / data sequences, kv_heads / model heads
+            base = dict(model=spec.name, metric=metric, context=ctx, batch=int(b), mesh=mname, devices=shards,
                         weight_bytes=wbytes, kv_bytes=int(b) * ctx * kvpt)
+            if mesh is not None:
+                base["device_weight_bytes"] = wdev
             row_notes = notes if (not spec.random or ctx > orig_max) else []
             if metric == "decode_step":
-                base["floor_s"] = byte_floor_s(wbytes, int(b) * ctx * kvpt, hbm_tbps)
-            need = wbytes + int(b) * ctx * kvpt + headroom_gb * GB
+                base["floor_s"] = byte_floor_s(wdev, kv_dev, hbm_tbps)  # per device: they all read in parallel
+            need = wdev + kv_dev + headroom_gb * GB
             reason = None
             if ctx > model_max:
                 reason = f"context {ctx} beyond the model's {model_max} max positions"
+            elif int(b) % n_data:  # only TTFT's batch 1 (explicit decode batches were checked above)
+                reason = f"batch {b} does not split over the mesh's data:{n_data} (use data:1 for TTFT)"
             elif b == 0 or need > budget:
-                reason = (f"does not fit one device: weights {wbytes / GB:.1f} GB + KV {int(b) * ctx * kvpt / GB:.1f} GB"
-                          f" + headroom {headroom_gb:.0f} GB > {budget / GB:.1f} GB")
+                reason = (f"does not fit {'one device' if mesh is None else 'the devices of ' + mname}: weights "
+                          f"{wdev / GB:.1f} GB + KV {kv_dev / GB:.1f} GB + headroom {headroom_gb:.0f} GB > "
+                          f"{budget / GB:.1f} GB per device")
             for sname in strategies:
                 bar.update(1)
                 if metric == "ttft" and sname == "dense_pallas":
                     continue  # prefill never uses the decode kernel
-                key = (spec.name, metric, ctx, int(b))
+                key = (spec.name, metric, ctx, int(b), mname)
                 if reason:
                     _mark_skipped(rows, base, reason)
                 elif not (resume and has_run(rows, key, sname)):
-                    est = estimate_s(metric, cfg.num_layers, ctx, int(b), sname, weight_bytes=wbytes,
+                    est = estimate_s(metric, cfg.num_layers, ctx, int(b) // shards or 1, sname, weight_bytes=wdev,
                                      kv_per_token=kvpt)
                     jobs.append((key, sname, base, row_notes, est))
         save(out_dir, stem, meta, rows, log=log)
 
         def prepare(job):
-            (_, metric, ctx, b), sname = job[0], job[1]
+            (_, metric, ctx, b, _), sname = job[0], job[1]
             if metric == "ttft":
                 return prepare_ttft(model, strats[sname], ctx, seed)
             return prepare_decode(model, strats[sname], ctx, b, steps, seed)
@@ -929,22 +1069,26 @@ def _mark_skipped(rows, base, reason):
 
 
 def profile(spec: ModelSpec, context: int, batch, strategies, *, steps=(8, 40), iterations=2, topk_frac=0.1,
-            min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", seed=0, log=print) -> dict:
+            min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", seed=0, mesh=None, log=print) -> dict:
     """Top kernels of one decode step per strategy, printed and saved as e2e_profile_<model>_<ctx>_b<batch>.json."""
     import jax
     import jax.numpy as jnp
 
     require_gpu()
-    mesh_hook()
-    model, notes, kascade_kw, _, _ = build_model(spec, context, jnp.bfloat16, seed, log=log)
+    mname, (n_data, n_model) = mesh_name(mesh), mesh_sizes(mesh)
+    if batch != "max":
+        check_decode_batches([(context, batch)], mesh)
+    model, notes, kascade_kw, _, _ = build_model(spec, context, jnp.bfloat16, seed, log=log, mesh=mesh)
     cfg = model.config
     wbytes, kvpt = weight_bytes(model), kv_bytes_per_token(cfg)
+    wdev = wbytes if mesh is None else device_weight_bytes(cfg, mesh)
     if batch == "max":
-        batch = largest_batch(device_budget_bytes(), wbytes, context * kvpt, headroom_gb * GB)
-    floor = byte_floor_s(wbytes, batch * context * kvpt, hbm_tbps)
+        batch = largest_batch(device_budget_bytes(mesh), wdev, context * kvpt, headroom_gb * GB, n_data, n_model)
+    floor = byte_floor_s(wdev, batch * context * kvpt / (n_data * n_model), hbm_tbps)
     log(f"{spec.name} decode ctx={context} b={batch}: byte floor {1e3 * floor:.2f} ms (weights {wbytes / GB:.2f} GB, "
         f"KV {batch * context * kvpt / GB:.2f} GB at {hbm_tbps} TB/s)")
-    result = dict(model=spec.name, context=context, batch=batch, floor_s=floor, notes=notes, strategies={},
+    result = dict(model=spec.name, context=context, batch=batch, mesh=mname, devices=n_data * n_model, floor_s=floor,
+                  notes=notes, strategies={},
                   gpu=jax.devices()[0].device_kind, jax=jax.__version__)
     for sname, strategy in make_strategies(strategies, cfg, kascade_kw, topk_frac, min_k).items():
         res = measure_decode(prepare_decode(model, strategy, context, batch, steps, seed), iterations, 1)
@@ -955,7 +1099,8 @@ def profile(spec: ModelSpec, context: int, batch, strategies, *, steps=(8, 40), 
         for name, t, cat in res["top"]:
             log(f"  {1e3 * t:8.4f} ms  {cat:11s} {name[:110]}")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"e2e_profile_{spec.name}_{context}_b{batch}.json")
+    suffix = "" if mname is None else "_" + output_stem("", mname)[len("e2e_"):]
+    path = os.path.join(out_dir, f"e2e_profile_{spec.name}_{context}_b{batch}{suffix}.json")
     _atomic_write(path, json.dumps(result, indent=1))
     log(f"wrote {path}")
     return result
@@ -971,9 +1116,10 @@ def main(argv):
     del argv
     # One process, one GPU: let JAX take most of the memory (the largest-batch rows need it), unless told otherwise.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    mesh = devices.setup()  # --mesh / --distributed (experiments/devices.py); None: one device
     steps = parse_steps(STEPS.value)
     kw = dict(steps=steps, iterations=ITERS.value, topk_frac=TOPK_FRAC.value, min_k=MIN_K.value,
-              headroom_gb=HEADROOM.value, hbm_tbps=HBM.value, out_dir=OUT.value, seed=SEED.value)
+              headroom_gb=HEADROOM.value, hbm_tbps=HBM.value, out_dir=OUT.value, seed=SEED.value, mesh=mesh)
     if PROFILE.value:
         parts = PROFILE_SHAPE.value.split(":")
         if len(parts) != 3:

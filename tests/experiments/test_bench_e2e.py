@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +87,83 @@ def test_parsers():
     with pytest.raises(ValueError, match="e2e_tag"):
         e2e.output_stem("../x")
     assert e2e.output_stem("") == "e2e" and e2e.output_stem("mesh8") == "e2e_mesh8"
+    assert e2e.output_stem("", "data:1,model:2") == "e2e_mesh-data1-model2"
+    assert e2e.output_stem("mine", "data:1,model:2") == "e2e_mine" and e2e.output_stem("", None) == "e2e"
+
+
+def fake_mesh(data: int, model: int):
+    """Only the axis sizes, for the arithmetic (real meshes: the 8-device tests below)."""
+    return types.SimpleNamespace(shape={"data": data, "model": model})
+
+
+def test_largest_batch_and_bytes_on_a_mesh():
+    llama, _ = e2e.load_shape_config(e2e.SPECS["llama3.1-8b-random"])
+    per_seq = 131072 * e2e.kv_bytes_per_token(llama)  # 17.18 GB
+    w = 2 * e2e.param_count(llama)
+    assert e2e.device_weight_bytes(llama, None) == w
+    # model:M splits every layer's attention and MLP; embeddings, lm_head (2 x 1.05 GB) and norms stay whole
+    whole = 2 * (2 * llama.vocab * llama.hidden + llama.hidden + 2 * llama.num_layers * llama.hidden)  # + norms
+    for m in (1, 2, 4, 8):
+        assert e2e.device_weight_bytes(llama, fake_mesh(1, m)) == whole + (w - whole) // m, m
+        assert e2e.device_weight_bytes(llama, fake_mesh(4, m)) == e2e.device_weight_bytes(llama, fake_mesh(1, m))
+    budget, head = 139e9 * 0.95, 10e9
+    assert e2e.largest_batch(budget, w, per_seq, head, 1, 1) == e2e.largest_batch(budget, w, per_seq, head) == 6
+    w2 = e2e.device_weight_bytes(llama, fake_mesh(1, 2))
+    b2 = e2e.largest_batch(budget, w2, per_seq, head, 1, 2)  # (132 - 9.1 - 10) GB // 8.59 GB
+    assert b2 == int((budget - w2 - head) // (per_seq / 2)) == 13
+    b22 = e2e.largest_batch(budget, w2, per_seq, head, 2, 2)  # twice as many sequences, a multiple of data
+    assert b22 == 2 * b2 and b22 % 2 == 0
+    assert e2e.largest_batch(budget, w, per_seq, head, 3, 1) == 18
+    assert e2e.largest_batch(20e9, w, per_seq, head, 2, 1) == 0
+    with pytest.raises(ValueError, match="mesh sizes"):
+        e2e.largest_batch(budget, w, per_seq, head, 0, 1)
+
+
+def test_rows_of_another_mesh_are_other_rows(tmp_path):
+    base = dict(model="llama3.1-8b-random", metric="decode_step", context=32768, batch=8)
+    old = dict(base)  # written before meshes existed: no "mesh" field = one device
+    sharded = dict(base, mesh="data:1,model:2", devices=2)
+    one = dict(base, mesh=None, devices=1)
+    assert e2e.row_key(old) == e2e.row_key(one) != e2e.row_key(sharded)
+    assert e2e.mesh_name(None) is None
+    rows = []
+    e2e.add_run(rows, one, "dense", _run(11.6e-3, 8e-3, 3.6e-3))
+    e2e.add_run(rows, sharded, "dense", _run(6.1e-3, 4e-3, 2.1e-3))
+    e2e.add_run(rows, sharded, "kascade", _run(3.9e-3, 1.5e-3, 2.4e-3))
+    assert len(rows) == 2 and rows[0]["dense_s"] == 11.6e-3 and "kascade" not in rows[0]["runs"]
+    assert e2e.has_run(rows, e2e.row_key(sharded), "kascade") and not e2e.has_run(rows, e2e.row_key(one), "kascade")
+    e2e._mark_skipped(rows, dict(base, batch=32, mesh="data:1,model:2", devices=2), "does not fit")
+    e2e._mark_skipped(rows, dict(base, batch=32, mesh=None, devices=1), "does not fit one device")
+    assert len(rows) == 4 and sorted(rows, key=e2e.order)[0]["mesh"] is None
+    e2e.save(str(tmp_path), "e2e_mesh-data1-model2", dict(runs=[], notes=[]), rows)
+    md = (tmp_path / "e2e_mesh-data1-model2.md").read_text()
+    assert "| mesh (devices) |" in md and "| data:1,model:2 (2) | 32768 | 8 | 6.10 | 3.90 |" in md
+    assert "| none (1) | 32768 | 8 | 11.60 |" in md and "mesh data:1,model:2: does not fit" in md
+
+
+def test_a_batch_the_data_axis_does_not_divide_is_refused():
+    specs = e2e.parse_decode_specs(["32768:8", "32768:3", "131072:max"])
+    e2e.check_decode_batches(specs, None)
+    e2e.check_decode_batches(specs, fake_mesh(1, 8))
+    with pytest.raises(ValueError, match=r"data:2 does not divide the batch of 32768:3"):
+        e2e.check_decode_batches(specs, fake_mesh(2, 1))
+    e2e.check_decode_batches(e2e.parse_decode_specs(["32768:8", "131072:max"]), fake_mesh(2, 4))
+    with pytest.raises(ValueError, match=r"data:4 does not divide the batch of 32768:2"):  # run() refuses it first
+        e2e.run([e2e.SPECS["llama3.1-8b-random"]], metrics=["decode"], contexts=[], decode_specs=[(32768, 2)],
+                strategies=["dense"], mesh=fake_mesh(4, 2), out_dir="/nonexistent")
+
+
+def test_bench_help_lists_mesh_and_kernel_phases_refuse_it():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    res = subprocess.run([sys.executable, "-m", "experiments.bench", "--help"], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "--mesh" in res.stdout and "--e2e_models" in res.stdout and "--[no]distributed" in res.stdout
+    res = subprocess.run([sys.executable, "-m", "experiments.bench", "--phase=prefill", "--mesh=model:2"], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "is for --phase=e2e" in res.stdout + res.stderr
 
 
 def test_classify_and_categories():
@@ -199,7 +280,6 @@ def test_random_model_on_device(rng):
 
 
 def test_refuses_without_gpu(tmp_path):
-    assert e2e.mesh_hook() is None
     with pytest.raises(ValueError, match="needs a GPU"):
         e2e.run([e2e.SPECS["llama3.1-8b-random"]], metrics=["ttft"], contexts=[32768], decode_specs=[],
                 strategies=["dense"], out_dir=str(tmp_path))
@@ -208,12 +288,19 @@ def test_refuses_without_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_smoke_small_shape(tmp_path):
+@pytest.mark.parametrize("mesh_text", [None, "data:1,model:1"])
+def test_gpu_smoke_small_shape(tmp_path, mesh_text):
+    """One GPU, unsharded and on a mesh of size 1 (the sharded code path: per-shard attention, laid-out caches)."""
+    from models.sharding import parse_mesh
+
+    mesh = parse_mesh(mesh_text)
+    stem = "e2e_smoke" if mesh is None else "e2e_mesh-data1-model1"
     spec = e2e.ModelSpec("tiny-random", config_dict=TINY_HF, anchors=(0, 2))
     kw = dict(metrics=["ttft", "decode"], contexts=[2048], decode_specs=[(2048, 2), (2048, 100000)],
               strategies=["dense", "kascade", "dense_pallas"], steps=(4, 12), iterations=2, wall_repeats=1,
-              out_dir=str(tmp_path), tag="smoke")
+              out_dir=str(tmp_path), tag="smoke" if mesh is None else "", mesh=mesh)
     rows = e2e.run([spec], **kw)
+    assert all(r["mesh"] == mesh_text and r["devices"] == 1 for r in rows)
     done = [r for r in rows if "runs" in r]
     assert {(r["metric"], r["batch"]) for r in done} == {("ttft", 1), ("decode_step", 2)}
     for r in done:
@@ -225,10 +312,11 @@ def test_gpu_smoke_small_shape(tmp_path):
     assert any(name == "kascade_dense_decode" for name, _, _ in dec["runs"]["dense_pallas"]["top"])
     assert dec["runs"]["kascade"]["categories"]["attention"] > 0
     assert not any(name.startswith("kascade_") for name, _, _ in dec["runs"]["dense"]["top"])
-    assert (tmp_path / "e2e_smoke.md").exists() and (tmp_path / "e2e_smoke.png").exists()
+    assert (tmp_path / f"{stem}.md").exists() and (tmp_path / f"{stem}.png").exists()
     again = e2e.run([spec], **kw)  # resume: nothing left to measure, the same rows come back
     assert [r.get("runs", {}).keys() for r in again] == [r.get("runs", {}).keys() for r in rows]
-    prof = e2e.profile(spec, 2048, 2, ["dense", "kascade"], steps=(4, 12), out_dir=str(tmp_path))
+    prof = e2e.profile(spec, 2048, 2, ["dense", "kascade"], steps=(4, 12), out_dir=str(tmp_path), mesh=mesh)
+    assert prof["mesh"] == mesh_text
     assert set(prof["strategies"]) == {"dense", "kascade"}
     assert len(prof["strategies"]["kascade"]["top"]) > 0
 
@@ -277,3 +365,95 @@ def test_calibrated_kascade_of_the_real_model():
     assert strategy.config.anchors == (0, 2, 5, 14, 27)
     with pytest.raises(ValueError):
         e2e.calibrated_kascade("qwen2.5-coder-1.5b", 30, 2)  # wrong model shape for the artifact
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The measured programs on a mesh: 8 simulated CPU devices (in a subprocess, see tests/models/test_sharding.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+needs8 = pytest.mark.skipif("len(jax.devices()) < 8", reason="needs 8 (simulated) devices")
+MESH_HF = dict(TINY_HF, hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=32,
+               num_attention_heads=8, num_key_value_heads=4, vocab_size=256)
+
+
+def _lively(model):
+    """Scale the 0.02 random weights up (elementwise, so a sharded parameter keeps its sharding): at 0.02 every
+    position emits the same token, and the tokens would not depend on attention."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    for path, var in flat:
+        v = var.get_value()
+        if str(path[-1]) == "kernel":
+            var.set_value(v * (1.5 / np.sqrt(v.shape[0]) / 0.02))
+        elif str(path[-1]) == "embedding":
+            var.set_value(v * 50.0)
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+@needs8
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1), (2, 4)])
+def test_mesh_programs_equal_unsharded(shape):
+    """The bench's TTFT and decode-loop programs with the random model created on a (data, model) mesh give the
+    unsharded first token and decode tokens, dense and Kascade; parameters and caches have the mesh's layout."""
+    from jax.sharding import NamedSharding
+
+    from kascade_jax.registry import make_strategy
+    from models import sharding
+
+    cfg, _ = e2e.load_shape_config(e2e.ModelSpec("tiny", config_dict=MESH_HF))
+    mesh = sharding.make_mesh(*shape)
+    seed, ctx, batch = 3, 256, 4
+    plain = _lively(e2e.random_model(cfg, jnp.float32, seed))
+    placed = _lively(e2e.random_model(cfg, jnp.float32, seed, mesh=mesh))
+    assert placed.mesh is mesh and getattr(plain, "mesh", None) is None
+    flat = nnx.to_flat_state(nnx.state(placed, nnx.Param))
+    for path, var in flat:
+        x = var.get_value()
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, sharding.param_spec(path, x.shape, cfg, mesh)), x.ndim)
+    dev0 = mesh.devices.flat[0]
+    on_dev0 = sum(sh.data.nbytes for _, v in flat for sh in v.get_value().addressable_shards if sh.device == dev0)
+    assert e2e.device_weight_bytes(cfg, mesh, itemsize=4) == on_dev0
+    strats = dict(dense=make_strategy("dense", cfg.num_layers, cfg.kv_heads),
+                  kascade=make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=0.1, min_k=8,
+                                        anchors=(0,), kernels="reference"))
+    kv = NamedSharding(mesh, sharding.CACHE_SPEC)
+    for name, strategy in strats.items():
+        want = e2e.prepare_decode(plain, strategy, ctx, batch, (2, 5), seed)
+        got = e2e.prepare_decode(placed, strategy, ctx, batch, (2, 5), seed)
+        out_w, n_w = want.compiled(*want.args, jnp.int32(5))
+        out_g, n_g = got.compiled(*got.args, jnp.int32(5))
+        assert int(n_w) == int(n_g) == 5
+        assert np.array_equal(np.asarray(out_g), np.asarray(out_w)), (name, shape)
+        assert len(set(np.asarray(out_w)[:, :5].ravel().tolist())) > 2, "tokens do not depend on the input"
+        if shape[0] > 1:
+            with pytest.raises(ValueError, match="does not divide the batch of 1"):
+                e2e.prepare_ttft(placed, strategy, ctx, seed)
+            with pytest.raises(ValueError, match="does not divide the batch of 3"):
+                e2e.prepare_decode(placed, strategy, ctx, 3, (2, 5), seed)
+            continue
+        want = e2e.prepare_ttft(plain, strategy, ctx, seed)
+        got = e2e.prepare_ttft(placed, strategy, ctx, seed)
+        tok_w, cache_w = want.compiled(*want.args)
+        tok_g, cache_g = got.compiled(*got.args)
+        assert int(tok_g[0]) == int(tok_w[0]), (name, shape)
+        assert cache_g.k[0].sharding.is_equivalent_to(kv, 4) and cache_g.v[-1].sharding.is_equivalent_to(kv, 4)
+        np.testing.assert_allclose(np.asarray(cache_g.k[-1]), np.asarray(cache_w.k[-1]), rtol=1e-4, atol=1e-4)
+
+
+def test_on_8_simulated_cpu_devices():
+    """The 8-device tests of this file in a subprocess with 8 simulated CPU devices."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the simulated-device tier runs on CPU")
+    if len(jax.devices()) >= 8:
+        pytest.skip("this process already has 8 devices: the tests ran directly")
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-rs",
+                          "-k", "mesh_programs_equal_unsharded", os.path.abspath(__file__)],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    tail = res.stdout[-6000:] + res.stderr[-2000:]
+    assert res.returncode == 0, tail
+    summary = res.stdout.strip().splitlines()[-1]
+    assert "3 passed" in summary and "failed" not in summary and "skipped" not in summary, summary
