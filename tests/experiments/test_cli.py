@@ -48,19 +48,23 @@ SHARED_HELP = {
     "calibrate": ["--model", "--dtype", "--calib_num_prompts", "--calib_k", "--calib_max_tokens", "--tile_size",
                   "--verbose"],
     "bench": ["--phase", "--heads", "--num_layers", "--num_anchors", "--decode_contexts", "--prefill_contexts",
-              "--verbose"],
+              "--mesh", "--verbose"],
     "bench_decode": ["--heads", "--num_layers", "--num_anchors", "--decode_contexts", "--verbose"],
     "bench_prefill": ["--heads", "--num_layers", "--num_anchors", "--prefill_contexts", "--verbose"],
     "accuracy": ["--mode", "--inputs", "--verbose"],
     "merge_eval": ["--inputs", "--merged_dir", "--verbose"],
     "kascade_agreement": ["--model", "--anchors", "--head_map", "--topk_fracs", "--tile_size", "--chunk_size",
                           "--verbose"],
+    "bench_e2e": ["--e2e_models", "--e2e_contexts", "--e2e_decode", "--e2e_strategies", "--mesh", "--verbose"],
+    "bench_paged": ["--paged_contexts", "--paged_batches", "--paged_page_sizes", "--verbose"],
+    "serve_replay": ["--replay_model", "--replay_strategies", "--num_requests", "--max_batch", "--page_size",
+                     "--replay_anchors", "--replay_topk_frac", "--verbose"],
 }
 
 
 def test_every_entry_point_is_covered():
     names = {p.stem for p in (ROOT / "experiments").glob("*.py")} - {"__init__", "cli", "common", "recipe_flags",
-                                                                     "timing"}
+                                                                     "timing", "devices", "paged_report"}
     assert names == set(SHARED_HELP), names ^ set(SHARED_HELP)
 
 
