@@ -21,6 +21,7 @@ prefill kernels), or time the serving loop (serve_replay.py).
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 
 from absl import flags
@@ -171,28 +172,35 @@ def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_chec
     if do_check:
         for ps in page_sizes:
             checks += check(8, 32768, ps, shape, frac, min_k, log=log)
-    rows = []
+    rows, not_measured = [], []  # every shape asked for is a row or a not_measured entry (with its reason)
     for b in batches:
         for s in contexts:
             gb = 4 * b * s * shape.kv_heads * shape.head_dim * 2 / 1e9  # K and V, contiguous and paged, bf16
             if gb > max_cache_gb:
-                log(f"skip b={b} s={s}: contiguous + paged K/V {gb:.0f} GB > {max_cache_gb} GB")
+                reason = f"skipped: contiguous + paged K/V {gb:.0f} GB > --paged_max_cache_gb={max_cache_gb:g}"
+                log(f"skip b={b} s={s}: {reason}")
+                not_measured += [dict(batch=b, context=s, page_size=ps, reason=reason) for ps in page_sizes]
                 continue
             for ps in page_sizes:
                 try:
                     rows.append(bench_one(b, s, ps, frac, min_k, iters, shape, log, stream_block))
-                except Exception as e:  # keep the sweep going; the failure is reported
-                    log(f"FAILED b={b} s={s} page {ps}: {type(e).__name__}: {str(e)[:400]}")
+                except Exception as e:  # keep the sweep going; the failure is reported and recorded
+                    reason = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                    log(f"FAILED b={b} s={s} page {ps}: {reason}")
+                    not_measured.append(dict(batch=b, context=s, page_size=ps, reason=reason))
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), iterations=iters,
                 heads=shape.heads_text(), formula=f"{shape.formula()} ({shape.mix_text()})",
                 page_size=",".join(map(str, page_sizes)), stream_block=stream_block, shape=shape.record())
-    log("wrote " + paged_report.update(out_dir, "kernels", dict(meta=meta, checks=checks, rows=rows)))
+    log("wrote " + paged_report.update(out_dir, "kernels", dict(meta=meta, checks=checks, rows=rows,
+                                                                       not_measured=not_measured)))
     return rows
 
 
 def main(argv):
     del argv
+    # One process, one GPU: both caches of a shape are resident at once, so let JAX take most of the memory.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [int(p) for p in PAGE_SIZES.value],
         frac=FRAC.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
         max_cache_gb=MAX_GB.value, shape=BenchShape.from_flags(), stream_block=STREAM_BLOCK.value)

@@ -35,6 +35,9 @@ def _kernels_md(sec: dict) -> list[str]:
                   "; ".join(f"{c['name']}: rel {c['rel']:.1e}" + (f", same index sets {c['same_sets']:.4f}"
                                                                    if "same_sets" in c else "")
                             for c in sec["checks"])]
+    if sec.get("not_measured"):
+        lines += ["", "Not measured:", ""] + [f"- batch {x['batch']}, context {x['context']}, page {x['page_size']}: "
+                                              f"{x['reason']}" for x in sec["not_measured"]]
     return lines
 
 

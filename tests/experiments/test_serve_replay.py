@@ -50,5 +50,9 @@ def test_replay_and_report(tmp_path):
     assert "paged vs contiguous cache" in text and "**1.100**" in text and "Continuous-batching replay" in text
     assert set(json.load(open(tmp_path / "paged.json"))) == {"replay", "kernels"}
     assert (tmp_path / "paged.png").stat().st_size > 1000
+    miss = [dict(batch=64, context=131072, page_size=64, reason="failed: JaxRuntimeError: RESOURCE_EXHAUSTED")]
+    paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=checks, rows=[krow], not_measured=miss))
+    text = open(md).read()
+    assert "Not measured:" in text and "batch 64, context 131072, page 64: failed: JaxRuntimeError" in text
     with pytest.raises(ValueError, match="section must be"):
         paged_report.update(str(tmp_path), "other", {})
