@@ -127,9 +127,9 @@ def test_rows_of_another_mesh_are_other_rows(tmp_path):
     assert e2e.row_key(old) == e2e.row_key(one) != e2e.row_key(sharded)
     assert e2e.mesh_name(None) is None
     rows = []
-    e2e.add_run(rows, one, "dense", _run(11.6e-3, 8e-3, 3.6e-3))
-    e2e.add_run(rows, sharded, "dense", _run(6.1e-3, 4e-3, 2.1e-3))
-    e2e.add_run(rows, sharded, "kascade", _run(3.9e-3, 1.5e-3, 2.4e-3))
+    e2e.add_run(rows, one, "dense", _run("dense", 11.6e-3, 8e-3, 3.6e-3))
+    e2e.add_run(rows, sharded, "dense", _run("dense", 6.1e-3, 4e-3, 2.1e-3))
+    e2e.add_run(rows, sharded, "kascade", _run("kascade", 3.9e-3, 1.5e-3, 2.4e-3))
     assert len(rows) == 2 and rows[0]["dense_s"] == 11.6e-3 and "kascade" not in rows[0]["runs"]
     assert e2e.has_run(rows, e2e.row_key(sharded), "kascade") and not e2e.has_run(rows, e2e.row_key(one), "kascade")
     e2e._mark_skipped(rows, dict(base, batch=32, mesh="data:1,model:2", devices=2), "does not fit")
@@ -198,27 +198,36 @@ def test_tables_per_step_and_split():
     assert e2e.categories(step) == pytest.approx({"fusion": 1e-6, "gemm": 3e-3, "attention": 2e-4})
 
 
-def _run(wall, att, rest):
+SETTINGS = dict(gpu="NVIDIA H200", jax_version="0.11.2", topk_frac=0.1, min_k=128, steps=(8, 40), seed=0,
+                kascade_kw=dict(anchors=(0, 2, 8, 13, 14), head_map=None), date="2026-12-01 12:00 UTC")
+
+
+def _settings(strategy, **over):
+    return e2e.run_settings(strategy, **dict(SETTINGS, **over))
+
+
+def _run(strategy, wall, att, rest, **over):
+    """A run as run() stores it: times, top kernels and the settings (SETTINGS with `over`)."""
     return dict(wall_s=wall, kernel_s=att + rest, attention_s=att, rest_s=rest, attention_share=att / (att + rest),
-                top=[["kascade_reuse_decode", att, "attention"]])
+                top=[["kascade_reuse_decode", att, "attention"]], settings=_settings(strategy, **over))
 
 
 def test_rows_resume_markdown_json_and_plot(tmp_path):
     rows = []
     base = dict(model="llama3.1-8b-random", metric="decode_step", context=131072, batch=1, floor_s=7.7e-3)
-    e2e.add_run(rows, base, "dense", _run(13.1e-3, 8.9e-3, 4.0e-3))
+    e2e.add_run(rows, base, "dense", _run("dense", 13.1e-3, 8.9e-3, 4.0e-3))
     assert rows[0]["speedup"] is None and not e2e.has_run(rows, e2e.row_key(base), "kascade")
-    row = e2e.add_run(rows, base, "kascade", _run(8.4e-3, 1.4e-3, 6.8e-3))
+    row = e2e.add_run(rows, base, "kascade", _run("kascade", 8.4e-3, 1.4e-3, 6.8e-3))
     assert len(rows) == 1 and e2e.has_run(rows, e2e.row_key(base), "kascade")
     assert row["dense_s"] == 13.1e-3 and row["kascade_s"] == 8.4e-3
     assert row["speedup"] == pytest.approx(13.1 / 8.4) and row["attention_speedup"] == pytest.approx(8.9 / 1.4)
     assert row["attention_share_dense"] == pytest.approx(8.9 / 12.9)
     assert row["attention_share_kascade"] == pytest.approx(1.4 / 8.2)
-    e2e.add_run(rows, base, "dense_pallas", _run(11.0e-3, 6.8e-3, 4.0e-3))
+    e2e.add_run(rows, base, "dense_pallas", _run("dense_pallas", 11.0e-3, 6.8e-3, 4.0e-3))
     assert rows[0]["speedup_vs_dense_pallas"] == pytest.approx(11.0 / 8.4)
     ttft = dict(model="qwen3-8b-random", metric="ttft", context=65536, batch=1, notes=["qwen3: max positions raised"])
-    e2e.add_run(rows, ttft, "dense", _run(3.5, 2.8, 0.7))
-    e2e.add_run(rows, ttft, "kascade", _run(2.0, 1.3, 0.7))
+    e2e.add_run(rows, ttft, "dense", _run("dense", 3.5, 2.8, 0.7))
+    e2e.add_run(rows, ttft, "kascade", _run("kascade", 2.0, 1.3, 0.7))
     e2e._mark_skipped(rows, dict(model="llama3.1-8b-random", metric="decode_step", context=32768, batch=32),
                       "does not fit one device")
     e2e._mark_skipped(rows, base, "dense_pallas: out of memory")  # on a measured row: a note, not a skip
