@@ -449,7 +449,7 @@ def legacy_settings(meta: dict, row: dict, strategy: str):
     code then did: seed from the command (default 0), the paper's anchors with identity head maps for the random
     models (the real model's calibrated anchors were not recorded: 'unknown'), the strategy's kernels."""
     spec = SPECS.get(row.get("model"))
-    found = {}
+    found, calls = {}, 0
     for call in meta.get("runs", []):
         if call.get("mesh") != row.get("mesh"):
             continue
@@ -458,6 +458,7 @@ def legacy_settings(meta: dict, row: dict, strategy: str):
         strategies = argv.get("e2e_strategies", ",".join(STRATEGIES.default)).split(",")
         if row.get("model") not in models or strategy not in strategies:
             continue
+        calls += 1
         try:
             seed = int(argv.get("e2e_seed", SEED.default))
             kw = (dict(anchors=spec.anchors, head_map=None) if spec is not None and spec.random
@@ -472,7 +473,7 @@ def legacy_settings(meta: dict, row: dict, strategy: str):
     if len(found) != 1:
         return UNKNOWN
     (s,) = found.values()
-    if sum(1 for c in meta.get("runs", []) if c.get("mesh") == row.get("mesh")) > 1:
+    if calls > 1:
         s["date"] = UNKNOWN  # one of the agreeing calls: which one is not recorded
     return s
 
