@@ -35,9 +35,25 @@ Contexts beyond a random-weight model's max_position_embeddings (Llama-3.1 13107
 the benchmark (timing only; the positions are outside the trained range) and every such row says so.
 
 Budget and resume: results are saved (JSON, Markdown, plot) after every (row, strategy) measurement; a rerun with
-the same `--e2e_out`/`--e2e_tag` skips what is already there (`--noe2e_resume` to redo). `--e2e_deadline_s` stops
-starting measurements predicted to end past that many seconds since start (predictions are crude: see
-`estimate_s`), so one device call ends cleanly with everything it measured saved.
+the same `--e2e_out`/`--e2e_tag` always starts from the existing file and never drops its other rows. Every run stores
+its `settings` (`run_settings`: GPU kind, JAX version, topk_frac, min_k, steps, seed, anchors, head map kind
+('identity' or 'calibrated:<hash>'), the rest of the Kascade recipe, the strategy's kernels / decode_kernel, date);
+resume skips a (row, strategy) only when its run has equal settings (the date aside), so a run of other settings or
+on another GPU is measured again and replaces that strategy's run in the row. `--noe2e_resume` measures every planned
+(row, strategy) again (replacing those runs) and keeps every other row. Speedups divide only runs whose settings
+agree in everything but the strategy's fields and the date; otherwise they are None and the row's `settings_note`
+(shown under "Row notes") says which fields differ. Runs written before runs stored settings (the first H200 file)
+get theirs on load from the file's call meta (`legacy_settings`): when every call that could have measured the run
+(same mesh, model and strategy in its flags) records the same GPU / JAX / topk_frac / min_k / steps (and the seed of
+its command, default 0), those, with the random models' paper anchors and identity head maps this code always used;
+else the string 'unknown': such runs are kept and shown, never divided by, and any new run replaces them. A row's
+notes merge (order kept); a strategy's failure ('kascade: out of memory: ...') is a note on a measured row or the
+row's `skipped` reason, and stays (in the notes) when another strategy later succeeds in that row; it is removed
+only when that strategy itself succeeds. A decode measurement whose noise exceeds the N2 - N1 difference (t(N2) <=
+t(N1)) fails with the numbers (`decode_step_s`) instead of reporting a negative time. A results file that is not
+valid JSON is a ValueError naming it (move it away). `--e2e_deadline_s` stops starting measurements predicted to end
+past that many seconds since start (predictions are crude: see `estimate_s`), so one device call ends cleanly with
+everything it measured saved.
 
 `--e2e_profile` prints (and saves as e2e_profile_<model>_<context>_b<batch>.json) the top-15 kernels of one decode
 step at `--e2e_profile_shape=model:context:batch`, for every strategy, with categories (attention, gemm,
@@ -101,7 +117,9 @@ HEADROOM = flags.DEFINE_float("e2e_headroom_gb", 10.0, "Memory left free when ch
 HBM = flags.DEFINE_float("e2e_hbm_tbps", 4.3, "HBM bandwidth of the byte floor (TB/s).")
 OUT = flags.DEFINE_string("e2e_out", "benchmarks", "Output folder for e2e[_<tag>].json/md/png.")
 TAG = flags.DEFINE_string("e2e_tag", "", "Output stem suffix: e2e_<tag>.* ('' = e2e.*).")
-RESUME = flags.DEFINE_boolean("e2e_resume", True, "Skip (row, strategy) measurements already in the JSON.")
+RESUME = flags.DEFINE_boolean("e2e_resume", True, "Skip (row, strategy) measurements already in the JSON with "
+                              "the same settings; --noe2e_resume measures the planned ones again, keeping all other "
+                              "rows of the file.")
 DEADLINE = flags.DEFINE_float("e2e_deadline_s", 0.0, "Start no measurement predicted to end past this many seconds "
                               "after start (0 = no limit).")
 PROFILE = flags.DEFINE_boolean("e2e_profile", False, "Print the top kernels of one decode step at "
@@ -265,13 +283,32 @@ def parse_decode_specs(items) -> list[tuple[int, int | str]]:
     return out
 
 
+def parse_contexts(items) -> list[int]:
+    """['32768', '65536'] -> [32768, 65536]: positive integers, else a ValueError naming --e2e_contexts."""
+    out = []
+    for item in items:
+        try:
+            c = int(str(item).strip())
+        except ValueError:
+            raise ValueError(f"--e2e_contexts: prompt lengths are positive integers, got {item!r}") from None
+        if c <= 0:
+            raise ValueError(f"--e2e_contexts: prompt lengths are positive integers, got {item!r}")
+        out.append(c)
+    return out
+
+
 def parse_steps(items) -> tuple[int, int]:
+    items = list(items)
+    if len(items) != 2:
+        raise ValueError(f"--e2e_steps: must be two integers N1,N2, got {','.join(map(str, items))!r}")
     try:
-        n1, n2 = (int(x) for x in items)
+        n1, n2 = (int(str(x).strip()) for x in items)
     except ValueError:
-        raise ValueError(f"--e2e_steps must be two integers N1,N2, got {','.join(map(str, items))!r}") from None
+        bad = next(x for x in items if not str(x).strip().lstrip("-").isdigit())
+        raise ValueError(f"--e2e_steps: must be two integers N1,N2, got {bad!r} in "
+                         f"{','.join(map(str, items))!r}") from None
     if not 1 <= n1 < n2:
-        raise ValueError(f"--e2e_steps needs 1 <= N1 < N2, got {n1},{n2}")
+        raise ValueError(f"--e2e_steps: needs 1 <= N1 < N2, got {n1},{n2}")
     return n1, n2
 
 
@@ -354,9 +391,97 @@ def _mesh_cell(row: dict) -> str:
     return f"{row.get('mesh') or 'none'} ({row.get('devices', 1)})"
 
 
+# Settings of a run: what a measurement depends on besides its row (model, metric, context, batch, mesh). Every run
+# stores them; resume re-measures a run whose settings differ (date aside) and speedups divide only runs whose
+# settings agree in everything but the strategy's own fields and the date.
+STRATEGY_FIELDS = ("strategy", "kernels", "decode_kernel")
+UNKNOWN = "unknown"  # the settings of a legacy run (no per-run settings) that its file's call meta cannot determine
+_KERNELS = {"dense": ("cudnn", "cudnn"), "dense_pallas": ("cudnn", "pallas"), "kascade": ("pallas", "pallas")}
+
+
+def head_map_kind(head_map) -> str:
+    """'identity' (no head map: every layer reuses its anchor's heads as they are) or 'calibrated:<sha1[:12]>' of
+    the map, so another calibration is other settings."""
+    if head_map is None:
+        return "identity"
+    import hashlib
+
+    text = json.dumps([[int(h) for h in r] for r in head_map])
+    return "calibrated:" + hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def run_settings(strategy: str, *, gpu: str, jax_version: str, topk_frac: float, min_k: int, steps, seed: int,
+                 kascade_kw: dict, date: str) -> dict:
+    """The settings dict stored in every run: the GPU kind, JAX, the Kascade levers (topk_frac, min_k, anchors, head
+    map kind, the rest of the recipe), steps, seed, the strategy and its kernels, and the date (never compared)."""
+    if strategy not in _KERNELS:
+        raise ValueError(f"--e2e_strategies: unknown strategy {strategy!r}; choose from {list(STRATEGY_NAMES)}")
+    kernels, decode_kernel = _KERNELS[strategy]
+    recipe = {k: v for k, v in sorted(kascade_kw.items()) if k not in ("anchors", "head_map")}
+    return dict(gpu=gpu, jax=jax_version, topk_frac=float(topk_frac), min_k=int(min_k),
+                steps=[int(n) for n in steps], seed=int(seed), anchors=[int(a) for a in kascade_kw.get("anchors", ())],
+                head_map=head_map_kind(kascade_kw.get("head_map")), recipe=json.loads(json.dumps(recipe)),
+                strategy=strategy, kernels=kernels, decode_kernel=decode_kernel, date=date)
+
+
+def settings_diff(a, b, ignore=("date",)) -> list[str]:
+    """Fields in which two settings differ (ignoring `ignore`); an unknown side differs in everything (['settings'])."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return ["settings"]
+    keys = [k for k in dict.fromkeys(list(a) + list(b)) if k not in ignore]
+    return [k for k in keys if a.get(k) != b.get(k)]
+
+
+def _argv_flags(command: str) -> dict:
+    """{'e2e_models': 'a,b', ...} of the --flag=value words of a recorded command line."""
+    out = {}
+    for word in str(command or "").split():
+        if word.startswith("--") and "=" in word:
+            name, _, value = word[2:].partition("=")
+            out[name] = value
+    return out
+
+
+def legacy_settings(meta: dict, row: dict, strategy: str):
+    """Settings of a run written before runs stored them: those of the call (meta['runs']) that measured it when the
+    file's calls that could have (same mesh, the model and strategy in their --e2e_models / --e2e_strategies, or the
+    flag's default) all give the same settings; else UNKNOWN. The fields calls did not record come from what this
+    code then did: seed from the command (default 0), the paper's anchors with identity head maps for the random
+    models (the real model's calibrated anchors were not recorded: 'unknown'), the strategy's kernels."""
+    spec = SPECS.get(row.get("model"))
+    found, calls = {}, 0
+    for call in meta.get("runs", []):
+        if call.get("mesh") != row.get("mesh"):
+            continue
+        argv = _argv_flags(call.get("command"))
+        models = argv.get("e2e_models", ",".join(MODELS.default)).split(",")
+        strategies = argv.get("e2e_strategies", ",".join(STRATEGIES.default)).split(",")
+        if row.get("model") not in models or strategy not in strategies:
+            continue
+        calls += 1
+        try:
+            seed = int(argv.get("e2e_seed", SEED.default))
+            kw = (dict(anchors=spec.anchors, head_map=None) if spec is not None and spec.random
+                  else dict(anchors=()))
+            s = run_settings(strategy, gpu=call["gpu"], jax_version=call["jax"], topk_frac=call["topk_frac"],
+                             min_k=call["min_k"], steps=call["steps"], seed=seed, kascade_kw=kw, date=call.get("date"))
+        except (KeyError, TypeError, ValueError):
+            return UNKNOWN
+        if spec is None or not spec.random:
+            s["anchors"] = s["head_map"] = s["recipe"] = UNKNOWN
+        found[json.dumps({k: v for k, v in s.items() if k != "date"}, sort_keys=True)] = s
+    if len(found) != 1:
+        return UNKNOWN
+    (s,) = found.values()
+    if calls > 1:
+        s["date"] = UNKNOWN  # one of the agreeing calls: which one is not recorded
+    return s
+
+
 def summarize(row: dict) -> dict:
     """Fill the summary fields of a row from its runs: dense_s / kascade_s (wall clock), speedup, attention shares,
-    kernel-time counterparts, and dense_pallas_* when that run exists. Missing runs give None."""
+    kernel-time counterparts, and dense_pallas_* when that run exists. Missing runs give None; so do the ratios of
+    runs whose settings differ in more than the strategy and the date (`settings_note` says in what)."""
     runs = row.get("runs", {})
 
     def get(strategy, field):
@@ -370,19 +495,53 @@ def summarize(row: dict) -> dict:
             row[f"{s}_attention_s"] = get(s, "attention_s")
             row[f"{s}_rest_s"] = get(s, "rest_s")
 
+    notes = []
+
+    def comparable(a, b):
+        if a not in runs or b not in runs:
+            return True  # nothing to divide: the ratio is None anyway
+        diff = settings_diff(runs[a].get("settings", UNKNOWN), runs[b].get("settings", UNKNOWN),
+                             ignore=("date",) + STRATEGY_FIELDS)
+        if diff:
+            notes.append(f"{a} / {b} not computed: the runs were measured with different settings "
+                         f"({', '.join(diff)}); rerun to measure both")
+        return not diff
+
     def ratio(a, b):
         return a / b if a is not None and b else None
 
-    row["speedup"] = ratio(row.get("dense_s"), row.get("kascade_s"))
-    row["kernel_speedup"] = ratio(row.get("dense_kernel_s"), row.get("kascade_kernel_s"))
-    row["attention_speedup"] = ratio(row.get("dense_attention_s"), row.get("kascade_attention_s"))
+    ok = comparable("dense", "kascade")
+    row["speedup"] = ratio(row.get("dense_s"), row.get("kascade_s")) if ok else None
+    row["kernel_speedup"] = ratio(row.get("dense_kernel_s"), row.get("kascade_kernel_s")) if ok else None
+    row["attention_speedup"] = ratio(row.get("dense_attention_s"), row.get("kascade_attention_s")) if ok else None
     if "dense_pallas" in runs:
-        row["speedup_vs_dense_pallas"] = ratio(row.get("dense_pallas_s"), row.get("kascade_s"))
+        ok = comparable("dense_pallas", "kascade")
+        row["speedup_vs_dense_pallas"] = ratio(row.get("dense_pallas_s"), row.get("kascade_s")) if ok else None
+    if notes:
+        row["settings_note"] = "; ".join(notes)
+    else:
+        row.pop("settings_note", None)
     return row
 
 
+def _strategy_of(note: str) -> str | None:
+    """The strategy a failure note is about ('kascade: out of memory: ...' -> 'kascade'), None for other notes."""
+    return next((s for s in STRATEGY_NAMES if str(note).startswith(s + ": ")), None)
+
+
+def _merge(old: list, new: list) -> list:
+    """old then the entries of new not in it (order kept, no duplicates)."""
+    out = []
+    for n in list(old) + list(new):
+        if n not in out:
+            out.append(n)
+    return out
+
+
 def add_run(rows: list, base: dict, strategy: str, run: dict) -> dict:
-    """Insert or update the row with base's key, setting runs[strategy] = run; returns the row."""
+    """Insert or update the row with base's key, setting runs[strategy] = run (replacing that strategy's earlier
+    run); returns the row. Notes merge (order kept, no duplicates); this strategy's own earlier failure (a note or
+    the row's `skipped` 'strategy: ...') is dropped, any other `skipped` reason moves into the notes."""
     key = row_key(base)
     for row in rows:
         if row_key(row) == key:
@@ -390,13 +549,23 @@ def add_run(rows: list, base: dict, strategy: str, run: dict) -> dict:
     else:
         row = dict(base, runs={})
         rows.append(row)
-    row.update({k: v for k, v in base.items() if k != "runs"})
+    notes = list(row.get("notes", []))
+    skipped = row.pop("skipped", None)
+    if skipped:
+        notes.append(skipped)
+    row.update({k: v for k, v in base.items() if k not in ("runs", "notes", "skipped")})
+    row["notes"] = [n for n in _merge(notes, base.get("notes", [])) if _strategy_of(n) != strategy]
     row.setdefault("runs", {})[strategy] = run
     return summarize(row)
 
 
-def has_run(rows: list, key: tuple, strategy: str) -> bool:
-    return any(row_key(r) == key and strategy in r.get("runs", {}) for r in rows)
+def has_run(rows: list, key: tuple, strategy: str, settings=None) -> bool:
+    """Whether the row `key` has a run of `strategy` (with equal settings, the date aside, when settings are given:
+    a run of other settings, another GPU or unknown settings is measured again)."""
+    for r in rows:
+        if row_key(r) == key and strategy in r.get("runs", {}):
+            return settings is None or not settings_diff(r["runs"][strategy].get("settings", UNKNOWN), settings)
+    return False
 
 
 def estimate_s(metric: str, layers: int, context: int, batch: int, strategy: str, *, weight_bytes: float,
@@ -485,6 +654,8 @@ def render_markdown(meta: dict, rows: list) -> str:
             lines.append(f"- {r['model']} {r['metric']} context {r['context']} batch {r['batch']} mesh "
                          f"{r.get('mesh') or 'none'}: {r['skipped']}")
     notes = sorted({n for r in rows for n in r.get("notes", [])})
+    notes += [f"{r['model']} {r['metric']} context {r['context']} batch {r['batch']} mesh {r.get('mesh') or 'none'}: "
+              f"{r['settings_note']}" for r in sorted(rows, key=order) if r.get("settings_note")]
     if notes:
         lines += ["", "## Row notes", ""] + [f"- {n}" for n in notes]
     tops = [r for r in dec if any(run.get("top") for run in r["runs"].values())]
@@ -566,16 +737,35 @@ def save(out_dir: str, stem: str, meta: dict, rows: list, with_plot: bool = True
 
 
 def load(out_dir: str, stem: str) -> tuple[dict, list]:
+    """(meta, rows) of <out_dir>/<stem>.json ({'runs': [], 'notes': []}, [] when there is none). A file that is not
+    JSON or not an e2e file is a ValueError naming it (never silently an empty start that the next save would write
+    over). Runs written before runs stored their settings get `legacy_settings` (settings_source says so) and every
+    row is summarised again (so a file of mixed settings shows no speedup it cannot support)."""
     path = os.path.join(out_dir, stem + ".json")
     if not os.path.exists(path):
         return {"runs": [], "notes": []}, []
-    with open(path) as fh:
-        doc = json.load(fh)
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        raise ValueError(f"{path} is not an e2e benchmark file (no 'rows' list); move it away or pass --e2e_tag")
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); move it away (its rows would be lost) or pass "
+                         f"--e2e_tag / --e2e_out to write elsewhere") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not all(
+            isinstance(r, dict) and {"model", "metric", "context", "batch"} <= set(r) for r in doc["rows"]):
+        raise ValueError(f"{path} is not an e2e benchmark file (no 'rows' list of rows); move it away or pass "
+                         f"--e2e_tag")
     meta = doc.get("meta") or {}
     meta.setdefault("runs", [])
     meta.setdefault("notes", [])
+    for row in doc["rows"]:
+        for sname, run in row.get("runs", {}).items():
+            if "settings" not in run:
+                run["settings"] = legacy_settings(meta, row, sname)
+                run["settings_source"] = ("unknown: the file's calls do not determine them" if run["settings"] == UNKNOWN
+                                          else "inferred from the file's call meta (written before runs stored "
+                                               "settings)")
+        if row.get("runs"):
+            summarize(row)
     return meta, doc["rows"]
 
 
@@ -852,9 +1042,22 @@ def measure_decode(prep: Prepared, iterations: int, wall_repeats: int) -> dict:
             ts.append(time.perf_counter() - t0)
         walls[n] = min(ts)
     kernels = per_step(tables[n1], tables[n2], n1, n2)
-    return dict(wall_s=(walls[n2] - walls[n1]) / (n2 - n1), compile_s=prep.compile_s, steps=[n1, n2],
+    return dict(wall_s=decode_step_s(walls, kernels, n1, n2), compile_s=prep.compile_s, steps=[n1, n2],
                 wall_method=f"(min of {wall_repeats} calls of N2 - of N1) / (N2 - N1)",
                 top=top_kernels(kernels), categories=categories(kernels), **split(kernels))
+
+
+def decode_step_s(walls: dict, kernels: dict, n1: int, n2: int) -> float:
+    """Wall seconds per step (t(N2) - t(N1)) / (N2 - N1). When noise exceeds the difference (t(N2) <= t(N1), or no
+    positive kernel time per step) this raises a RuntimeError with the numbers: the run is then recorded as failed
+    ('<strategy>: RuntimeError: ...' in the row) instead of a negative or zero time; use more steps (--e2e_steps)."""
+    step = (walls[n2] - walls[n1]) / (n2 - n1)
+    kernel_s = sum(kernels.values())
+    if step <= 0 or kernel_s <= 0:
+        raise RuntimeError(f"decode per step is not positive: wall t({n2}) = {walls[n2]:.6f} s, t({n1}) = "
+                           f"{walls[n1]:.6f} s, per step {step:.3e} s, kernels per step {kernel_s:.3e} s (noise exceeds "
+                           f"the N2 - N1 difference: use more steps, --e2e_steps)")
+    return step
 
 
 def prepare_all(jobs: list, threads: int, log=print) -> dict:
@@ -923,17 +1126,20 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
     t_start = time.monotonic()
     mname, (n_data, n_model) = mesh_name(mesh), mesh_sizes(mesh)
     stem = output_stem(tag, mname)
-    check_decode_batches(decode_specs, mesh)  # bad input first, before the GPU is needed
-    require_gpu()
+    # bad input first, before the GPU is needed
+    check_decode_batches(decode_specs, mesh)
     for s in strategies:
         if s not in STRATEGY_NAMES:
             raise ValueError(f"--e2e_strategies: unknown strategy {s!r}; choose from {list(STRATEGY_NAMES)}")
     todo = plan(metrics, contexts, decode_specs)
-    meta, rows = load(out_dir, stem) if resume else ({"runs": [], "notes": []}, [])
-    meta["runs"].append(dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                             gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv),
+    require_gpu()
+    # always the existing file: without resume only the planned (row, strategy) runs are measured again
+    meta, rows = load(out_dir, stem)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    gpu = jax.devices()[0].device_kind
+    meta["runs"].append(dict(date=date, gpu=gpu, jax=jax.__version__, command=" ".join(sys.argv),
                              devices=n_data * n_model, mesh=mname, topk_frac=topk_frac, min_k=min_k,
-                             steps=list(steps)))
+                             steps=list(steps), seed=seed))
     dtype = jnp.bfloat16
     budget = device_budget_bytes(mesh)
     bar = tqdm(total=len(specs) * len(todo) * len(strategies), desc="e2e", mininterval=1.0, disable=None)
@@ -956,6 +1162,8 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
         log(f"{spec.name}: {wbytes / GB:.2f} GB of weights ({wdev / GB:.2f} GB per device), {kvpt} KV bytes/token, "
             f"device budget {budget / GB:.1f} GB, {mname or 'one device'}")
         strats = make_strategies(strategies, cfg, kascade_kw, topk_frac, min_k)
+        settings = {s: run_settings(s, gpu=gpu, jax_version=jax.__version__, topk_frac=topk_frac, min_k=min_k,
+                                    steps=steps, seed=seed, kascade_kw=kascade_kw, date=date) for s in strategies}
         jobs = []  # (key, strategy, base row, row notes, predicted seconds) still to measure
         for metric, ctx, b in todo:
             if b == "max":
@@ -985,7 +1193,7 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
                 key = (spec.name, metric, ctx, int(b), mname)
                 if reason:
                     _mark_skipped(rows, base, reason)
-                elif not (resume and has_run(rows, key, sname)):
+                elif not (resume and has_run(rows, key, sname, settings[sname])):
                     est = estimate_s(metric, cfg.num_layers, ctx, int(b) // shards or 1, sname, weight_bytes=wdev,
                                      kv_per_token=kvpt)
                     jobs.append((key, sname, base, row_notes, est))
@@ -1037,8 +1245,8 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
                 save(out_dir, stem, meta, rows, log=log)
                 continue
             res["measure_s"] = time.monotonic() - t0
+            res["settings"] = settings[sname]
             row = add_run(rows, dict(base, notes=row_notes), sname, res)
-            row.pop("skipped", None)
             unit, u = (1e3, "ms") if metric == "decode_step" else (1.0, "s")
             log(f"{spec.name} {metric} ctx={key[2]} b={key[3]} {sname}: wall {res['wall_s'] * unit:.3f} {u}, kernels "
                 f"{res['kernel_s'] * unit:.3f} (attention {res['attention_s'] * unit:.3f}, rest "
@@ -1056,14 +1264,19 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
 
 
 def _mark_skipped(rows, base, reason):
+    """Record why (row, strategy) was not measured: a note on a row with runs (replacing that strategy's earlier
+    failure note), else the row's `skipped` (another strategy's earlier failure there moves into the notes)."""
+    strategy = _strategy_of(reason)
     for row in rows:
         if row_key(row) == row_key(base):
-            if "runs" not in row or not row["runs"]:
-                row["skipped"] = reason
+            if row.get("runs"):
+                notes = [n for n in row.get("notes", []) if strategy is None or _strategy_of(n) != strategy]
+                row["notes"] = _merge(notes, [reason])
             else:
-                row.setdefault("notes", [])
-                if reason not in row["notes"]:
-                    row["notes"].append(reason)
+                old = row.get("skipped")
+                if old and old != reason and _strategy_of(old) not in (None, strategy):
+                    row["notes"] = _merge(row.get("notes", []), [old])
+                row["skipped"] = reason
             return
     rows.append(dict(base, skipped=reason))
 
@@ -1116,8 +1329,16 @@ def main(argv):
     del argv
     # One process, one GPU: let JAX take most of the memory (the largest-batch rows need it), unless told otherwise.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    mesh = devices.setup()  # --mesh / --distributed (experiments/devices.py); None: one device
+    # every flag value is checked before the devices are touched
     steps = parse_steps(STEPS.value)
+    for s in STRATEGIES.value:
+        if s not in STRATEGY_NAMES:
+            raise ValueError(f"--e2e_strategies: unknown strategy {s!r}; choose from {list(STRATEGY_NAMES)}")
+    if not PROFILE.value:
+        specs = [_spec(m) for m in MODELS.value]
+        contexts, decode_specs = parse_contexts(CONTEXTS.value), parse_decode_specs(DECODE.value)
+        plan(METRICS.value, contexts, decode_specs)  # --e2e_metrics
+    mesh = devices.setup()  # --mesh / --distributed (experiments/devices.py); None: one device
     kw = dict(steps=steps, iterations=ITERS.value, topk_frac=TOPK_FRAC.value, min_k=MIN_K.value,
               headroom_gb=HEADROOM.value, hbm_tbps=HBM.value, out_dir=OUT.value, seed=SEED.value, mesh=mesh)
     if PROFILE.value:
@@ -1127,9 +1348,9 @@ def main(argv):
         (ctx, b), = parse_decode_specs([f"{parts[1]}:{parts[2]}"])
         profile(_spec(parts[0]), ctx, b, STRATEGIES.value, **kw)
         return
-    run([_spec(m) for m in MODELS.value], metrics=METRICS.value, contexts=[int(c) for c in CONTEXTS.value],
-        decode_specs=parse_decode_specs(DECODE.value), strategies=STRATEGIES.value, wall_repeats=WALL_REPS.value,
-        tag=TAG.value, resume=RESUME.value, deadline_s=DEADLINE.value, compile_threads=COMPILE_THREADS.value, **kw)
+    run(specs, metrics=METRICS.value, contexts=contexts, decode_specs=decode_specs, strategies=STRATEGIES.value,
+        wall_repeats=WALL_REPS.value, tag=TAG.value, resume=RESUME.value, deadline_s=DEADLINE.value,
+        compile_threads=COMPILE_THREADS.value, **kw)
 
 
 if __name__ == "__main__":

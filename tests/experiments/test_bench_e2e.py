@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -127,9 +128,9 @@ def test_rows_of_another_mesh_are_other_rows(tmp_path):
     assert e2e.row_key(old) == e2e.row_key(one) != e2e.row_key(sharded)
     assert e2e.mesh_name(None) is None
     rows = []
-    e2e.add_run(rows, one, "dense", _run(11.6e-3, 8e-3, 3.6e-3))
-    e2e.add_run(rows, sharded, "dense", _run(6.1e-3, 4e-3, 2.1e-3))
-    e2e.add_run(rows, sharded, "kascade", _run(3.9e-3, 1.5e-3, 2.4e-3))
+    e2e.add_run(rows, one, "dense", _run("dense", 11.6e-3, 8e-3, 3.6e-3))
+    e2e.add_run(rows, sharded, "dense", _run("dense", 6.1e-3, 4e-3, 2.1e-3))
+    e2e.add_run(rows, sharded, "kascade", _run("kascade", 3.9e-3, 1.5e-3, 2.4e-3))
     assert len(rows) == 2 and rows[0]["dense_s"] == 11.6e-3 and "kascade" not in rows[0]["runs"]
     assert e2e.has_run(rows, e2e.row_key(sharded), "kascade") and not e2e.has_run(rows, e2e.row_key(one), "kascade")
     e2e._mark_skipped(rows, dict(base, batch=32, mesh="data:1,model:2", devices=2), "does not fit")
@@ -198,27 +199,36 @@ def test_tables_per_step_and_split():
     assert e2e.categories(step) == pytest.approx({"fusion": 1e-6, "gemm": 3e-3, "attention": 2e-4})
 
 
-def _run(wall, att, rest):
+SETTINGS = dict(gpu="NVIDIA H200", jax_version="0.11.2", topk_frac=0.1, min_k=128, steps=(8, 40), seed=0,
+                kascade_kw=dict(anchors=(0, 2, 8, 13, 14), head_map=None), date="2026-12-01 12:00 UTC")
+
+
+def _settings(strategy, **over):
+    return e2e.run_settings(strategy, **dict(SETTINGS, **over))
+
+
+def _run(strategy, wall, att, rest, **over):
+    """A run as run() stores it: times, top kernels and the settings (SETTINGS with `over`)."""
     return dict(wall_s=wall, kernel_s=att + rest, attention_s=att, rest_s=rest, attention_share=att / (att + rest),
-                top=[["kascade_reuse_decode", att, "attention"]])
+                top=[["kascade_reuse_decode", att, "attention"]], settings=_settings(strategy, **over))
 
 
 def test_rows_resume_markdown_json_and_plot(tmp_path):
     rows = []
     base = dict(model="llama3.1-8b-random", metric="decode_step", context=131072, batch=1, floor_s=7.7e-3)
-    e2e.add_run(rows, base, "dense", _run(13.1e-3, 8.9e-3, 4.0e-3))
+    e2e.add_run(rows, base, "dense", _run("dense", 13.1e-3, 8.9e-3, 4.0e-3))
     assert rows[0]["speedup"] is None and not e2e.has_run(rows, e2e.row_key(base), "kascade")
-    row = e2e.add_run(rows, base, "kascade", _run(8.4e-3, 1.4e-3, 6.8e-3))
+    row = e2e.add_run(rows, base, "kascade", _run("kascade", 8.4e-3, 1.4e-3, 6.8e-3))
     assert len(rows) == 1 and e2e.has_run(rows, e2e.row_key(base), "kascade")
     assert row["dense_s"] == 13.1e-3 and row["kascade_s"] == 8.4e-3
     assert row["speedup"] == pytest.approx(13.1 / 8.4) and row["attention_speedup"] == pytest.approx(8.9 / 1.4)
     assert row["attention_share_dense"] == pytest.approx(8.9 / 12.9)
     assert row["attention_share_kascade"] == pytest.approx(1.4 / 8.2)
-    e2e.add_run(rows, base, "dense_pallas", _run(11.0e-3, 6.8e-3, 4.0e-3))
+    e2e.add_run(rows, base, "dense_pallas", _run("dense_pallas", 11.0e-3, 6.8e-3, 4.0e-3))
     assert rows[0]["speedup_vs_dense_pallas"] == pytest.approx(11.0 / 8.4)
     ttft = dict(model="qwen3-8b-random", metric="ttft", context=65536, batch=1, notes=["qwen3: max positions raised"])
-    e2e.add_run(rows, ttft, "dense", _run(3.5, 2.8, 0.7))
-    e2e.add_run(rows, ttft, "kascade", _run(2.0, 1.3, 0.7))
+    e2e.add_run(rows, ttft, "dense", _run("dense", 3.5, 2.8, 0.7))
+    e2e.add_run(rows, ttft, "kascade", _run("kascade", 2.0, 1.3, 0.7))
     e2e._mark_skipped(rows, dict(model="llama3.1-8b-random", metric="decode_step", context=32768, batch=32),
                       "does not fit one device")
     e2e._mark_skipped(rows, base, "dense_pallas: out of memory")  # on a measured row: a note, not a skip
@@ -285,6 +295,209 @@ def test_refuses_without_gpu(tmp_path):
                 strategies=["dense"], out_dir=str(tmp_path))
     with pytest.raises(ValueError, match="unknown model"):
         e2e._spec("llama-70b")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMITTED = os.path.join(ROOT, "benchmarks", "e2e.json")
+
+
+def test_settings_decide_resume_and_speedups(tmp_path, rng):
+    base = dict(model="llama3.1-8b-random", metric="decode_step", context=32768, batch=8, floor_s=4e-3)
+    key = e2e.row_key(base)
+    d, k = (float(x) for x in rng.uniform(5e-3, 2e-2, 2))
+    rows = []
+    e2e.add_run(rows, base, "dense", _run("dense", d, 0.6 * d, 0.4 * d))
+    e2e.add_run(rows, base, "kascade", _run("kascade", k, 0.3 * k, 0.7 * k))
+    assert rows[0]["speedup"] == pytest.approx(d / k) and "settings_note" not in rows[0]
+    # resume: equal settings (another date) are done; another topk_frac, GPU, seed or unknown settings are not
+    assert e2e.has_run(rows, key, "kascade", _settings("kascade", date="2026-12-24 00:00 UTC"))
+    for over in (dict(topk_frac=0.2), dict(gpu="NVIDIA H100 80GB HBM3"), dict(seed=1), dict(steps=(8, 72)),
+                 dict(kascade_kw=dict(anchors=(0, 3), head_map=None)),
+                 dict(kascade_kw=dict(anchors=(0, 2, 8, 13, 14), head_map=[[0, 1]] * 32))):
+        assert not e2e.has_run(rows, key, "kascade", _settings("kascade", **over)), over
+    # a re-measured kascade run of other settings replaces the old one; dense / kascade is then refused with a note
+    k2 = float(rng.uniform(2e-3, 4e-3))
+    row = e2e.add_run(rows, base, "kascade", _run("kascade", k2, 0.3 * k2, 0.7 * k2, topk_frac=0.2))
+    assert len(rows) == 1 and row["kascade_s"] == k2 and row["runs"]["kascade"]["settings"]["topk_frac"] == 0.2
+    assert row["speedup"] is None and row["kernel_speedup"] is None and row["attention_speedup"] is None
+    assert "topk_frac" in row["settings_note"] and "dense / kascade not computed" in row["settings_note"]
+    e2e.save(str(tmp_path), "e2e", dict(runs=[], notes=[]), rows, with_plot=False)
+    md = (tmp_path / "e2e.md").read_text()
+    assert "different settings (topk_frac)" in md and f"| {1e3 * d:.2f} | {1e3 * k2:.2f} | – |" in md
+    _, again = e2e.load(str(tmp_path), "e2e")
+    assert again[0]["speedup"] is None and "topk_frac" in again[0]["settings_note"]
+    # dense measured again with those settings: the ratio is back (the date never matters)
+    d2 = float(rng.uniform(5e-3, 2e-2))
+    row = e2e.add_run(rows, base, "dense", _run("dense", d2, 0.6 * d2, 0.4 * d2, topk_frac=0.2, date="later"))
+    assert row["speedup"] == pytest.approx(d2 / k2) and "settings_note" not in row
+    e2e.add_run(rows, base, "dense_pallas", _run("dense_pallas", d, 0.5 * d, 0.5 * d, gpu="other"))
+    assert rows[0]["speedup_vs_dense_pallas"] is None and "dense_pallas / kascade" in rows[0]["settings_note"]
+    assert rows[0]["speedup"] == pytest.approx(d2 / k2)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        _settings("sparse")
+
+
+def _committed_copy(tmp_path):
+    if not os.path.exists(COMMITTED):
+        pytest.skip("no committed benchmarks/e2e.json")
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    doc = json.loads(open(COMMITTED).read())
+    (folder / "e2e.json").write_text(json.dumps(doc))
+    return folder, doc
+
+
+def test_the_committed_file_loads_with_inferred_settings_and_the_same_tables(tmp_path):
+    folder, doc = _committed_copy(tmp_path)
+    meta, rows = e2e.load(str(folder), "e2e")
+    assert len(rows) == len(doc["rows"]) and meta["runs"] == doc["meta"]["runs"]
+    measured = [r for r in rows if r.get("runs")]
+    for r in measured:
+        for sname, run in r["runs"].items():
+            s = run["settings"]
+            assert isinstance(s, dict) and "call meta" in run["settings_source"], (r["model"], sname)
+            assert (s["gpu"], s["jax"], s["topk_frac"], s["min_k"], s["seed"], s["strategy"]) == \
+                ("NVIDIA H200", "0.11.2", 0.1, 128, 0, sname)
+            assert s["anchors"] == list(e2e.SPECS[r["model"]].anchors) and s["head_map"] == "identity"
+    # what a resumed H200 run with the defaults would measure as: already there
+    r0 = next(r for r in measured if r["model"] == "qwen3-8b-random" and r["metric"] == "decode_step")
+    now = e2e.run_settings("kascade", gpu="NVIDIA H200", jax_version="0.11.2", topk_frac=0.1, min_k=128,
+                           steps=(8, 40), seed=0, kascade_kw=dict(anchors=e2e.SPECS["qwen3-8b-random"].anchors,
+                                                                 head_map=None), date="now")
+    assert e2e.has_run(rows, e2e.row_key(r0), "kascade", now)
+    assert not e2e.has_run(rows, e2e.row_key(r0), "kascade", dict(now, gpu="NVIDIA H100 80GB HBM3"))
+    # rewriting the Markdown from it (no measurement) gives the committed tables
+    e2e.save(str(folder), "e2e", meta, rows, with_plot=False)
+    committed_md = os.path.join(ROOT, "benchmarks", "e2e.md")
+    if os.path.exists(committed_md):
+        assert (folder / "e2e.md").read_text() == open(committed_md).read()
+    for old, new in zip(doc["rows"], rows):
+        for f in ("speedup", "dense_s", "kascade_s", "attention_speedup"):
+            assert old.get(f) == new.get(f), (old["model"], old["context"], old["batch"], f)
+
+
+def test_legacy_runs_whose_calls_disagree_are_unknown(tmp_path):
+    folder, doc = _committed_copy(tmp_path)
+    doc["meta"]["runs"][1]["topk_frac"] = 0.2  # the second call (both models) used another Top-k fraction
+    (folder / "e2e.json").write_text(json.dumps(doc))
+    meta, rows = e2e.load(str(folder), "e2e")
+    llama = next(r for r in rows if r["model"] == "llama3.1-8b-random" and r["metric"] == "ttft"
+                 and r["context"] == 131072)
+    assert llama["runs"]["dense"]["settings"] == e2e.UNKNOWN and llama["speedup"] is None
+    assert llama["dense_s"] is not None and "unknown" in llama["runs"]["dense"]["settings_source"]
+    assert not e2e.has_run(rows, e2e.row_key(llama), "dense", _settings("dense"))
+    # only call 1 measured dense_pallas (the others did not ask for it): that run's settings are determined
+    assert isinstance(next(r for r in rows if "dense_pallas" in r.get("runs", {}))["runs"]["dense_pallas"]["settings"],
+                      dict)
+    e2e.save(str(folder), "e2e", meta, rows, with_plot=False)
+    md = (folder / "e2e.md").read_text()
+    assert f"| {llama['dense_s']:.3f} |" in md and "different settings (settings)" in md  # kept and shown
+    # a new run with known settings replaces the unknown one
+    e2e.add_run(rows, llama, "dense", _run("dense", 1.0, 0.8, 0.2))
+    assert llama["runs"]["dense"]["settings"]["gpu"] == "NVIDIA H200" and llama["dense_s"] == 1.0
+
+
+def test_failure_notes_survive_later_successes():
+    base = dict(model="qwen3-8b-random", metric="decode_step", context=131072, batch=6, notes=["qwen3: raised"])
+    rows = []
+    # kascade fails first, dense then succeeds: the failure stays next to the model note
+    e2e._mark_skipped(rows, base, "kascade: out of memory: RESOURCE_EXHAUSTED")
+    assert rows[0]["skipped"] == "kascade: out of memory: RESOURCE_EXHAUSTED"
+    row = e2e.add_run(rows, base, "dense", _run("dense", 9e-3, 6e-3, 3e-3))
+    assert "skipped" not in row and row["notes"] == ["qwen3: raised", "kascade: out of memory: RESOURCE_EXHAUSTED"]
+    e2e._mark_skipped(rows, base, "kascade: RuntimeError: again")  # replaces kascade's older failure
+    assert row["notes"] == ["qwen3: raised", "kascade: RuntimeError: again"]
+    row = e2e.add_run(rows, base, "kascade", _run("kascade", 5e-3, 2e-3, 3e-3))
+    assert row["notes"] == ["qwen3: raised"] and row["speedup"] == pytest.approx(9 / 5)
+    # the reverse order: dense fails first, kascade succeeds; dense's reason is a note (the md shows it)
+    rows = []
+    e2e._mark_skipped(rows, base, "dense: out of memory: x")
+    e2e._mark_skipped(rows, base, "dense_pallas: out of memory: y")  # another strategy's failure is kept too
+    row = e2e.add_run(rows, base, "kascade", _run("kascade", 5e-3, 2e-3, 3e-3))
+    assert "skipped" not in row
+    assert row["notes"] == ["qwen3: raised", "dense: out of memory: x", "dense_pallas: out of memory: y"]
+    md = e2e.render_markdown(dict(runs=[], notes=[]), rows)
+    assert "- dense: out of memory: x" in md and "| – | 5.00 | – |" in md
+    row = e2e.add_run(rows, base, "dense", _run("dense", 9e-3, 6e-3, 3e-3))
+    assert row["notes"] == ["qwen3: raised", "dense_pallas: out of memory: y"]
+    # a planning reason (does not fit) on a measured row is a note; on an empty row it is replaced by a failure
+    rows = []
+    e2e._mark_skipped(rows, base, "does not fit one device")
+    e2e._mark_skipped(rows, base, "kascade: out of memory")
+    assert rows[0]["skipped"] == "kascade: out of memory" and rows[0]["notes"] == ["qwen3: raised"]
+
+
+def test_noresume_keeps_the_other_rows_and_resume_checks_settings(tmp_path, monkeypatch):
+    """run() on CPU (the GPU check lifted; a 1 ns deadline defers every measurement, so nothing is timed): the
+    committed rows survive --noe2e_resume, and only runs of other settings are planned again."""
+    folder, doc = _committed_copy(tmp_path)
+    spec = e2e.ModelSpec("tiny-random", config_dict=dict(TINY_HF, hidden_size=128, intermediate_size=256,
+                                                         num_hidden_layers=2, head_dim=32), anchors=(0,))
+    mine = dict(model=spec.name, metric="decode_step", context=1024, batch=2, mesh=None, devices=1)
+    settings = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, topk_frac=0.1, min_k=128,
+                    steps=(4, 12), seed=0, kascade_kw=dict(anchors=(0,), head_map=None), date="earlier")
+    rows = doc["rows"]
+    e2e.add_run(rows, mine, "dense", dict(_run("dense", 1e-3, 5e-4, 5e-4), settings=e2e.run_settings("dense",
+                                                                                                      **settings)))
+    e2e.add_run(rows, mine, "kascade", dict(_run("kascade", 1e-3, 5e-4, 5e-4),
+                                            settings=e2e.run_settings("kascade", **dict(settings, topk_frac=0.2))))
+    (folder / "e2e.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(e2e, "require_gpu", lambda: None)
+    kw = dict(metrics=["decode"], contexts=[], decode_specs=[(1024, 2)], strategies=["dense", "kascade"],
+              steps=(4, 12), out_dir=str(folder), deadline_s=1e-9)
+    for resume, want in ((True, ["kascade"]), (False, ["dense", "kascade"])):
+        log = []
+        e2e.run([spec], resume=resume, log=log.append, **kw)
+        assert [re.search(r"\) (\w+): predicted", m).group(1) for m in log if m.startswith("deferred")] == want, log
+        meta, rows = e2e.load(str(folder), "e2e")
+        assert len(rows) == len(doc["rows"]) and len(meta["runs"]) == len(doc["meta"]["runs"]) + 1
+        for old, new in zip(doc["rows"][:-1], rows[:-1]):  # every committed row, its runs untouched
+            assert e2e.row_key(old) == e2e.row_key(new) and old.get("runs", {}).keys() == new.get("runs", {}).keys()
+            assert all(new["runs"][s]["wall_s"] == old["runs"][s]["wall_s"] for s in old.get("runs", {}))
+        doc["meta"]["runs"] = meta["runs"]
+
+
+def test_bad_values_name_their_flag(tmp_path):
+    assert e2e.parse_contexts(["32768", " 65536"]) == [32768, 65536]
+    for bad in ("x", "0", "-1", "1.5"):
+        with pytest.raises(ValueError, match=rf"--e2e_contexts: .* got '{bad}'"):
+            e2e.parse_contexts(["32768", bad])
+    with pytest.raises(ValueError, match=r"--e2e_steps: .* got 'x' in '8,x'"):
+        e2e.parse_steps(["8", "x"])
+    with pytest.raises(ValueError, match=r"--e2e_decode"):
+        e2e.parse_decode_specs(["32768:x"])
+    # strategies and metrics are refused before the GPU check
+    kw = dict(contexts=[32768], decode_specs=[], out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="--e2e_strategies: unknown strategy 'sparse'"):
+        e2e.run([e2e.SPECS["llama3.1-8b-random"]], metrics=["ttft"], strategies=["dense", "sparse"], **kw)
+    with pytest.raises(ValueError, match="--e2e_metrics"):
+        e2e.run([e2e.SPECS["llama3.1-8b-random"]], metrics=["tft"], strategies=["dense"], **kw)
+    # a results file that is not JSON is an error naming it, never an empty start
+    (tmp_path / "e2e.json").write_text('{"meta": {}, "rows": [')
+    with pytest.raises(ValueError, match=r"e2e\.json is not valid JSON .* move it away"):
+        e2e.load(str(tmp_path), "e2e")
+    (tmp_path / "e2e_rows.json").write_text('{"meta": {}, "rows": [{"model": "m"}]}')
+    with pytest.raises(ValueError, match="not an e2e benchmark file"):
+        e2e.load(str(tmp_path), "e2e_rows")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    res = subprocess.run([sys.executable, "-m", "experiments.bench", "--phase=e2e", "--e2e_contexts=32768,x"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and err and err[-1].startswith("error: --e2e_contexts:") and "'x'" in err[-1], \
+        res.stderr[-2000:]
+
+
+def test_a_decode_step_lost_in_noise_fails_with_its_numbers(rng):
+    t1 = float(rng.uniform(0.5, 1.0))
+    step = float(rng.uniform(1e-3, 1e-2))
+    kernels = {"gemm": step * 0.9}
+    assert e2e.decode_step_s({8: t1, 40: t1 + 32 * step}, kernels, 8, 40) == pytest.approx(step)
+    for t2 in (t1 - 1e-4, t1):
+        with pytest.raises(RuntimeError, match=r"not positive: wall t\(40\) = .* t\(8\) = .*--e2e_steps"):
+            e2e.decode_step_s({8: t1, 40: t2}, kernels, 8, 40)
+    with pytest.raises(RuntimeError, match="kernels per step"):
+        e2e.decode_step_s({8: t1, 40: t1 + 32 * step}, {"gemm": -1e-6}, 8, 40)
 
 
 @pytest.mark.gpu
