@@ -56,3 +56,40 @@ def test_replay_and_report(tmp_path):
     assert "Not measured:" in text and "batch 64, context 131072, page 64: failed: JaxRuntimeError" in text
     with pytest.raises(ValueError, match="section must be"):
         paged_report.update(str(tmp_path), "other", {})
+
+
+def _krow(batch, context, page_size, stream_block, base=1.0):
+    row = dict(batch=batch, context=context, page_size=page_size, stream_block=stream_block, topk_frac=0.1)
+    for i, n in enumerate(("dense", "A0", "A", "R", "weighted")):
+        row.update({f"{n}_contig": base + i, f"{n}_paged": base + 0.1 + i, f"{n}_ratio": (base + 0.1 + i) / (base + i)})
+    return row
+
+
+def test_kernels_section_merges_rows_by_shape_and_refuses_an_unreadable_json(tmp_path):
+    kmeta = dict(gpu="cpu", date="d", jax="j", command="c", iterations=10, heads="h", page_size="64", formula="f")
+    first = [_krow(8, 32768, 64, 128), _krow(8, 32768, 16, 128)]
+    miss = [dict(batch=64, context=131072, page_size=64, stream_block=128, reason="failed: OOM")]
+    paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=[], rows=first, not_measured=miss))
+    # a second call: re-measures one shape (new numbers), measures the one that failed, adds a stream block
+    second = [_krow(8, 32768, 64, 128, base=2.0), _krow(64, 131072, 64, 128), _krow(8, 32768, 64, 256)]
+    md = paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=[], rows=second, not_measured=[]))
+    sec = json.load(open(tmp_path / "paged.json"))["kernels"]
+    keys = [(r["batch"], r["context"], r["page_size"], r["stream_block"]) for r in sec["rows"]]
+    assert sorted(keys) == sorted([(8, 32768, 64, 128), (8, 32768, 16, 128), (64, 131072, 64, 128),
+                                   (8, 32768, 64, 256)])
+    assert next(r for r in sec["rows"] if r["page_size"] == 64 and r["stream_block"] == 128
+                and r["batch"] == 8)["dense_contig"] == 2.0  # the new row replaced the old one of its key
+    assert sec["not_measured"] == []
+    text = open(md).read()
+    assert "| page | stream block |" in text and "| 8 | 32768 | 16 | 128 | 10% |" in text
+    assert "Not measured" not in text
+    (tmp_path / "paged.json").write_text("{truncated")
+    with pytest.raises(ValueError, match=r"paged\.json exists but cannot be read"):
+        paged_report.update(str(tmp_path), "replay", dict(meta={}, rows=[]))
+    assert (tmp_path / "paged.json").read_text() == "{truncated"
+
+
+def test_bench_paged_int_flags_name_the_flag():
+    assert bench_paged.int_list("paged_contexts", ["32768", "131072"]) == [32768, 131072]
+    with pytest.raises(ValueError, match=r"--paged_batches takes comma-separated integers, got '8k'"):
+        bench_paged.int_list("paged_batches", ["8k"])
