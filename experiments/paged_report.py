@@ -63,6 +63,10 @@ def _replay_md(sec: dict) -> list[str]:
         lines.append(f"| {r['strategy']} | **{r['tokens_per_s']:.1f}** | {r['makespan_s']:.2f} | {r['ttft_p50_s']:.3f} | "
                      f"{r['ttft_p99_s']:.3f} | {r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} | {r['decode_steps']} | "
                      f"{r['mean_active']:.2f} |")
+    failed = [f"{r['strategy']}: {r['failed_requests']} of {r['requests']} ({r.get('first_error', '')})"
+              for r in sec["rows"] if r.get("failed_requests")]
+    if failed:
+        lines += ["", "Failed requests (no token; left out of the metrics above): " + "; ".join(failed)]
     by = {r["strategy"]: r for r in sec["rows"]}
     if "dense" in by and "kascade" in by:
         lines += ["", f"Kascade / dense generated tokens/s: **{by['kascade']['tokens_per_s'] / by['dense']['tokens_per_s']:.2f}x**; "

@@ -93,3 +93,53 @@ def test_bench_paged_int_flags_name_the_flag():
     assert bench_paged.int_list("paged_contexts", ["32768", "131072"]) == [32768, 131072]
     with pytest.raises(ValueError, match=r"--paged_batches takes comma-separated integers, got '8k'"):
         bench_paged.int_list("paged_batches", ["8k"])
+
+
+def test_replay_counts_a_request_whose_prefill_failed():
+    """A request whose prefill raises never produces a token: the replay finishes, counts it in failed_requests
+    with its error, and reports the other requests' metrics (it used to die with an IndexError)."""
+    import dataclasses
+
+    from models.attention import DenseStrategy
+    from models.engine import Engine
+
+    @dataclasses.dataclass(frozen=True)
+    class RefusesLongPrefill(DenseStrategy):
+        name: str = "dense_refusing_long_prefill"
+
+        def attend(self, layer, inputs, state):
+            if inputs.phase == "prefill" and inputs.q.shape[1] > 64:
+                raise ValueError("this strategy refuses prefills wider than 64 tokens")
+            return super().attend(layer, inputs, state)
+
+    model, tok, _ = serve_replay.build_model("random:tiny", 2, "float32")
+    rng = np.random.default_rng()
+    # arrivals 0, 0.01, 0.02 s: short, long (its padded prefill is 128 wide: fails), short
+    trace = [(0.01 * i, rng.integers(0, model.config.vocab, n).tolist(), 4) for i, n in enumerate((40, 100, 50))]
+    eng = Engine(model, tok, RefusesLongPrefill(), max_batch=2, page_size=16, max_len=256)
+    logs = []
+    row = serve_replay.replay(eng, trace, log=logs.append)
+    assert row["requests"] == 3 and row["failed_requests"] == 1 and row["generated_tokens"] == 8
+    assert "refuses prefills wider than 64" in row["first_error"] and logs and eng.idle
+    assert row["tokens_per_s"] > 0 and row["ttft_p50_s"] > 0
+
+
+def test_replay_kascade_on_a_real_alias_uses_its_recipe_at_bfloat16():
+    """--replay_model=smollm2-135m: the kascade strategy carries the shipped recipe's levers and the anchors and
+    head map of the shipped (float32) calibration, found although the replay runs in bfloat16 (no calibration)."""
+    from kascade_jax.calibration.artifact import CalibrationArtifact
+    from kascade_jax.calibration.resolve import PACKAGED_DIR
+    from models import load_model
+
+    from absl import flags
+    from absl.testing import flagsaver
+
+    model, tok = load_model("smollm2-135m", "bfloat16")
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["serve_replay", "--replay_model=smollm2-135m"])
+        s = serve_replay.build_strategy("kascade", model, tok, "smollm2-135m", "bfloat16")
+    art = CalibrationArtifact.load(PACKAGED_DIR / "smollm2-135m-builtin-64-k64-ts32.json")
+    assert tuple(s.config.anchors) == tuple(art.anchors_for(5))
+    assert np.array_equal(np.asarray(s.config.head_map), art.head_map(s.config.anchors))
+    assert (s.config.sink_tokens, s.config.recent_window, s.config.dense_suffix) == (4, 60, 128)
