@@ -8,6 +8,10 @@ estimated time and the cached near misses it did not use, with their differing f
 under `<stem>-<digest of the key>.json`, so calibrations that differ in any key field never share a file. It then
 returns the DP's anchor set for `num_anchors` with its head map.
 `resolve_flags` is what `experiments/generate.py` and `experiments/eval.py` call with their raw flag values.
+`recipe_kascade` is the one call for a library user or a script without the recipe flags (serve_replay,
+kascade_agreement): a recipe (default: the model's shipped one) -> the make_strategy keywords (anchors, head map,
+levers), its calibration keyed by the recipe's `calib_dtype` whatever the run's dtype; calibrate=False never
+starts a calibration. `resolve_anchors` with its default keywords keys a float32 paper-recipe calibration.
 
 k defaults to the official 64, raised to 2 * tile_size when the tile is that large (k must exceed the tile:
 k - tile_size keys are selected on top of the diagonal tile).
