@@ -179,7 +179,8 @@ def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_chec
             if gb > max_cache_gb:
                 reason = f"skipped: contiguous + paged K/V {gb:.0f} GB > --paged_max_cache_gb={max_cache_gb:g}"
                 log(f"skip b={b} s={s}: {reason}")
-                not_measured += [dict(batch=b, context=s, page_size=ps, reason=reason) for ps in page_sizes]
+                not_measured += [dict(batch=b, context=s, page_size=ps, stream_block=stream_block, reason=reason)
+                                 for ps in page_sizes]
                 continue
             for ps in page_sizes:
                 try:
@@ -187,7 +188,8 @@ def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_chec
                 except Exception as e:  # keep the sweep going; the failure is reported and recorded
                     reason = f"failed: {type(e).__name__}: {str(e)[:300]}"
                     log(f"FAILED b={b} s={s} page {ps}: {reason}")
-                    not_measured.append(dict(batch=b, context=s, page_size=ps, reason=reason))
+                    not_measured.append(dict(batch=b, context=s, page_size=ps, stream_block=stream_block,
+                                             reason=reason))
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), iterations=iters,
                 heads=shape.heads_text(), formula=f"{shape.formula()} ({shape.mix_text()})",
@@ -197,11 +199,23 @@ def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_chec
     return rows
 
 
+def int_list(flag: str, values) -> list[int]:
+    """--flag=a,b,c -> [a, b, c] as ints; a ValueError naming the flag and the value otherwise."""
+    out = []
+    for v in values:
+        try:
+            out.append(int(v))
+        except ValueError:
+            raise ValueError(f"--{flag} takes comma-separated integers, got {v!r} in {','.join(values)!r}") from None
+    return out
+
+
 def main(argv):
     del argv
     # One process, one GPU: both caches of a shape are resident at once, so let JAX take most of the memory.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [int(p) for p in PAGE_SIZES.value],
+    run(int_list("paged_contexts", CONTEXTS.value), int_list("paged_batches", BATCHES.value),
+        int_list("paged_page_sizes", PAGE_SIZES.value),
         frac=FRAC.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
         max_cache_gb=MAX_GB.value, shape=BenchShape.from_flags(), stream_block=STREAM_BLOCK.value)
 

@@ -51,9 +51,14 @@ _ALIASES: dict[str, str] = {}  # deprecated flag name -> its current name
 
 def deprecated_alias(old: str, new: str) -> None:
     """Define --old as a deprecated spelling of the already defined --new: given, it prints a warning and sets
-    --new (giving both is an error)."""
+    --new (giving both is an error). An --old that some module already defines is a programming error (the alias
+    would silently do nothing): a ValueError naming that module."""
     if old in flags.FLAGS:
-        return
+        owner = flags.FLAGS.find_module_defining_flag(old) or "another module"
+        raise ValueError(f"deprecated_alias({old!r}, {new!r}): --{old} is already defined by {owner}; the alias "
+                         f"would never set --{new}. Rename one of them")
+    if new not in flags.FLAGS:
+        raise ValueError(f"deprecated_alias({old!r}, {new!r}): define --{new} first")
     flags.DEFINE_string(old, None, f"deprecated: use --{new}")
     _ALIASES[old] = new
 

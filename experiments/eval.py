@@ -104,7 +104,7 @@ def main(argv):
     from models import load_model  # noqa: PLC0415
 
     t_start = time.perf_counter()
-    suite.expand_tasks(FLAGS.tasks)  # unknown tasks or a missing data package fail before the model loads
+    tasks = suite.expand_tasks(FLAGS.tasks)  # unknown tasks or a missing data package fail before the model loads
     if FLAGS.tile_size is not None and "auto" in (recipe_flags.ANCHORS.value.strip(), FLAGS.head_map.strip()):
         from kascade_jax.calibration.runner import BUCKET, check_bucket  # noqa: PLC0415
 
@@ -112,11 +112,6 @@ def main(argv):
     out = FLAGS.output_dir
     report.check_output_dir(out, overwrite=FLAGS.overwrite, resume=FLAGS.resume)
     mesh = devices.setup()
-    if mesh is not None:  # before the model loads
-        devices.check_batch(FLAGS.batch_size, mesh)
-        if mesh.shape["data"] > 1 and "fidelity" in FLAGS.tasks:
-            raise ValueError(f"fidelity runs one document at a time, which --mesh={FLAGS.mesh} splits over data:"
-                             f"{mesh.shape['data']}; use a mesh with data:1 (model:N) for it")
     recipe = resolve_recipe()
     kw = tuple((k, v) for k, v in (("min_k", FLAGS.min_k), ("tile_size", FLAGS.tile_size)) if v is not None)
     kw += tuple((k, v) for k, v in recipe.levers().items() if v)
@@ -129,6 +124,17 @@ def main(argv):
         longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aa_lcr_path=FLAGS.aa_lcr_path,
         aime_runs=FLAGS.aime_runs,
         fidelity_docs=FLAGS.fidelity_docs, recipe=recipe.describe())
+    if mesh is not None:  # before the model loads: the batch of every context length (--batch_tokens varies it)
+        for c in spec.context_lengths:
+            try:
+                devices.check_batch(spec.batch_for(c), mesh)
+            except ValueError as e:
+                src = (f"--batch_tokens={spec.batch_tokens} gives batch {spec.batch_for(c)} at context {c}"
+                       if spec.batch_tokens is not None else f"--batch_size={spec.batch_size}")
+                raise ValueError(f"{src}: {e}") from None
+        if mesh.shape["data"] > 1 and "fidelity" in tasks:
+            raise ValueError(f"fidelity runs one document at a time, which --mesh={FLAGS.mesh} splits over data:"
+                             f"{mesh.shape['data']}; use a mesh with data:1 (model:N) for it")
     # anchors and head_map are resolved with the model (calibration): checked once it has loaded
     late = ("anchors", "head_map")
     flag_fields = dict(dtype=FLAGS.dtype)

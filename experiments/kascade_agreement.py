@@ -11,6 +11,12 @@ gives the reference continuation of --new_tokens tokens. For each --topk_fracs v
 - free-running: Kascade greedy-generates on its own; we report the length of the common prefix with the dense
   output and the positional match rate.
 Writes JSON and a Markdown table to --out (default results/kascade_agreement.{json,md}).
+
+`--anchors=auto` takes the model's shipped default recipe (`calibration.resolve.recipe_kascade`, the path of
+`experiments.common.build_strategy`): the DP anchors of its calibration with their calibrated head map (unless
+--head_map names one; --head_map=identity for none) and its levers (sink_tokens, recent_window, dense_suffix); the
+meta records anchors, head map and recipe. Explicit anchors run without levers, with --head_map (default identity;
+auto: the calibrated map for those anchors). --anchors is checked before the model loads.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model alias or path.")
 ANCHORS = flags.DEFINE_string("anchors", "0,4,12,20", "Kascade anchor layers, as everywhere: 'auto' (the DP's "
                               "choice on the model's calibration), 'even' (5 evenly spaced), '' (the paper's scaled "
                               "to depth) or a list like 0,4,12,20")
-HEAD_MAP = flags.DEFINE_string("head_map", None, "Head map .npy/.json (default: identity).")
+HEAD_MAP = flags.DEFINE_string("head_map", None, "Head map: identity, auto (the calibrated map), or a .npy/.json "
+                                "path (default: auto with --anchors=auto, else identity).")
 FRACS = flags.DEFINE_list("topk_fracs", ["0.1", "0.2"], "Top-k fractions to measure.")
 STRATEGIES = flags.DEFINE_list("strategies", ["kascade"], "Strategy names (kascade_jax.registry) to measure.")
 FREE = flags.DEFINE_boolean("free_running", True, "Also measure free-running greedy generation.")
@@ -60,15 +67,44 @@ def _teacher_forced(model, prompt, continuation, strategy, chunk_size):
     return preds
 
 
+def resolve_kascade(model, tok, anchors_flag: str, head_map_flag: str | None, model_name: str, tile_size: int,
+                    dtype: str = "float32"):
+    """(anchors, head_map rows or None, levers dict, description) from the flag values (see the module docstring)."""
+    from kascade_jax.calibration.resolve import parse_anchors, recipe_kascade, resolve_head_map
+
+    cfg = model.config
+    chosen = parse_anchors(anchors_flag, cfg.num_layers)
+    hm_flag = head_map_flag or ("auto" if chosen == "auto" else "identity")
+    if chosen == "auto":
+        kw, desc = recipe_kascade(model_name, cfg.num_layers, cfg.kv_heads, dtype=dtype, tile_size=tile_size,
+                                  model=model, tokenizer=tok)
+        chosen, levers = kw["anchors"], {f: kw[f] for f in ("sink_tokens", "recent_window", "dense_suffix")}
+        auto_map = kw["head_map"]
+    else:
+        levers, desc, auto_map = {}, f"anchors {list(chosen)} (--anchors), no recipe levers", None
+    if hm_flag == "identity":
+        head_map = None
+    else:
+        from kascade_jax.recipes import load_recipe
+
+        calib = load_recipe(model_name, "default").calibration_kwargs(dtype)
+        hm = resolve_head_map(hm_flag, chosen, cfg.num_layers, cfg.kv_heads, auto_map=auto_map, model=model,
+                              tokenizer=tok, model_name=model_name, tile_size=tile_size, **calib)
+        head_map = tuple(tuple(int(h) for h in row) for row in hm)
+    return tuple(chosen), head_map, levers, f"{desc}; head_map {hm_flag}"
+
+
 def main(argv):
     del argv
     import jax
 
+    from kascade_jax.calibration.resolve import parse_anchors
     from kascade_jax.registry import make_strategy
-    from models import load_model
     from models import generate as gen
+    from models import load_model
     from models.attention import DenseStrategy
 
+    parse_anchors(ANCHORS.value, 1 << 20)  # the syntax, before the model loads (the layer range once it has)
     model, tok = load_model(MODEL.value, "float32")
     cfg = model.config
     if DOC.value:
@@ -87,17 +123,14 @@ def main(argv):
                             chunk_size=CHUNK.value)
     dense_ids = dense.token_ids
     print(f"dense: {len(dense_ids)} tokens in {time.perf_counter() - t0:.1f}s: {dense.text[:300]!r}", flush=True)
-    from kascade_jax.calibration.resolve import parse_anchors, resolve_anchors
-
-    chosen = parse_anchors(ANCHORS.value, cfg.num_layers)
-    if chosen == "auto":
-        chosen, _ = resolve_anchors(model, tok, model_name=MODEL.value, tile_size=TILE.value)
-    print(f"anchors ({ANCHORS.value or 'registry default'}): {list(chosen)}", flush=True)
+    chosen, head_map, levers, kdesc = resolve_kascade(model, tok, ANCHORS.value, HEAD_MAP.value, MODEL.value,
+                                                      TILE.value)
+    print(f"kascade ({ANCHORS.value or 'registry default'}): {kdesc}", flush=True)
     rows = []
     for name, frac in [(n, float(f)) for n in STRATEGIES.value for f in FRACS.value]:
         anchors = tuple(chosen) if name != "oracle_topk" else None
-        strategy = make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=HEAD_MAP.value,
-                                 topk_frac=frac, min_k=MIN_K.value, tile_size=TILE.value)
+        strategy = make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map,
+                                 topk_frac=frac, min_k=MIN_K.value, tile_size=TILE.value, **levers)
         t0 = time.perf_counter()
         preds = _teacher_forced(model, prompt, dense_ids[:-1], strategy, CHUNK.value)
         forced = sum(p == d for p, d in zip(preds, dense_ids)) / len(dense_ids)
@@ -116,14 +149,16 @@ def main(argv):
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=str(jax.devices()[0]), jax=jax.__version__, command=" ".join(sys.argv), model=MODEL.value,
                 doc=DOC.value or "builtin prose", prompt_tokens=len(prompt), new_tokens=NEW_TOKENS.value, anchors=list(chosen),
-                head_map=HEAD_MAP.value or "identity", min_k=MIN_K.value, tile_size=TILE.value, dense_text=dense.text)
+                head_map=[list(r) for r in head_map] if head_map else "identity",
+                head_map_flag=HEAD_MAP.value or ("auto" if ANCHORS.value == "auto" else "identity"), kascade=kdesc,
+                levers=levers, min_k=MIN_K.value, tile_size=TILE.value, dense_text=dense.text)
     os.makedirs(os.path.dirname(OUT.value) or ".", exist_ok=True)
     with open(OUT.value + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=2)
     with open(OUT.value + ".md", "w") as f:
         f.write(f"# Kascade vs dense greedy agreement ({meta['date']}, {meta['device']}, JAX {meta['jax']})\n\n")
         f.write(f"`{meta['command']}`  \nmodel {MODEL.value}, prompt {len(prompt)} tokens, {len(dense_ids)} decoded "
-                f"tokens, anchors {list(chosen)}, head_map {meta['head_map']}, min_k {MIN_K.value}, "
+                f"tokens, anchors {list(chosen)}, head_map {meta['head_map_flag']}, {kdesc}, min_k {MIN_K.value}, "
                 f"tile {TILE.value}\n\n")
         f.write("| strategy | topk_frac | teacher-forced agreement | free-running common prefix | "
                 "free-running positional match |\n|---|---|---|---|---|\n")

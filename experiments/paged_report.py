@@ -2,7 +2,11 @@
 section "kernels") and the continuous-batching replay (serve_replay.py, section "replay").
 
 Each run replaces only its own section of paged.json and rewrites paged.md from every section present, so the two
-scripts can run in either order. Does not time anything.
+scripts can run in either order. The kernels section is merged, not replaced: rows and not_measured entries are keyed
+by (batch, context, page_size, stream_block); a new run's row or entry replaces the old one of its key, a shape
+measured now drops its old not_measured entry, and the other shapes of earlier runs stay (meta and checks are the
+latest run's). An existing paged.json that cannot be read is an error (never silently overwritten). Does not time
+anything.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ def _kernels_md(sec: dict) -> list[str]:
              "Contiguous dense = cuDNN; paged dense = the paged Pallas flash-decode (kernels_pallas/paged.py). "
              "A0 / A / R = Kascade anchor-0, anchor, reuse (kernels_pallas/decode.py vs paged.py). "
              f"Weighted = {m['formula']}.", "",
-             "| batch | context | top-k | dense contig | dense paged | ratio | A0 contig | A0 paged | ratio | "
+             "| batch | context | page | stream block | top-k | dense contig | dense paged | ratio | A0 contig | A0 paged | ratio | "
              "A contig | A paged | ratio | R contig | R paged | ratio | weighted contig | weighted paged | ratio |",
-             "|" + "---|" * 18]
+             "|" + "---|" * 20]
     for r in sec["rows"]:
-        cells = [str(r["batch"]), str(r["context"]), f"{r['topk_frac']:.0%}"]
+        cells = [str(r["batch"]), str(r["context"]), str(r["page_size"]), str(r.get("stream_block", "-")),
+                 f"{r['topk_frac']:.0%}"]
         for n in ("dense", "A0", "A", "R", "weighted"):
             cells += [f"{r[n + '_contig']:.4f}", f"{r[n + '_paged']:.4f}", f"**{r[n + '_ratio']:.3f}**"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -36,8 +41,9 @@ def _kernels_md(sec: dict) -> list[str]:
                                                                    if "same_sets" in c else "")
                             for c in sec["checks"])]
     if sec.get("not_measured"):
-        lines += ["", "Not measured:", ""] + [f"- batch {x['batch']}, context {x['context']}, page {x['page_size']}: "
-                                              f"{x['reason']}" for x in sec["not_measured"]]
+        lines += ["", "Not measured:", ""] + [f"- batch {x['batch']}, context {x['context']}, page {x['page_size']}"
+                                              + (f", stream block {x['stream_block']}" if "stream_block" in x else "")
+                                              + f": {x['reason']}" for x in sec["not_measured"]]
     return lines
 
 
@@ -57,6 +63,10 @@ def _replay_md(sec: dict) -> list[str]:
         lines.append(f"| {r['strategy']} | **{r['tokens_per_s']:.1f}** | {r['makespan_s']:.2f} | {r['ttft_p50_s']:.3f} | "
                      f"{r['ttft_p99_s']:.3f} | {r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} | {r['decode_steps']} | "
                      f"{r['mean_active']:.2f} |")
+    failed = [f"{r['strategy']}: {r['failed_requests']} of {r['requests']} ({r.get('first_error', '')})"
+              for r in sec["rows"] if r.get("failed_requests")]
+    if failed:
+        lines += ["", "Failed requests (no token; left out of the metrics above): " + "; ".join(failed)]
     by = {r["strategy"]: r for r in sec["rows"]}
     if "dense" in by and "kascade" in by:
         lines += ["", f"Kascade / dense generated tokens/s: **{by['kascade']['tokens_per_s'] / by['dense']['tokens_per_s']:.2f}x**; "
@@ -95,6 +105,22 @@ def _plot(data: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _shape_key(r: dict) -> tuple:
+    return (r["batch"], r["context"], r["page_size"], r.get("stream_block"))
+
+
+def merge_kernels(old: dict | None, new: dict) -> dict:
+    """The kernels section after `new` (see the module docstring): rows and not_measured merged by shape key; for
+    a shape the latest run measured or failed, only its latest result stays (a row or a not_measured entry)."""
+    if not old:
+        return new
+    latest = {_shape_key(r) for r in new.get("rows", []) + new.get("not_measured", [])}
+    rows = [r for r in old.get("rows", []) if _shape_key(r) not in latest] + list(new.get("rows", []))
+    missing = [x for x in old.get("not_measured", []) if _shape_key(x) not in latest] + list(new.get("not_measured", []))
+    order = lambda r: tuple(-1 if v is None else v for v in _shape_key(r))  # noqa: E731
+    return dict(new, rows=sorted(rows, key=order), not_measured=sorted(missing, key=order))
+
+
 def update(out_dir: str, section: str, payload: dict) -> str:
     """Replace `section` ("kernels" | "replay") of <out_dir>/paged.json and rewrite paged.md. Returns the md path."""
     if section not in ("kernels", "replay"):
@@ -106,9 +132,12 @@ def update(out_dir: str, section: str, payload: dict) -> str:
         try:
             with open(base + ".json") as fh:
                 data = json.load(fh)
-        except (OSError, ValueError):
-            data = {}
-    data[section] = payload
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{base}.json exists but cannot be read ({type(e).__name__}: {e}); fix or move it "
+                             f"(it holds the other section)") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{base}.json: expected a JSON object of sections, got {type(data).__name__}")
+    data[section] = merge_kernels(data.get("kernels"), payload) if section == "kernels" else payload
     with open(base + ".json.tmp", "w") as fh:
         json.dump(data, fh, indent=1)
     os.replace(base + ".json.tmp", base + ".json")

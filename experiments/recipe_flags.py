@@ -36,7 +36,7 @@ CALIB_REDUCE = flags.DEFINE_enum("calib_reduce", None, ["min", "mean"], "--ancho
 CALIB_IMPORTANCE = flags.DEFINE_enum("calib_importance", None, ["paper", "sqrt", "none"], "--anchors=auto: DP "
                                      "layer weighting (paper: the measured importance w; sqrt(w); none)")
 CALIB_NUM_PROMPTS = flags.DEFINE_integer("calib_num_prompts", None, "--anchors/--head_map=auto: development-set "
-                                         "prompts of the calibration (recipe: 64)")
+                                         "prompts of the calibration (recipe: 64)", lower_bound=1)
 CALIB_MAX_TOKENS = flags.DEFINE_integer("calib_max_tokens", None, "--anchors/--head_map=auto: longest dev prompt "
                                         "(shortest: half; recipe: 4096)")
 CALIB_DTYPE = flags.DEFINE_enum("calib_dtype", None, ["float32", "bfloat16", "float16"], "--anchors/--head_map=auto: "
@@ -59,6 +59,4 @@ def resolve_recipe(model_name: str):
 
 def calibration_kwargs(recipe, dtype: str) -> dict:
     """`load_or_calibrate` keywords of `recipe` (its calibration fields; the run's dtype unless it names one)."""
-    return dict(num_prompts=recipe.calib_num_prompts, max_tokens=recipe.calib_max_tokens,
-                min_tokens=max(64, recipe.calib_max_tokens // 2), k=recipe.calib_k, reduce=recipe.calib_reduce,
-                dtype=recipe.calib_dtype or dtype, recalibrate=RECALIBRATE.value)
+    return dict(recipe.calibration_kwargs(dtype), recalibrate=RECALIBRATE.value)

@@ -19,7 +19,9 @@ DIR/paged.json and DIR/paged.md (experiments/paged_report.py); without it, only 
 Models: `random:llama3-8b` (default: random bf16 weights in the Llama-3.1-8B shape, 32/8 heads, d 128, hidden 4096,
 ffn 14336, vocab 128256, with `--replay_layers` layers; Kascade anchors `registry.default_anchors(layers)`, identity
 head map, or `--replay_anchors=0,4,...`), `random:tiny` (CPU smoke runs), or any `--model`-style alias/path via
-`--replay_model` (then the strategy gets the shipped calibration's anchors and head map).
+`--replay_model` (then the strategy gets the model's shipped default recipe: its levers and the anchors and head
+map of its shipped calibration, found at any --replay_dtype; `calibration.resolve.recipe_kascade`). A request whose
+prefill fails is counted in `failed_requests` (with `first_error`) and left out of the token metrics.
 
 Reduced default (the lead's ~5 GPU minutes): 8 layers, 24 requests, prompts 4K-16K (three prefill buckets), 32-96
 new tokens, 8 req/s, max_batch 8; pass `--replay_anchors=0,4` for a paper-like anchor share (2 of 8 layers). The issue's
@@ -101,7 +103,10 @@ def build_model(spec: str, layers: int, dtype: str):
     return model, tok, f"{spec} ({dtype})"
 
 
-def build_strategy(name: str, model, tok, spec: str):
+def build_strategy(name: str, model, tok, spec: str, dtype: str = "float32"):
+    """dense, or kascade: on a random:* model the registry's default anchors (identity head map, no levers); on a
+    real model the shipped default recipe (`calibration.resolve.recipe_kascade`: its levers and the anchors and
+    head map of its calibration, found at any `dtype`), with --replay_anchors=<list> replacing only the anchors."""
     import jax
 
     from kascade_jax.registry import default_anchors, make_strategy
@@ -112,18 +117,20 @@ def build_strategy(name: str, model, tok, spec: str):
     if name != "kascade":
         raise ValueError(f"--replay_strategies takes dense and kascade (the strategies with paged decode), got {name!r}")
     cfg = model.config
-    head_map = None
-    if ANCHORS.value != "auto":
-        anchors = ANCHORS.value
-    elif spec.startswith("random:"):
-        anchors = default_anchors(cfg.num_layers)
+    if spec.startswith("random:"):
+        kw = dict(anchors=default_anchors(cfg.num_layers) if ANCHORS.value == "auto" else ANCHORS.value)
     else:
-        from kascade_jax.calibration import resolve_anchors
+        from kascade_jax.calibration.resolve import recipe_kascade
 
-        anchors, head_map = resolve_anchors(spec, num_layers=cfg.num_layers, kv_heads=cfg.kv_heads)
-    return make_strategy("kascade", cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map,
-                         topk_frac=TOPK_FRAC.value, min_k=MIN_K.value, tile_size=TILE_SIZE.value,
-                         kernels="pallas" if jax.default_backend() == "gpu" else "reference")
+        kw, desc = recipe_kascade(spec, cfg.num_layers, cfg.kv_heads, dtype=dtype, tile_size=TILE_SIZE.value,
+                                  model=model, tokenizer=tok)
+        if ANCHORS.value != "auto":
+            kw = dict(kw, anchors=ANCHORS.value, head_map=None)
+        print(f"kascade: {desc}" + (f"; anchors {ANCHORS.value} (--replay_anchors), identity head map"
+                                    if ANCHORS.value != "auto" else ""), flush=True)
+    return make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=TOPK_FRAC.value, min_k=MIN_K.value,
+                         tile_size=TILE_SIZE.value, kernels="pallas" if jax.default_backend() == "gpu" else "reference",
+                         **kw)
 
 
 def make_trace(n, rate, min_prompt, max_prompt, min_new, max_new, vocab, seed):
@@ -146,11 +153,15 @@ def _pct(xs, q):
 
 
 def replay(engine, trace, *, clock=time.perf_counter, log=print):
-    """Run the trace in wall-clock time. Returns the metrics row (without the strategy name)."""
+    """Run the trace in wall-clock time. Returns the metrics row (without the strategy name).
+
+    A request that never produced a token (its prefill raised; the engine releases it and stays consistent) is
+    counted in `failed_requests`, with the first error in `first_error`, and left out of the token metrics; it is
+    never dropped silently. An engine step that keeps raising (more errors than requests) is re-raised."""
     from models.engine import SamplingParams
 
     pending = list(trace)
-    handles, active_sum, steps = [], 0, 0
+    handles, active_sum, steps, errors = [], 0, 0, []
     t0 = clock()
     while pending or not engine.idle:
         now = clock() - t0
@@ -160,17 +171,30 @@ def replay(engine, trace, *, clock=time.perf_counter, log=print):
         if engine.idle:
             time.sleep(max(0.0, pending[0][0] - (clock() - t0)))
             continue
-        engine.step()
+        try:
+            engine.step()
+        except Exception as e:  # noqa: BLE001  (recorded in the row, re-raised if it persists)
+            errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+            log(f"engine step failed ({errors[-1]}); the request is counted as failed")
+            if len(errors) > len(trace):
+                raise
+            continue
         active_sum += engine.active
         steps += 1
-    end = max(h.token_times[-1] for h in handles)
-    generated = sum(h.new_tokens for h in handles)
-    ttft = [h.ttft for h in handles]
-    tpot = [h.tpot for h in handles if h.tpot is not None]
-    row = dict(requests=len(handles), generated_tokens=generated, makespan_s=end - t0,
-               tokens_per_s=generated / (end - t0), ttft_p50_s=_pct(ttft, 50), ttft_p99_s=_pct(ttft, 99),
-               tpot_p50_ms=1e3 * _pct(tpot, 50), tpot_p99_ms=1e3 * _pct(tpot, 99), decode_steps=engine.decode_steps,
-               mean_active=active_sum / max(steps, 1), decode_compilations=engine.decode_compilations)
+    done = [h for h in handles if h.token_times]
+    failed = len(handles) - len(done)
+    end = max((h.token_times[-1] for h in done), default=float("nan"))
+    generated = sum(h.new_tokens for h in done)
+    ttft = [h.ttft for h in done]
+    tpot = [h.tpot for h in done if h.tpot is not None]
+    makespan = end - t0
+    row = dict(requests=len(handles), failed_requests=failed, generated_tokens=generated, makespan_s=makespan,
+               tokens_per_s=generated / makespan if done else float("nan"), ttft_p50_s=_pct(ttft, 50),
+               ttft_p99_s=_pct(ttft, 99), tpot_p50_ms=1e3 * _pct(tpot, 50), tpot_p99_ms=1e3 * _pct(tpot, 99),
+               decode_steps=engine.decode_steps, mean_active=active_sum / max(steps, 1),
+               decode_compilations=engine.decode_compilations)
+    if errors:
+        row["first_error"] = errors[0]
     return row
 
 
@@ -217,7 +241,7 @@ def main(argv):
           f"max_batch {MAX_BATCH.value}, {num_pages} pages of {ps}", flush=True)
     rows = []
     for name in STRATEGIES.value:
-        strategy = build_strategy(name, model, tok, REPLAY_MODEL.value)
+        strategy = build_strategy(name, model, tok, REPLAY_MODEL.value, dtype)
         engine = Engine(model, tok, strategy, max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages,
                         max_len=max_len, chunk_size=CHUNK.value)
         t = time.perf_counter()
@@ -230,7 +254,9 @@ def main(argv):
         print(f"{name}: {row['tokens_per_s']:.1f} generated tok/s, makespan {row['makespan_s']:.2f} s, TTFT p50 "
               f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, TPOT p50 {row['tpot_p50_ms']:.2f} ms p99 "
               f"{row['tpot_p99_ms']:.2f} ms, {row['decode_steps']} decode steps, mean active {row['mean_active']:.2f}, "
-              f"decode compilations {row['decode_compilations']}", flush=True)
+              f"decode compilations {row['decode_compilations']}" +
+              (f", FAILED requests {row['failed_requests']} ({row['first_error']})" if row["failed_requests"] else ""),
+              flush=True)
         del engine
         gc.collect()
     if REPLAY_OUT.value:

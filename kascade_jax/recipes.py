@@ -64,6 +64,13 @@ class Recipe:
         """The KascadeConfig fields this recipe sets."""
         return {f: getattr(self, f) for f in LEVERS}
 
+    def calibration_kwargs(self, dtype: str = "float32") -> dict[str, Any]:
+        """`calibration.load_or_calibrate` keywords of this recipe: its calibration fields, and its `calib_dtype`
+        (else the run's `dtype`), so the key matches the shipped calibration whatever the run's --dtype."""
+        return dict(num_prompts=self.calib_num_prompts, max_tokens=self.calib_max_tokens,
+                    min_tokens=max(64, self.calib_max_tokens // 2), k=self.calib_k, reduce=self.calib_reduce,
+                    dtype=self.calib_dtype or dtype)
+
     def describe(self) -> str:
         on = [f"{f}={getattr(self, f)}" for f in LEVERS if getattr(self, f)]
         calib = f"k{self.calib_k}/{self.calib_reduce}/w={self.calib_importance}"
@@ -96,12 +103,18 @@ def recipe_file(model_name: str) -> Path:
 
 
 def load_recipe(model_name: str, name: str = "default") -> Recipe:
-    """`paper`, `default` (the shipped choice for `model_name`, else the paper recipe) or a .json path."""
+    """`paper`, `default` (the shipped choice for `model_name`, else the paper recipe) or a .json path.
+
+    `paper` and `candidate:<name>` take the `calib_dtype` of the model's shipped recipe (the dtype its shipped
+    calibration ran in; not a method choice), so they find that calibration at any --dtype."""
     name = str(name).strip()
-    if name == "paper":
-        return PAPER
-    if name.startswith("candidate:"):
-        return candidate(name.split(":", 1)[1])
+    if name == "paper" or name.startswith("candidate:"):
+        r = PAPER if name == "paper" else candidate(name.split(":", 1)[1])
+        shipped = recipe_file(model_name)
+        if r.calib_dtype is None and shipped.is_file():
+            dt = json.loads(shipped.read_text()).get("default", {}).get("calib_dtype")
+            r = dataclasses.replace(r, calib_dtype=dt) if dt else r
+        return r
     if name.endswith(".json"):
         path = Path(name).expanduser()
         if not path.is_file():

@@ -8,6 +8,10 @@ estimated time and the cached near misses it did not use, with their differing f
 under `<stem>-<digest of the key>.json`, so calibrations that differ in any key field never share a file. It then
 returns the DP's anchor set for `num_anchors` with its head map.
 `resolve_flags` is what `experiments/generate.py` and `experiments/eval.py` call with their raw flag values.
+`recipe_kascade` is the one call for a library user or a script without the recipe flags (serve_replay,
+kascade_agreement): a recipe (default: the model's shipped one) -> the make_strategy keywords (anchors, head map,
+levers), its calibration keyed by the recipe's `calib_dtype` whatever the run's dtype; calibrate=False never
+starts a calibration. `resolve_anchors` with its default keywords keys a float32 paper-recipe calibration.
 
 k defaults to the official 64, raised to 2 * tile_size when the tile is that large (k must exceed the tile:
 k - tile_size keys are selected on top of the diagonal tile).
@@ -256,3 +260,38 @@ def resolve_flags(model_name: str, anchors: str, head_map: str, *, num_layers: i
     if head_map == "identity":
         return parsed, None
     return parsed, tuple(tuple(int(h) for h in row) for row in hm)
+
+
+def recipe_kascade(model_name: str, num_layers: int, kv_heads: int, *, recipe="default", dtype: str = "float32",
+                   tile_size: int = 32, model=None, tokenizer=None, calibrate: bool = True, cache_dir=None,
+                   recalibrate: bool = False) -> tuple[dict, str]:
+    """(make_strategy keywords, description) of `recipe` for `model_name`: the levers (sink_tokens, recent_window,
+    dense_suffix) and the anchors (`num_anchors`, DP `calib_importance`) and head map of the recipe's calibration,
+    keyed by the recipe's calibration fields and its `calib_dtype` (else `dtype`, the run's), the same path as
+    `experiments.common.build_strategy` with `--anchors=auto --head_map=auto`.
+
+    recipe: a `kascade_jax.recipes.Recipe` or a name for `load_recipe` ('default', 'paper', a .json path).
+    calibrate=False: never runs a calibration; with no shipped or cached one it raises a ValueError naming the key
+    and the near misses. model/tokenizer: a loaded model for an on-the-spot calibration (else it is loaded).
+    """
+    from kascade_jax.recipes import Recipe, load_recipe  # noqa: PLC0415
+
+    r = recipe if isinstance(recipe, Recipe) else load_recipe(model_name, recipe)
+    kw = r.calibration_kwargs(dtype)
+    key = calibration_key(model_name, tile_size=tile_size, **kw)
+    found, near = find_cached(key, cache_dir)
+    if found is not None and not recalibrate:
+        art, src = CalibrationArtifact.load(found, key=key), found.name
+    elif not calibrate:
+        miss = "; ".join(f"{p.name} differs in {', '.join(d)}" for p, d in near) or "none near"
+        raise ValueError(f"{model_name}: no shipped or cached calibration for {key.name()} ({miss}); run "
+                         f"experiments.calibrate first")
+    else:
+        art = load_or_calibrate(model_name, tile_size=tile_size, cache_dir=cache_dir, model=model,
+                                tokenizer=tokenizer, recalibrate=recalibrate, **kw)
+        src = f"{artifact_path(key, cache_dir).name} (calibrated now)"
+    art.check_model(num_layers, kv_heads)
+    anchors = tuple(int(a) for a in art.anchors_for(r.num_anchors, r.calib_importance))
+    head_map = tuple(tuple(int(h) for h in row) for row in art.head_map(anchors))
+    return (dict(anchors=anchors, head_map=head_map, **r.levers()),
+            f"recipe {r.describe()}, anchors {list(anchors)} from {src}")

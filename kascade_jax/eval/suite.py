@@ -23,7 +23,7 @@ import time
 
 from kascade_jax.eval import fidelity as fidelity_lib
 from kascade_jax.eval import harness, report
-from kascade_jax.tasks import aa_lcr, aime, longbench, ruler, synthetic
+from kascade_jax.tasks import aa_lcr, aime, longbench, metrics, ruler, synthetic
 
 KASCADE_FAMILY = ("kascade", "no_remap", "all_heads_pooled", "pre_softmax_pooling", "oracle_topk", "decode_only")
 BUDGET_BASELINES = ("quest", "omnikv", "less_is_more")  # budget_frac plays the role of topk_frac
@@ -57,6 +57,9 @@ def expand_tasks(names) -> list[str]:
     out = list(dict.fromkeys(out))
     if any(t in ruler.TASKS for t in out):
         ruler.require_package()  # a missing data package fails when the spec is validated, not mid-run
+    zh = [t for t in out if longbench.DATASET2METRIC.get(t) in metrics.JIEBA_METRICS]
+    if zh:
+        metrics.require_jieba(zh)  # the same for the Chinese metrics' word segmenter (not after generation)
     return out
 
 

@@ -66,14 +66,24 @@ def normalize_zh_answer(s: str) -> str:
     return "".join(ch for ch in s if ch not in drop)
 
 
-def _jieba():
+JIEBA_METRICS = ("qa_f1_zh", "rouge_zh")  # the metrics that segment Chinese words with jieba
+
+
+def require_jieba(tasks=()) -> None:
+    """A MissingPackageError naming `tasks` (the Chinese tasks asked for) unless `jieba` imports: called when a
+    spec is validated (eval.suite.expand_tasks), before any model loads, and again at scoring time."""
+    _jieba(tasks)
+
+
+def _jieba(tasks=()):
     try:
         import jieba  # noqa: PLC0415
     except ImportError as e:  # only ZH tasks need it
         from kascade_jax.tasks.packages import MissingPackageError  # noqa: PLC0415
 
-        raise MissingPackageError("Chinese LongBench metrics need the `jieba` package (pip install jieba); "
-                          "EN tasks do not") from e
+        which = f" ({', '.join(tasks)})" if tasks else ""
+        raise MissingPackageError(f"Chinese LongBench metrics{which} need the `jieba` package (pip install jieba); "
+                                  "EN tasks do not") from e
     return jieba
 
 

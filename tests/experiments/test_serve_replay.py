@@ -56,3 +56,90 @@ def test_replay_and_report(tmp_path):
     assert "Not measured:" in text and "batch 64, context 131072, page 64: failed: JaxRuntimeError" in text
     with pytest.raises(ValueError, match="section must be"):
         paged_report.update(str(tmp_path), "other", {})
+
+
+def _krow(batch, context, page_size, stream_block, base=1.0):
+    row = dict(batch=batch, context=context, page_size=page_size, stream_block=stream_block, topk_frac=0.1)
+    for i, n in enumerate(("dense", "A0", "A", "R", "weighted")):
+        row.update({f"{n}_contig": base + i, f"{n}_paged": base + 0.1 + i, f"{n}_ratio": (base + 0.1 + i) / (base + i)})
+    return row
+
+
+def test_kernels_section_merges_rows_by_shape_and_refuses_an_unreadable_json(tmp_path):
+    kmeta = dict(gpu="cpu", date="d", jax="j", command="c", iterations=10, heads="h", page_size="64", formula="f")
+    first = [_krow(8, 32768, 64, 128), _krow(8, 32768, 16, 128)]
+    miss = [dict(batch=64, context=131072, page_size=64, stream_block=128, reason="failed: OOM")]
+    paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=[], rows=first, not_measured=miss))
+    # a second call: re-measures one shape (new numbers), measures the one that failed, adds a stream block
+    second = [_krow(8, 32768, 64, 128, base=2.0), _krow(64, 131072, 64, 128), _krow(8, 32768, 64, 256)]
+    md = paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=[], rows=second, not_measured=[]))
+    sec = json.load(open(tmp_path / "paged.json"))["kernels"]
+    keys = [(r["batch"], r["context"], r["page_size"], r["stream_block"]) for r in sec["rows"]]
+    assert sorted(keys) == sorted([(8, 32768, 64, 128), (8, 32768, 16, 128), (64, 131072, 64, 128),
+                                   (8, 32768, 64, 256)])
+    assert next(r for r in sec["rows"] if r["page_size"] == 64 and r["stream_block"] == 128
+                and r["batch"] == 8)["dense_contig"] == 2.0  # the new row replaced the old one of its key
+    assert sec["not_measured"] == []
+    text = open(md).read()
+    assert "| page | stream block |" in text and "| 8 | 32768 | 16 | 128 | 10% |" in text
+    assert "Not measured" not in text
+    (tmp_path / "paged.json").write_text("{truncated")
+    with pytest.raises(ValueError, match=r"paged\.json exists but cannot be read"):
+        paged_report.update(str(tmp_path), "replay", dict(meta={}, rows=[]))
+    assert (tmp_path / "paged.json").read_text() == "{truncated"
+
+
+def test_bench_paged_int_flags_name_the_flag():
+    assert bench_paged.int_list("paged_contexts", ["32768", "131072"]) == [32768, 131072]
+    with pytest.raises(ValueError, match=r"--paged_batches takes comma-separated integers, got '8k'"):
+        bench_paged.int_list("paged_batches", ["8k"])
+
+
+def test_replay_counts_a_request_whose_prefill_failed():
+    """A request whose prefill raises never produces a token: the replay finishes, counts it in failed_requests
+    with its error, and reports the other requests' metrics (it used to die with an IndexError)."""
+    import dataclasses
+
+    from models.attention import DenseStrategy
+    from models.engine import Engine
+
+    @dataclasses.dataclass(frozen=True)
+    class RefusesLongPrefill(DenseStrategy):
+        name: str = "dense_refusing_long_prefill"
+
+        def attend(self, layer, inputs, state):
+            if inputs.phase == "prefill" and inputs.q.shape[1] > 64:
+                raise ValueError("this strategy refuses prefills wider than 64 tokens")
+            return super().attend(layer, inputs, state)
+
+    model, tok, _ = serve_replay.build_model("random:tiny", 2, "float32")
+    rng = np.random.default_rng()
+    # arrivals 0, 0.01, 0.02 s: short, long (its padded prefill is 128 wide: fails), short
+    trace = [(0.01 * i, rng.integers(0, model.config.vocab, n).tolist(), 4) for i, n in enumerate((40, 100, 50))]
+    eng = Engine(model, tok, RefusesLongPrefill(), max_batch=2, page_size=16, max_len=256)
+    logs = []
+    row = serve_replay.replay(eng, trace, log=logs.append)
+    assert row["requests"] == 3 and row["failed_requests"] == 1 and row["generated_tokens"] == 8
+    assert "refuses prefills wider than 64" in row["first_error"] and logs and eng.idle
+    assert row["tokens_per_s"] > 0 and row["ttft_p50_s"] > 0
+
+
+def test_replay_kascade_on_a_real_alias_uses_its_recipe_at_bfloat16():
+    """--replay_model=smollm2-135m: the kascade strategy carries the shipped recipe's levers and the anchors and
+    head map of the shipped (float32) calibration, found although the replay runs in bfloat16 (no calibration)."""
+    from kascade_jax.calibration.artifact import CalibrationArtifact
+    from kascade_jax.calibration.resolve import PACKAGED_DIR
+    from models import load_model
+
+    from absl import flags
+    from absl.testing import flagsaver
+
+    model, tok = load_model("smollm2-135m", "bfloat16")
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["serve_replay", "--replay_model=smollm2-135m"])
+        s = serve_replay.build_strategy("kascade", model, tok, "smollm2-135m", "bfloat16")
+    art = CalibrationArtifact.load(PACKAGED_DIR / "smollm2-135m-builtin-64-k64-ts32.json")
+    assert tuple(s.config.anchors) == tuple(art.anchors_for(5))
+    assert np.array_equal(np.asarray(s.config.head_map), art.head_map(s.config.anchors))
+    assert (s.config.sink_tokens, s.config.recent_window, s.config.dense_suffix) == (4, 60, 128)

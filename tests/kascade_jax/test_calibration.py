@@ -380,6 +380,35 @@ def test_shipped_calibrations_are_found_under_their_keys(tmp_path, model_name, d
     assert art.model_name == model_name and len(art.anchors_for(r.num_anchors)) == r.num_anchors
 
 
+SHIPPED = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+
+
+@pytest.mark.parametrize("model_name", SHIPPED)
+@pytest.mark.parametrize("run_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("recipe_name", ["default", "paper"])
+def test_recipe_kascade_finds_every_shipped_calibration_at_any_run_dtype(tmp_path, model_name, run_dtype,
+                                                                         recipe_name):
+    """The default path (recipe -> calibration keywords -> key) hits the shipped artifact of every shipped alias at
+    --dtype float32 and bfloat16 (calibrate=False: a miss raises instead of starting a calibration), and returns
+    the recipe's levers with the artifact's DP anchors and head map. No model weights are loaded."""
+    from kascade_jax.recipes import load_recipe
+
+    shipped = next(resolve.PACKAGED_DIR.glob(f"{model_name}-builtin-64-k64-ts32.json"))
+    ref = CalibrationArtifact.load(shipped)
+    r = load_recipe(model_name, recipe_name)
+    kw, desc = resolve.recipe_kascade(model_name, ref.num_layers, ref.kv_heads, recipe=recipe_name, dtype=run_dtype,
+                                      calibrate=False, cache_dir=tmp_path)
+    assert shipped.name in desc
+    assert kw["anchors"] == tuple(ref.anchors_for(r.num_anchors, r.calib_importance))
+    assert np.array_equal(np.asarray(kw["head_map"]), ref.head_map(kw["anchors"]))
+    assert {f: kw[f] for f in ("sink_tokens", "recent_window", "dense_suffix")} == r.levers()
+    if recipe_name == "default":
+        assert r.levers() == dict(sink_tokens=4, recent_window=60, dense_suffix=128)
+    with pytest.raises(ValueError, match=r"no shipped or cached calibration .*dtype: recorded"):
+        resolve.recipe_kascade(model_name, ref.num_layers, ref.kv_heads, recipe=r.replace(
+            calib_dtype="float16"), calibrate=False, cache_dir=tmp_path)
+
+
 @pytest.mark.parametrize("text,problem", [("{not json", "not valid JSON"), ('{"rows": [[0]]}', "'head_map' entry"),
                                           ('[[0, 1], [1]]', "equal-length rows of ints"),
                                           ('[[0, 1.5], [0, 1]]', "equal-length rows of ints"),

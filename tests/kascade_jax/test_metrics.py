@@ -228,3 +228,21 @@ def test_hub_loading_failure_is_a_clear_error(monkeypatch):
     rows = [dict(problem="p", answer=" 7 ", id=3)]
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a, **k: rows))
     assert aime.load_problems() == [dict(id=3, problem="p", answer="7")]
+
+
+def test_missing_jieba_fails_when_the_tasks_are_expanded(monkeypatch):
+    """A Chinese LongBench task without jieba stops the spec (before the model loads), not the scoring after
+    generation; English tasks never need it."""
+    import sys
+
+    from kascade_jax.eval import suite
+    from kascade_jax.tasks.packages import MissingPackageError
+
+    monkeypatch.setitem(sys.modules, "jieba", None)  # None in sys.modules: `import jieba` raises ImportError
+    for zh in ("multifieldqa_zh", "longbench:dureader", "vcsum"):
+        with pytest.raises(MissingPackageError, match=r"\(.*(multifieldqa_zh|dureader|vcsum).*\) need the `jieba`"):
+            suite.expand_tasks(["hotpotqa", zh])
+    with pytest.raises(MissingPackageError, match="jieba"):
+        suite.EvalSpec(tasks=("longbench",))
+    assert suite.expand_tasks(["hotpotqa", "passage_retrieval_zh", "lsht"]) == ["hotpotqa", "passage_retrieval_zh",
+                                                                               "lsht"]  # no jieba metric

@@ -1,0 +1,47 @@
+"""experiments/kascade_agreement.py: --anchors=auto brings the calibrated head map and the recipe levers, and a bad
+--anchors fails before the model loads. Subprocesses: the entry point defines --model, as experiments.eval does."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+
+SCRIPT = """
+import json, sys
+from experiments import kascade_agreement as ka
+from models import load_model
+model, tok = load_model("smollm2-135m", "float32")
+out = [ka.resolve_kascade(model, tok, a, h, "smollm2-135m", 32) for a, h in
+       [("auto", None), ("0,4,12,20", None), ("0,4,12,20", "auto")]]
+print(json.dumps(out))
+"""
+
+
+def test_auto_anchors_keep_the_calibrated_head_map_and_the_recipe():
+    from kascade_jax.calibration.artifact import CalibrationArtifact
+    from kascade_jax.calibration.resolve import PACKAGED_DIR
+
+    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (anchors, head_map, levers, desc), (a2, hm2, lev2, _), (_, hm3, _, _) = json.loads(res.stdout.splitlines()[-1])
+    art = CalibrationArtifact.load(PACKAGED_DIR / "smollm2-135m-builtin-64-k64-ts32.json")
+    assert tuple(anchors) == tuple(art.anchors_for(5)) and "smollm2-135m-builtin-64-k64-ts32.json" in desc
+    expected = art.head_map(tuple(anchors))
+    assert not np.array_equal(expected, np.tile(np.arange(expected.shape[1]), (expected.shape[0], 1)))  # non-trivial
+    assert np.array_equal(np.asarray(head_map), expected)
+    assert levers == dict(sink_tokens=4, recent_window=60, dense_suffix=128)
+    # explicit anchors: identity unless asked, no levers; --head_map=auto: the calibrated map of those anchors
+    assert a2 == [0, 4, 12, 20] and hm2 is None and lev2 == {}
+    assert np.array_equal(np.asarray(hm3), art.head_map((0, 4, 12, 20)))
+
+
+def test_bad_anchors_fail_before_the_model_loads():
+    res = subprocess.run([sys.executable, "-m", "experiments.kascade_agreement", "--anchors=0,x",
+                          "--model=/nonexistent/model"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+    assert res.returncode == 2 and res.stderr.strip().startswith("error: --anchors must be"), res.stderr[-2000:]
