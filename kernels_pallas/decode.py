@@ -482,7 +482,7 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
         bits_fn = functools.partial(_scores_to_bits, scores, kv_len)
         dense = None
         if dense_out:
-            _, _, dense = _stream_pallas(q, kp, vp, kv_len, scale, True, interpret, tuning)
+            _, _, dense = _stream_pallas(q, kp, vp, kv_len, scale, True, interpret, tuning, write_logits=False)
     else:
         logits, lse, dense = _stream_pallas(q, kp, vp, kv_len, scale, dense_out, interpret, tuning)
         bits_fn = functools.partial(_pooled_bits, logits[..., :s_len], lse, kv_len, group, pool, sinks, window)
