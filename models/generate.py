@@ -7,6 +7,10 @@
 - `generate` compiles the whole decode loop (`lax.while_loop`, greedy or temperature/top-p/top-k sampling with a
   seed, per-sequence EOS) into one jitted call. Stop strings need the text, so with `stop` the loop runs in jitted
   segments and the host checks the text between them.
+- A paged cache (models/paged.py) works in forward / prefill / decode_step when the strategy sets supports_paged
+  and every page of the positions written or read is allocated (checked on the host, `_check_pages`). prefill
+  traces every later chunk's program before the first chunk runs, so a trace-time refusal never meets a donated
+  cache.
 """
 
 from __future__ import annotations

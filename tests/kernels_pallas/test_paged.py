@@ -134,29 +134,33 @@ def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl):
     """Pages are reused dirty: a previous owner's inf/NaN past kv_len (in the last page of each sequence, and in
     every unused page, page 0 included, which is where a -1 entry is clamped) must not reach the output."""
     print("seed", SEED)
-    q, k, v, kp, vp, table, _ = _paged_inputs(SEED + 5, 3, 128, 4, 2, 64, 16, jnp.float32)  # all pages mapped
+    rng = np.random.default_rng(SEED + 5)
+    b, s, kvh, d, ps = 3, 128, 2, 64, 16
+    q = rng.standard_normal((b, 1, 4, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
     kv_len = jnp.asarray([128, 37, 70], jnp.int32)  # the last two end inside a page
-    kp, vp, tb = np.array(kp), np.array(vp), np.array(table)
-    k, v = np.array(k), np.array(v)
+    n = b * (s // ps) + 3
+    perm = rng.permutation(n)
+    kp = np.full((n, ps, kvh, d), poison, np.float32)  # every row not written below is poison
+    vp = np.full((n, ps, kvh, d), poison, np.float32)
+    tb = np.full((b, s // ps), -1, np.int32)
     used = set()
-    for bi in range(3):
-        n = int(kv_len[bi])
-        pages = -(-n // 16)
-        used.update(tb[bi, :pages].tolist())
-        tb[bi, pages:] = -1
-        if n % 16:
-            last = tb[bi, pages - 1]
-            kp[last, n % 16:] = poison
-            vp[last, n % 16:] = poison
-        k[bi, n:], v[bi, n:] = 0.0, 0.0
-    for page in set(range(kp.shape[0])) - used:
-        kp[page], vp[page] = poison, poison
+    for bi in range(b):
+        m = int(kv_len[bi])
+        for j in range(-(-m // ps)):
+            page = tb[bi, j] = perm[bi * (s // ps) + j]
+            used.add(int(page))
+            rows = min(ps, m - j * ps)  # the last page: only the rows below kv_len are real
+            kp[page, :rows], vp[page, :rows] = k[bi, j * ps:j * ps + rows], v[bi, j * ps:j * ps + rows]
+        k[bi, m:], v[bi, m:] = 0.0, 0.0
     if 0 not in used:  # make sure a clamped -1 lands on poison
         assert not np.isfinite(kp[0]).any()
     kw = dict(impl="pallas", interpret=True) if impl == "interpret" else dict(impl="reference")
     args = (jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tb), kv_len)
-    out = paged.dense_decode(*args, tuning=dec.DecodeTuning(stream_block=16), **kw)
-    assert _rel(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
+    for block in (16, 64):  # within a page (one load) and over four pages (gathered rows)
+        out = paged.dense_decode(*args, tuning=dec.DecodeTuning(stream_block=block), **kw)
+        assert _rel(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
     akw = dict(topk_frac=0.25, min_k=8, k_max=ref.max_budget(128, 0.25, 8))
     out, _, _ = paged.anchor_decode(*args, **akw, **kw)
     want, _, _ = dec.anchor_decode(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_len, impl="reference", **akw)
