@@ -31,8 +31,10 @@ Design:
   alone; NaN planted in a freed page changes nothing).
 - Errors: a request whose admission (prefill) raises is finished with finish_reason "error", its slot and pages
   given back, the exception kept on the handle (`error`, re-raised by `result()` and iteration) and re-raised by
-  `step()`. A failing decode step does the same for every active request; the engine then stays usable (the
-  pools are donated only to programs that traced, so the cache is intact). Iterating an unfinished handle of an
+  `step()`. A failing decode step does the same for every active request. The engine then stays usable when the
+  failure came before the pools were donated (a trace-time refusal, the usual case: prefill traces every chunk's
+  program before the first runs); if a compiled program failed after taking the donated pools, the engine is
+  marked unusable and every later `submit` / `step` raises a RuntimeError naming the original error. Iterating an unfinished handle of an
   idle engine (never submitted to it, or already failed) raises a RuntimeError instead of spinning.
 
 Tokens follow `models.generate.generate`'s rules (greedy is bit-for-bit the same rule; temperature sampling uses one
@@ -223,11 +225,13 @@ class Engine:
         # One jit object per engine, so its compilation count is this engine's (donates the cache).
         self._decode = jax.jit(functools.partial(_decode_step, self._graphdef, strategy), donate_argnums=(1,))
         self.decode_steps = 0
+        self._broken: BaseException | None = None  # set when a failure consumed the donated pools
 
     # public API ---------------------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, *, on_token: Callable[[int], None] | None = None,
                arrival: float | None = None) -> RequestHandle:
         """Queue a request (a string, or token ids used as they are). Refuses one that could never fit."""
+        self._check_usable()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -273,6 +277,7 @@ class Engine:
     def step(self) -> list[tuple[RequestHandle, int]]:
         """Admit what fits (prefill + first token each), then one decode step over all slots.
         Returns the (request, token) pairs generated in this step (EOS included)."""
+        self._check_usable()
         events: list[tuple[RequestHandle, int]] = []
         self._admit(events)
         if self.active:
@@ -284,6 +289,19 @@ class Engine:
             self.step()
 
     # internals ----------------------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"this engine is unusable: a failed step consumed its donated KV pools "
+                               f"({type(self._broken).__name__}: {self._broken}); build a new Engine")
+
+    def _after_failure(self, err: BaseException) -> None:
+        """Mark the engine unusable if the failed call had already taken (donated) the pools."""
+        if any(x.is_deleted() for x in self.cache.k + self.cache.v):
+            self._broken = err
+            for h in self._queue:
+                h._fail(err)
+            self._queue.clear()
+
     def _admit(self, events) -> None:
         while self._queue and None in self._slots:
             h = self._queue[0]
@@ -311,6 +329,7 @@ class Engine:
             except Exception as err:  # e.g. a kernel bundle without paged decode: leave the engine consistent
                 h._fail(err)
                 self._release(slot)
+                self._after_failure(err)
                 raise
             self.cache = dataclasses.replace(self.cache, k=view.k, v=view.v)
             p = h.params
@@ -353,6 +372,7 @@ class Engine:
                 if h is not None:
                     h._fail(err)
                     self._release(b)
+            self._after_failure(err)
             raise
         self.cache = cache
         self.decode_steps += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -303,3 +304,36 @@ def test_engine_argument_checks(model):
     sharded.mesh = object()  # what shard_model sets: a jax.sharding.Mesh
     with pytest.raises(ValueError, match="the engine runs on one device"):
         Engine(sharded, Tok(), S, max_batch=1, page_size=16, max_len=256)
+
+
+@dataclasses.dataclass(frozen=True)
+class FailsAtRuntime:
+    """Paged-aware dense attention whose compiled decode step fails while running (after the pools were donated)."""
+
+    supports_paged = True
+    name: str = "fails_at_runtime"
+
+    def attend(self, layer, inputs, state):
+        if inputs.phase == "decode" and layer == 0:
+            jax.debug.callback(_boom, inputs.kv_len)
+        return S.attend(layer, inputs, state)
+
+    def post_attention(self, layer, x, attn_out, state):
+        return state
+
+
+def _boom(kv_len):
+    raise RuntimeError("decode failed at run time")
+
+
+def test_runtime_failure_after_donation_marks_the_engine_unusable(model, rng):
+    eng = Engine(model, Tok(), FailsAtRuntime(), max_batch=2, page_size=16, max_len=256)
+    h = eng.submit(rng.integers(5, 128, 20).tolist(), SamplingParams(max_new_tokens=4))
+    queued = [eng.submit(rng.integers(5, 128, 20).tolist(), SamplingParams(max_new_tokens=4)) for _ in range(2)]
+    with pytest.raises(Exception, match="decode failed at run time"):
+        eng.run()
+    assert h.finish_reason == "error" and all(q.finish_reason == "error" for q in queued)
+    with pytest.raises(RuntimeError, match="this engine is unusable: a failed step consumed its donated KV pools"):
+        eng.step()
+    with pytest.raises(RuntimeError, match="this engine is unusable"):
+        eng.submit([5, 6])
