@@ -52,8 +52,9 @@ def write_chunk(buf, new, q_start: int):
 
 def write_token(buf, new, positions):
     """Decode: write new [batch, 1, kv_heads, d] at row positions[b] of each sequence (a position out of range,
-    negative or past the end, is dropped on both paths). Batch 1 writes with a dynamic_update_slice, which XLA can fuse in place into the producer of `new`;
-    the clamped row is rewritten with its own value when the position is out of range, as the scatter drops it."""
+    negative or past the end, is dropped on both paths). Batch 1 writes with a dynamic_update_slice, which XLA can
+    fuse in place into the producer of `new`; the clamped row is rewritten with its own value when the position is
+    out of range, as the scatter drops it."""
     new = new.astype(buf.dtype)
     if buf.shape[0] == 1:
         pos = jnp.asarray(positions, jnp.int32).reshape(())

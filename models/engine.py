@@ -34,8 +34,11 @@ Design:
   `step()`. A failing decode step does the same for every active request. The engine then stays usable when the
   failure came before the pools were donated (a trace-time refusal, the usual case: prefill traces every chunk's
   program before the first runs); if a compiled program failed after taking the donated pools, the engine is
-  marked unusable and every later `submit` / `step` raises a RuntimeError naming the original error. Iterating an unfinished handle of an
-  idle engine (never submitted to it, or already failed) raises a RuntimeError instead of spinning.
+  marked unusable and every later `submit` / `step` raises a RuntimeError naming the original error. Iterating
+  an unfinished handle of an idle engine (never queued on it) raises a RuntimeError instead of spinning.
+- Construction refuses a strategy without `supports_paged`, a model placed on a mesh, a chunk_size that is not a
+  positive multiple of 64, and a max_len that is not a whole number of pages (max_len=None: the model's context,
+  rounded down to whole pages).
 
 Tokens follow `models.generate.generate`'s rules (greedy is bit-for-bit the same rule; temperature sampling uses one
 key per slot and step, so it is reproducible per request but not the same stream as `generate`'s batched draw).
@@ -197,7 +200,8 @@ class Engine:
             raise ValueError(f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE}, got {chunk_size!r}")
         if max_len is None:  # the model's context, in whole pages (rounded down)
             max_len = max(page_size, cfg.max_position_embeddings // page_size * page_size)
-        if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or not 1 <= max_len <= cfg.max_position_embeddings:
+        if (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
+                or not 1 <= max_len <= cfg.max_position_embeddings):
             raise ValueError(f"max_len must be an int in [1, {cfg.max_position_embeddings}] (the model's maximum "
                              f"context), got {max_len!r}")
         if max_len % page_size:
