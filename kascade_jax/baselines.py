@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.dense import dense_attention
 from kernels_pallas.reference import attention_reference, frac_numerator, select_topk_reference, topk_budget
-from models.attention import DenseStrategy
+from models.attention import DenseStrategy, check_supports_paged
 
 __all__ = ["DenseStrategy", "StreamingLLMStrategy", "QuestStrategy", "OmniKVStrategy", "LessIsMoreStrategy"]
 
@@ -49,11 +49,12 @@ def _dense(inputs):
                            phase=inputs.phase, chunk_at_zero=inputs.chunk_at_zero)
 
 
-def _refuse_paged(name, inputs):
-    """The baselines are accuracy simulations over a contiguous cache; a paged cache (models/paged.py) is refused."""
+def _refuse_paged(strategy, inputs):
+    """The baselines are accuracy simulations over a contiguous cache: they leave `supports_paged` unset, so the
+    Transformer refuses a paged cache (models.attention.check_supports_paged) before attend; a direct attend call
+    with a page table gets the same error here."""
     if getattr(inputs, "page_table", None) is not None:
-        raise ValueError(f"the {name} baseline does not support a paged KV cache; use the contiguous KVCache "
-                         "(paged caches serve the dense and kascade strategies)")
+        check_supports_paged(strategy)
 
 
 def _shared_keys(inputs, keys):
@@ -125,7 +126,7 @@ class StreamingLLMStrategy:
         return ((keys < self.sinks) | (keys > pos[:, :, None] - recent))[:, None]
 
     def attend(self, layer, inputs, state):
-        _refuse_paged(self.name, inputs)
+        _refuse_paged(self, inputs)
         m = self.mask(inputs.q_start, inputs.seq_len, inputs.q.shape[1], inputs.k_cache.shape[1])
         out = attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len, mask=m)
         return out, state
@@ -179,7 +180,7 @@ class QuestStrategy:
         return jnp.repeat(page_sel, self.page_size, axis=2)[:, :, :n_keys]
 
     def attend(self, layer, inputs, state):
-        _refuse_paged(self.name, inputs)
+        _refuse_paged(self, inputs)
         if inputs.phase == "prefill" or layer < self.dense_layers:
             return _dense(inputs), state
         q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
@@ -226,7 +227,7 @@ class OmniKVStrategy:
         return _membership(select_topk_reference(score, budget, k.shape[1]), k.shape[1])
 
     def attend(self, layer, inputs, state):
-        _refuse_paged(self.name, inputs)
+        _refuse_paged(self, inputs)
         if inputs.phase == "prefill":
             return _dense(inputs), state
         if layer in self.filter_layers:
@@ -285,7 +286,7 @@ class LessIsMoreStrategy:
         return sink | recent | chosen
 
     def attend(self, layer, inputs, state):
-        _refuse_paged(self.name, inputs)
+        _refuse_paged(self, inputs)
         if inputs.phase == "prefill":
             return _dense(inputs), state
         if layer in self.selection_layers:

@@ -127,8 +127,9 @@ def _reuse_prefill_reference(q, k, v, q_start, kv_len, idx, counts, head_map_row
 
 def _gathered(fn):
     """A contiguous decode call made paged by gathering the pages first (the reference statement)."""
-    def paged(q, k_pages, v_pages, page_table, *args, **kwargs):
-        return fn(q, gather_pages(k_pages, page_table), gather_pages(v_pages, page_table), *args, **kwargs)
+    def paged(q, k_pages, v_pages, page_table, kv_len, *args, **kwargs):
+        return fn(q, gather_pages(k_pages, page_table, kv_len), gather_pages(v_pages, page_table, kv_len), kv_len,
+                  *args, **kwargs)
     return paged
 
 
@@ -238,8 +239,8 @@ def _contiguous_view(inputs):
     view and run the contiguous prefill on it. One copy of the K/V per prefill chunk and layer, next to the chunk's
     quadratic attention work; decode never gathers (it reads through the page table in the kernels)."""
     pt = inputs.page_table
-    return dataclasses.replace(inputs, k_cache=gather_pages(inputs.k_cache, pt),
-                               v_cache=gather_pages(inputs.v_cache, pt), page_table=None)
+    return dataclasses.replace(inputs, k_cache=gather_pages(inputs.k_cache, pt, inputs.kv_len),
+                               v_cache=gather_pages(inputs.v_cache, pt, inputs.kv_len), page_table=None)
 
 
 _SUFFIX_BLOCK = 32  # query rows per block of the dense-suffix attention (bounds its materialised scores)
@@ -282,6 +283,7 @@ def _dense_suffix(inputs, out, n: int):
 class KascadeStrategy:
     """Kascade and its ablation variants (all set by `config`). Hashable, so it can be a static jit argument."""
 
+    supports_paged = True  # class attribute, not a field (models.attention.check_supports_paged)
     config: KascadeConfig
     name: str = "kascade"
     kernels: str = "reference"

@@ -15,6 +15,9 @@ small XLA fusions:
    reference's whenever the scores agree.
 4. `_reuse_kernel`: sparse decode over the (head-mapped) index list: grid (batch, kv_heads, splits), K/V rows
    gathered one token at a time, online softmax, split-K; an XLA log-sum-exp combine merges the splits.
+5. `dense_decode`: exact dense decode attention (split-K flash decode), the `_stream_kernel` pass with the dense
+   output and no logits (`write_logits=False`); DenseStrategy(decode_kernel="pallas") uses it instead of cuDNN.
+   The anchor-0 pass of `pool="pre_softmax"` (scores from the reference) uses the same no-logits pass.
 
 Per-sequence lengths and budgets are runtime arrays (one launch for a ragged batch). Cache lengths need not be
 multiples of the block: the last block is re-read at a clamped offset and the overlap masked, so no load is
@@ -482,7 +485,7 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
         bits_fn = functools.partial(_scores_to_bits, scores, kv_len)
         dense = None
         if dense_out:
-            _, _, dense = _stream_pallas(q, kp, vp, kv_len, scale, True, interpret, tuning)
+            _, _, dense = _stream_pallas(q, kp, vp, kv_len, scale, True, interpret, tuning, write_logits=False)
     else:
         logits, lse, dense = _stream_pallas(q, kp, vp, kv_len, scale, dense_out, interpret, tuning)
         bits_fn = functools.partial(_pooled_bits, logits[..., :s_len], lse, kv_len, group, pool, sinks, window)

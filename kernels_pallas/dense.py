@@ -3,6 +3,9 @@
 cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) only knows top-left-aligned causal masks, so it
 serves prefill chunks that start at position 0 and decode steps (one query that sees every valid key). Other
 shapes (a chunk at an offset, lse requested) use the reference, which is exact but materialises scores.
+`decode_kernel="pallas"` (DenseStrategy's option) sends decode steps to the split-K Pallas kernel
+`kernels_pallas.decode.dense_decode` instead of cuDNN, on a GPU where it applies (bf16/fp16, head_dim 64/128).
+Paged caches go through `kernels_pallas.paged.dense_attention_paged`, not here.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Paged layout (models/paged.py): per layer a pool [num_pages, page_size, kv_heads
 int32 maps logical position p of sequence b to row `p % page_size` of page `page_table[b, p // page_size]`. The
 logical length of a sequence is `s_len = max_pages * page_size`; `kv_len[b]` keys are valid. The caller guarantees
 that the pages of [0, kv_len) are allocated (entries past them may be -1; they are clamped to page 0 and masked).
+Masked rows (past kv_len, or a clamped -1 page) may hold another or a previous owner's data, pages being reused
+dirty: K and V are zeroed there before the dots, so p = 0 never meets a stale inf/NaN (0 x inf = NaN).
 
 Same structure as kernels_pallas/decode.py (which this reuses: grid (batch, kv_heads, splits), the GQA group as
 one [rows >= 16, d] tile, online softmax, split-K with an XLA log-sum-exp combine, the Top-k select of topk.py on
@@ -54,14 +56,20 @@ _INTERPRET_DTYPES = _GPU_DTYPES + (jnp.float32,)  # interpret mode also takes fp
 # Layout helpers and the references.
 
 
-def gather_pages(pool, page_table):
+def gather_pages(pool, page_table, kv_len=None):
     """pool [num_pages, page_size, kv_heads, d] through page_table [batch, max_pages] -> the contiguous view
-    [batch, max_pages * page_size, kv_heads, d] (rows on no page are zeros). A copy: references and prefill only."""
+    [batch, max_pages * page_size, kv_heads, d] (rows on no page are zeros, and with kv_len [batch] also rows at
+    positions >= kv_len[b]: pages are reused dirty, and 0 x a stale inf/NaN would be NaN). A copy: references and
+    prefill only."""
     n, ps, kvh, d = pool.shape
     b, mp = page_table.shape
     pages = pool[jnp.clip(page_table, 0, n - 1)]  # [batch, max_pages, page_size, kv_heads, d]
     pages = jnp.where((page_table >= 0)[:, :, None, None, None], pages, jnp.zeros((), pool.dtype))
-    return pages.reshape(b, mp * ps, kvh, d)
+    out = pages.reshape(b, mp * ps, kvh, d)
+    if kv_len is None:
+        return out
+    valid = jnp.arange(mp * ps)[None, :] < jnp.asarray(kv_len, jnp.int32).reshape(b, 1)
+    return jnp.where(valid[:, :, None, None], out, jnp.zeros((), pool.dtype))
 
 
 def _supported(q, k_pages, v_pages) -> bool:
@@ -103,7 +111,7 @@ def _check(q, k_pages, v_pages, page_table, kv_len, pallas: bool, interpret: boo
 
 
 def dense_decode_reference(q, k_pages, v_pages, page_table, kv_len, *, scale=None):
-    k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+    k, v = gather_pages(k_pages, page_table, kv_len), gather_pages(v_pages, page_table, kv_len)
     return ref.attention_reference(q, k, v, kv_len - 1, kv_len, scale=scale)
 
 
@@ -119,10 +127,10 @@ def _rows(pt_ref, pos, page_size: int, num_pages: int, max_pages: int):
 
 
 def _stream_kernel(kvlen_ref, pt_ref, q_ref, k_ref, *refs, block, split_len, s_len, page_size, num_pages, max_pages,
-                   scale, group, logits_out: bool, dense_out: bool):
+                   scale, group, write_logits: bool, dense_out: bool):
     refs = list(refs)
     v_ref = refs.pop(0) if dense_out else None
-    logits_ref = refs.pop(0) if logits_out else None
+    logits_ref = refs.pop(0) if write_logits else None
     m_ref, l_ref = refs.pop(0), refs.pop(0)
     acc_ref = refs.pop(0) if dense_out else None
     b, s = pl.program_id(0), pl.program_id(2)
@@ -143,10 +151,10 @@ def _stream_kernel(kvlen_ref, pt_ref, q_ref, k_ref, *refs, block, split_len, s_l
             phys = pl.ds(page * page_size + off_c % page_size, block)
         else:  # the block spans pages: rows gathered through the page table
             phys = _rows(pt_ref, pos, page_size, num_pages, max_pages)
-        k = k_ref[phys, :]  # [block, d]
+        k = jnp.where(valid[:, None], k_ref[phys, :], 0)  # [block, d]; masked rows may be a previous owner's
         qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
-        if logits_out:
+        if write_logits:
             plgpu.store(logits_ref.at[:, pl.ds(off_c, block)], qk, mask=real[:, None] & valid[None, :])
         m, l = carry[0], carry[1]
         m_new = jnp.maximum(m, jnp.max(qk, axis=1))
@@ -155,7 +163,7 @@ def _stream_kernel(kvlen_ref, pt_ref, q_ref, k_ref, *refs, block, split_len, s_l
         l_new = l * alpha + jnp.sum(p, axis=1)
         if not dense_out:
             return m_new, l_new
-        v = v_ref[phys, :]
+        v = jnp.where(valid[:, None], v_ref[phys, :], 0)  # p = 0 there, but 0 x a stale inf/NaN is NaN
         return m_new, l_new, carry[2] * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
 
     init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
@@ -178,7 +186,7 @@ def _flat(pool):
     return pool.reshape(n * ps, kvh, d)
 
 
-def _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, *, logits_out: bool, dense_out: bool, interpret,
+def _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, *, write_logits: bool, dense_out: bool, interpret,
                    tuning: dec.DecodeTuning):
     """-> (logits [batch, kv_heads, rows, s_len] fp32 | None, lse [batch, kv_heads, group], out | None)."""
     b, _, hq, d = q.shape
@@ -192,7 +200,7 @@ def _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, *, logits_out
     split_len = pl.cdiv(pl.cdiv(s_len, splits), block) * block
     splits = pl.cdiv(s_len, split_len)
     kernel = functools.partial(_stream_kernel, block=block, split_len=split_len, s_len=s_len, page_size=ps,
-                               num_pages=n, max_pages=max_pages, scale=scale, group=group, logits_out=logits_out,
+                               num_pages=n, max_pages=max_pages, scale=scale, group=group, write_logits=write_logits,
                                dense_out=dense_out)
     part_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0))
     in_specs = [pl.BlockSpec((b,), lambda i, j, s: (0,)),
@@ -203,7 +211,7 @@ def _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, *, logits_out
     if dense_out:
         in_specs.append(_pool_spec(v_pages))
         args.append(_flat(v_pages))
-    if logits_out:
+    if write_logits:
         out_specs.append(pl.BlockSpec((None, None, rows, s_len), lambda i, j, s: (i, j, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, kvh, rows, s_len), jnp.float32))
     out_specs += [part_spec, part_spec]
@@ -219,9 +227,9 @@ def _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, *, logits_out
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.stream_warps, num_stages=tuning.stream_stages),
         interpret=interpret,
-        name="paged_anchor_scores" if logits_out else "paged_dense_decode",
+        name="paged_anchor_scores" if write_logits else "paged_dense_decode",
     )(*args))
-    logits = outs.pop(0) if logits_out else None
+    logits = outs.pop(0) if write_logits else None
     m, l = outs.pop(0), outs.pop(0)
     acc = outs.pop(0)[:, :, :, :group] if dense_out else None
     out, lse = dec._combine(acc, m[..., :group], l[..., :group])
@@ -249,8 +257,8 @@ def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, pt_ref, q_ref, k_ref, v_r
         ids = idx_ref[ih, pl.ds(off_c, block)]  # [block] logical token positions
         valid = (pos >= off) & (pos < end) & (ids >= 0) & (ids < kv_len)
         phys = _rows(pt_ref, jnp.where(valid, ids, 0), page_size, num_pages, max_pages)
-        k = k_ref[phys, :]  # [block, d]
-        v = v_ref[phys, :]
+        k = jnp.where(valid[:, None], k_ref[phys, :], 0)  # [block, d]; masked rows zeroed (stale pages)
+        v = jnp.where(valid[:, None], v_ref[phys, :], 0)
         qk = plgpu.dot(q, k, trans_b=True) * scale
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(qk, axis=1))
@@ -331,7 +339,7 @@ def dense_decode(q, k_pages, v_pages, page_table, kv_len, *, scale=None, impl="a
     kv_len, page_table = jnp.asarray(kv_len, jnp.int32), jnp.asarray(page_table, jnp.int32)
     if not pallas:
         return dense_decode_reference(q, k_pages, v_pages, page_table, kv_len, scale=scale)
-    _, _, out = _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, logits_out=False, dense_out=True,
+    _, _, out = _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, write_logits=False, dense_out=True,
                                interpret=interpret, tuning=tuning)
     return out
 
@@ -351,7 +359,7 @@ def reuse_decode(q, k_pages, v_pages, page_table, kv_len, idx, counts, head_map_
     head_map_row = jnp.asarray(head_map_row, jnp.int32)
     kv_len, page_table = jnp.asarray(kv_len, jnp.int32), jnp.asarray(page_table, jnp.int32)
     if not pallas:
-        k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+        k, v = gather_pages(k_pages, page_table, kv_len), gather_pages(v_pages, page_table, kv_len)
         return ref.sparse_decode_reference(q, k, v, kv_len, idx, head_map_row, scale=scale)
     return _reuse_pallas(q, k_pages, v_pages, page_table, kv_len, jnp.asarray(idx, jnp.int32),
                          jnp.asarray(counts, jnp.int32), head_map_row, scale, interpret, tuning)
@@ -367,7 +375,7 @@ def anchor_decode(q, k_pages, v_pages, page_table, kv_len, *, topk_frac: float, 
     b, hq, kvh, d, group = _check(q, k_pages, v_pages, page_table, kv_len, pallas, interpret)
     page_table = jnp.asarray(page_table, jnp.int32)
     if not pallas:
-        k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+        k, v = gather_pages(k_pages, page_table, kv_len), gather_pages(v_pages, page_table, kv_len)
         return dec.anchor_decode(q, k, v, kv_len, topk_frac=topk_frac, min_k=min_k, k_max=k_max,
                                  head_map_row=head_map_row, dense_out=dense_out, pool=pool, scale=scale,
                                  impl="reference", sinks=sinks, window=window)
@@ -390,17 +398,17 @@ def anchor_decode(q, k_pages, v_pages, page_table, kv_len, *, topk_frac: float, 
     k_eff = min(k_max, s_len)
     counts = jnp.minimum(ref.decode_counts(kv_len, topk_frac, min_k), k_eff).astype(jnp.int32)
     if pool == "pre_softmax":  # scores from the reference over a gathered view (as decode.py does)
-        scores = ref.pooled_scores_decode_reference(q, gather_pages(k_pages, page_table), kv_len, pool=pool,
+        scores = ref.pooled_scores_decode_reference(q, gather_pages(k_pages, page_table, kv_len), kv_len, pool=pool,
                                                     scale=scale)
         scores = scores - jnp.min(jnp.where(jnp.isfinite(scores), scores, jnp.inf), axis=-1, keepdims=True)
         scores = dec._force(scores, kv_len, sinks, window)
         bits_fn = functools.partial(dec._scores_to_bits, scores, kv_len)
         dense = None
         if dense_out:
-            _, _, dense = _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, logits_out=False,
+            _, _, dense = _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, write_logits=False,
                                          dense_out=True, interpret=interpret, tuning=tuning)
     else:
-        logits, lse, dense = _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, logits_out=True,
+        logits, lse, dense = _stream_pallas(q, k_pages, v_pages, page_table, kv_len, scale, write_logits=True,
                                             dense_out=dense_out, interpret=interpret, tuning=tuning)
         bits_fn = functools.partial(dec._pooled_bits, logits, lse, kv_len, group, pool, sinks, window)
     idx = dec._select(bits_fn, kv_len, counts, k_eff, b * ih, s_len, interpret, tuning)
@@ -417,5 +425,5 @@ def dense_attention_paged(q, k_pages, v_pages, page_table, q_start, kv_len, *, p
     `dense.dense_attention` (cuDNN on GPU for chunks at 0): one copy per chunk, next to a chunk's quadratic work."""
     if phase == "decode":
         return dense_decode(q, k_pages, v_pages, page_table, kv_len, scale=scale)
-    k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+    k, v = gather_pages(k_pages, page_table, kv_len), gather_pages(v_pages, page_table, kv_len)
     return dense_attention(q, k, v, q_start, kv_len, phase=phase, chunk_at_zero=chunk_at_zero, scale=scale)

@@ -46,16 +46,32 @@ class AttentionStrategy(Protocol):
 
     def post_attention(self, layer: int, x: jax.Array, attn_out: jax.Array, state: Any) -> Any: ...
 
+    # Optional: `supports_paged = True` (a class attribute) to accept a paged cache (models/paged.py); without it
+    # the Transformer refuses one (check_supports_paged).
     # Optional, needed to run on a mesh (models/sharding.py): the PartitionSpec tree of the state that
     # attend(layer, ...) returns, given the layout (P() for a state that stays None).
     # def state_spec(self, layer: int, phase: str, shards: ShardLayout) -> Any: ...
 
 
+def check_supports_paged(strategy) -> None:
+    """Paged caches are opt-in: a strategy that does not set `supports_paged = True` would receive the page pools
+    [num_pages, page_size, kv_heads, d] as k_cache / v_cache and misread them (a shape error, or, when num_pages
+    equals the batch, page b silently taken as sequence b). Raises a ValueError naming the strategy."""
+    if not getattr(strategy, "supports_paged", False):
+        name = getattr(strategy, "name", type(strategy).__name__)
+        raise ValueError(f"strategy {name!r} ({type(strategy).__name__}) does not support a paged KV cache "
+                         "(it does not set supports_paged = True); use the contiguous KVCache (paged caches serve "
+                         "the dense and kascade strategies)")
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseStrategy:
     """Exact causal attention in every layer (cuDNN on GPU where it applies). decode_kernel="pallas" runs decode
-    steps through the split-K Pallas kernel instead (kernels_pallas.decode.dense_decode; A/B in bench --phase=e2e)."""
+    steps through the split-K Pallas kernel instead (kernels_pallas.decode.dense_decode; A/B in bench --phase=e2e).
+    With a paged cache (models/paged.py) decode_kernel is ignored: decode always reads through the page table
+    (kernels_pallas.paged.dense_decode, the Pallas kernel on GPU, the gather reference elsewhere)."""
 
+    supports_paged = True  # class attribute (not a field): paged caches are opt-in (check_supports_paged)
     name: str = "dense"
     decode_kernel: str = "cudnn"
 

@@ -51,9 +51,10 @@ def write_chunk(buf, new, q_start: int):
 
 
 def write_token(buf, new, positions):
-    """Decode: write new [batch, 1, kv_heads, d] at row positions[b] of each sequence (a position past the end is
-    dropped). Batch 1 writes with a dynamic_update_slice, which XLA can fuse in place into the producer of `new`;
-    the clamped row is rewritten with its own value when the position is out of range, as the scatter drops it."""
+    """Decode: write new [batch, 1, kv_heads, d] at row positions[b] of each sequence (a position out of range,
+    negative or past the end, is dropped on both paths). Batch 1 writes with a dynamic_update_slice, which XLA can
+    fuse in place into the producer of `new`; the clamped row is rewritten with its own value when the position is
+    out of range, as the scatter drops it."""
     new = new.astype(buf.dtype)
     if buf.shape[0] == 1:
         pos = jnp.asarray(positions, jnp.int32).reshape(())
@@ -61,4 +62,7 @@ def write_token(buf, new, positions):
         old = jax.lax.dynamic_slice(buf, (0, row, 0, 0), new.shape)
         upd = jnp.where((pos >= 0) & (pos < buf.shape[1]), new, old)
         return jax.lax.dynamic_update_slice(buf, upd, (0, row, 0, 0))
-    return buf.at[jnp.arange(buf.shape[0]), positions].set(new[:, 0])
+    # .at[] wraps negative indices NumPy-style before mode="drop" applies: map them past the end so they drop too
+    pos = jnp.asarray(positions, jnp.int32)
+    pos = jnp.where(pos < 0, buf.shape[1], pos)
+    return buf.at[jnp.arange(buf.shape[0]), pos].set(new[:, 0], mode="drop")

@@ -25,7 +25,20 @@ Design:
 - Strategy state: Kascade's anchor indices are recomputed by every anchor layer in every decode step and threaded
   only through the layers of that step (`state` is None at the start of every forward), so no per-sequence state
   survives a step, and a reused slot starts clean; the only per-slot data are the cache pages and the page-table
-  row, both reset on release (tested: a request in a reused slot gives the same tokens as alone).
+  row. On release the row is reset to -1, but the pages go back to the free list dirty (not zeroed): the next owner
+  overwrites them as it grows and never reads past its own kv_len, and the kernels zero V (and K) at masked
+  positions, so even a stale inf/NaN cannot leak (tested: a request in a reused slot gives the same tokens as
+  alone; NaN planted in a freed page changes nothing).
+- Errors: a request whose admission (prefill) raises is finished with finish_reason "error", its slot and pages
+  given back, the exception kept on the handle (`error`, re-raised by `result()` and iteration) and re-raised by
+  `step()`. A failing decode step does the same for every active request. The engine then stays usable when the
+  failure came before the pools were donated (a trace-time refusal, the usual case: prefill traces every chunk's
+  program before the first runs); if a compiled program failed after taking the donated pools, the engine is
+  marked unusable and every later `submit` / `step` raises a RuntimeError naming the original error. Iterating
+  an unfinished handle of an idle engine (never queued on it) raises a RuntimeError instead of spinning.
+- Construction refuses a strategy without `supports_paged`, a model placed on a mesh, a chunk_size that is not a
+  positive multiple of 64, and a max_len that is not a whole number of pages (max_len=None: the model's context,
+  rounded down to whole pages).
 
 Tokens follow `models.generate.generate`'s rules (greedy is bit-for-bit the same rule; temperature sampling uses one
 key per slot and step, so it is reproducible per request but not the same stream as `generate`'s batched draw).
@@ -47,7 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.generate import _meta, prefill
+from models.attention import check_supports_paged
+from models.generate import CHUNK_MULTIPLE, _meta, prefill
 from models.paged import PageAllocator, PagedKVCache, check_page_size, pages_for
 
 _FIRST_STEP = 1 << 30  # sampling-key step index of the token sampled from the prefill logits (as generate)
@@ -80,7 +94,8 @@ class RequestHandle:
         self.tokens: list[int] = []  # generated token ids, EOS excluded
         self.new_tokens = 0  # generated tokens, counting the EOS if one was emitted
         self.finished = False
-        self.finish_reason: str | None = None  # "eos" | "length"
+        self.finish_reason: str | None = None  # "eos" | "length" | "error"
+        self.error: BaseException | None = None  # the exception that ended it (finish_reason "error")
         self.slot: int | None = None
         self.arrival = arrival
         self.token_times: list[float] = []  # perf_counter time of every generated token (EOS included)
@@ -111,14 +126,22 @@ class RequestHandle:
             while i < len(self.tokens):
                 yield self.tokens[i]
                 i += 1
+            if self.error is not None:
+                raise self.error
             if self.finished:
                 return
+            if self._engine.idle:
+                raise RuntimeError(f"request {self.id} is unfinished but its engine is idle (nothing queued or "
+                                   "running): it can never finish")
             self._engine.step()
 
     def result(self) -> list[int]:
         for _ in self:
             pass
         return self.tokens
+
+    def _fail(self, err: BaseException) -> None:
+        self.finished, self.finish_reason, self.error = True, "error", err
 
     def _emit(self, tok: int, now: float, eos: tuple[int, ...]) -> None:
         self.new_tokens += 1
@@ -166,13 +189,24 @@ class Engine:
                  chat: bool = False, clock: Callable[[], float] = time.perf_counter):
         cfg = model.config
         page_size = check_page_size(page_size)
+        if getattr(model, "mesh", None) is not None:
+            raise ValueError("the engine runs on one device: a paged KV cache on a device mesh is not supported "
+                             "(this model was placed by models.sharding.shard_model); use generate() with --mesh")
+        check_supports_paged(strategy)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-        max_len = cfg.max_position_embeddings if max_len is None else max_len
-        if max_len < 1 or max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_len must be in [1, {cfg.max_position_embeddings}] (the model's maximum context), "
-                             f"got {max_len}")
-        max_len = max_len // page_size * page_size or page_size
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size <= 0 or chunk_size % CHUNK_MULTIPLE):
+            raise ValueError(f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE}, got {chunk_size!r}")
+        if max_len is None:  # the model's context, in whole pages (rounded down)
+            max_len = max(page_size, cfg.max_position_embeddings // page_size * page_size)
+        if (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
+                or not 1 <= max_len <= cfg.max_position_embeddings):
+            raise ValueError(f"max_len must be an int in [1, {cfg.max_position_embeddings}] (the model's maximum "
+                             f"context), got {max_len!r}")
+        if max_len % page_size:
+            raise ValueError(f"max_len ({max_len}) must be a multiple of page_size ({page_size}), e.g. "
+                             f"{max(page_size, max_len // page_size * page_size)}")
         if num_pages is None:
             num_pages = max_batch * (max_len // page_size)
         self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
@@ -195,11 +229,13 @@ class Engine:
         # One jit object per engine, so its compilation count is this engine's (donates the cache).
         self._decode = jax.jit(functools.partial(_decode_step, self._graphdef, strategy), donate_argnums=(1,))
         self.decode_steps = 0
+        self._broken: BaseException | None = None  # set when a failure consumed the donated pools
 
     # public API ---------------------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, *, on_token: Callable[[int], None] | None = None,
                arrival: float | None = None) -> RequestHandle:
         """Queue a request (a string, or token ids used as they are). Refuses one that could never fit."""
+        self._check_usable()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -245,6 +281,7 @@ class Engine:
     def step(self) -> list[tuple[RequestHandle, int]]:
         """Admit what fits (prefill + first token each), then one decode step over all slots.
         Returns the (request, token) pairs generated in this step (EOS included)."""
+        self._check_usable()
         events: list[tuple[RequestHandle, int]] = []
         self._admit(events)
         if self.active:
@@ -256,6 +293,19 @@ class Engine:
             self.step()
 
     # internals ----------------------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"this engine is unusable: a failed step consumed its donated KV pools "
+                               f"({type(self._broken).__name__}: {self._broken}); build a new Engine")
+
+    def _after_failure(self, err: BaseException) -> None:
+        """Mark the engine unusable if the failed call had already taken (donated) the pools."""
+        if any(x.is_deleted() for x in self.cache.k + self.cache.v):
+            self._broken = err
+            for h in self._queue:
+                h._fail(err)
+            self._queue.clear()
+
     def _admit(self, events) -> None:
         while self._queue and None in self._slots:
             h = self._queue[0]
@@ -280,8 +330,10 @@ class Engine:
             try:
                 logits, view = prefill(self.model, toks, np.array([plen], np.int32), view, self.strategy,
                                        chunk_size=self.chunk_size)
-            except Exception:
-                self._release(slot)  # e.g. a strategy that refuses paged caches: leave the engine consistent
+            except Exception as err:  # e.g. a kernel bundle without paged decode: leave the engine consistent
+                h._fail(err)
+                self._release(slot)
+                self._after_failure(err)
                 raise
             self.cache = dataclasses.replace(self.cache, k=view.k, v=view.v)
             p = h.params
@@ -315,9 +367,17 @@ class Engine:
                 self._grow(b)
                 temps[b], seeds[b], steps[b] = h.params.temperature, h.params.seed, h.new_tokens - 1
         cache = self.cache.with_table(self._table, self._lengths)
-        nxt, cache = self._decode(self._params, cache, jnp.asarray(self._next), jnp.asarray(active),
-                                  jnp.asarray(temps), jnp.asarray(seeds), jnp.asarray(steps))
-        nxt = np.asarray(nxt)
+        try:
+            nxt, cache = self._decode(self._params, cache, jnp.asarray(self._next), jnp.asarray(active),
+                                      jnp.asarray(temps), jnp.asarray(seeds), jnp.asarray(steps))
+            nxt = np.asarray(nxt)
+        except Exception as err:  # fail the running requests, give their slots and pages back, stay usable
+            for b, h in enumerate(self._slots):
+                if h is not None:
+                    h._fail(err)
+                    self._release(b)
+            self._after_failure(err)
+            raise
         self.cache = cache
         self.decode_steps += 1
         now = self._clock()

@@ -7,6 +7,10 @@
 - `generate` compiles the whole decode loop (`lax.while_loop`, greedy or temperature/top-p/top-k sampling with a
   seed, per-sequence EOS) into one jitted call. Stop strings need the text, so with `stop` the loop runs in jitted
   segments and the host checks the text between them.
+- A paged cache (models/paged.py) works in forward / prefill / decode_step when the strategy sets supports_paged
+  and every page of the positions written or read is allocated (checked on the host, `_check_pages`). prefill
+  traces every later chunk's program before the first chunk runs, so a trace-time refusal never meets a donated
+  cache.
 """
 
 from __future__ import annotations
@@ -67,6 +71,28 @@ def _check_room(cache: KVCache, needed: int, what: str, model_max: int):
         raise ValueError(f"{what} needs {needed} positions, more than the cache holds (max_len={cache.max_len})")
 
 
+def _check_pages(cache, needed, what: str) -> None:
+    """A paged cache (models/paged.py) used directly: every page holding positions [0, needed[b]) of sequence b
+    must be allocated (in [0, num_pages)). Writes to a -1 page are dropped and the Pallas kernels clamp it to page 0
+    (another sequence's rows), so a missing page would give silently wrong logits. Host check (one device->host
+    copy of the page table); the serving engine grows its pages itself and skips it in decode."""
+    table = getattr(cache, "page_table", None)
+    if table is None:
+        return
+    pt = np.asarray(table)
+    ps, n = cache.page_size, cache.num_pages
+    needed = np.broadcast_to(np.asarray(needed, np.int64), (pt.shape[0],))
+    for b in range(pt.shape[0]):
+        k = -(-int(needed[b]) // ps)
+        row = pt[b, :k]
+        bad = np.flatnonzero((row < 0) | (row >= n))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(f"{what}: sequence {b} needs positions [0, {int(needed[b])}), but position {j * ps} "
+                             f"lies on page-table entry [{b}, {j}] = {int(row[j])}, not an allocated page in "
+                             f"[0, {n}); allocate the pages of every position written or read first")
+
+
 def forward(model, tokens, cache: KVCache, strategy, *, q_start: int = 0, seq_len=None):
     """One jitted pass over tokens [batch, T] at positions q_start.. (q_start a multiple of 64 unless 0).
 
@@ -76,6 +102,7 @@ def forward(model, tokens, cache: KVCache, strategy, *, q_start: int = 0, seq_le
     b, t = tokens.shape
     _check_room(cache, q_start + t, "forward", model.config.max_position_embeddings)
     lens = jnp.full((b,), q_start + t, jnp.int32) if seq_len is None else jnp.asarray(seq_len, jnp.int32)
+    _check_pages(cache, np.minimum(np.asarray(lens), q_start + t), "forward")
     graphdef, params = nnx.split(model)
     return _prefill_chunk(graphdef, params, tokens, cache, lens, q_start, strategy, q_start == 0, True)
 
@@ -93,6 +120,7 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
     if prompt_lens.shape != (b,) or prompt_lens.min() < 1 or prompt_lens.max() > p:
         raise ValueError(f"prompt_lens must be [batch] in [1, {p}], got {prompt_lens.tolist()}")
     _check_room(cache, int(prompt_lens.max()), "the prompt", model.config.max_position_embeddings)
+    _check_pages(cache, prompt_lens, "prefill")
     if chunk_size is not None and (chunk_size <= 0 or chunk_size % CHUNK_MULTIPLE):
         raise ValueError(f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE}, got {chunk_size}")
     if chunk_size is None:
@@ -102,8 +130,15 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
     toks = np.zeros((b, total), np.int32)
     toks[:, :min(p, total)] = tokens[:, :total]
     plens = jnp.asarray(prompt_lens)
+    offsets = list(range(0, total, chunk_size))
+    # The cache is donated chunk by chunk: trace every later chunk's program (its distinct width) before the first
+    # runs, so a strategy that refuses one (a trace-time ValueError) fails before any buffer was donated.
+    later = {min(chunk_size, total - o): o for o in offsets[1:]}
+    for width, offset in later.items():
+        _prefill_chunk.eval_shape(graphdef, params, jax.ShapeDtypeStruct((b, width), jnp.int32), cache, plens, offset,
+                                  strategy, False, all_logits)
     outs, last = [], None
-    for offset in range(0, total, chunk_size):
+    for offset in offsets:
         chunk = toks[:, offset:offset + chunk_size]
         logits, cache, _ = _prefill_chunk(graphdef, params, jnp.asarray(chunk), cache, plens, offset, strategy,
                                           offset == 0, all_logits)
@@ -120,6 +155,8 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
 
 def decode_step(model, tokens, cache: KVCache, strategy):
     """Append tokens [batch] at each sequence's length. Returns (logits [batch, vocab], cache); cache donated."""
+    _check_pages(cache, np.asarray(cache.lengths) + 1 if getattr(cache, "page_table", None) is not None else 0,
+                 "decode_step")
     graphdef, params = nnx.split(model)
     return _decode(graphdef, params, jnp.asarray(tokens, jnp.int32), cache, strategy)
 

@@ -7,11 +7,23 @@ Layout (see models/README.md for the contiguous one):
   `page_table[b, p // page_size]`; -1 = no page (never read as data, and writes to it are dropped);
 - lengths `[batch]` int32, as in `KVCache`. The logical capacity of a sequence is `max_len = max_pages * page_size`.
 
-`PagedKVCache` is a drop-in for `KVCache` in `models.generate.prefill` / `decode_step` (it has `k`, `v`, `lengths`,
-`max_len`); the transformer sees `page_table` on the cache and writes through it (`write_paged`), and hands it to the
+`PagedKVCache` is a drop-in for `KVCache` in `models.generate.prefill` / `decode_step` / `forward` (it has `k`, `v`,
+`lengths`, `max_len`), with two requirements:
+- the strategy must opt in with a class attribute `supports_paged = True` (DenseStrategy and KascadeStrategy do;
+  the baselines do not): others are refused with a ValueError (`models.attention.check_supports_paged`), since they
+  would take the pools for a contiguous [batch, max_len, ...] cache;
+- every page holding a position a call writes or reads (sequence b: positions [0, kv_len[b]), i.e.
+  page_table[b, :pages_for(kv_len[b])]) must be allocated, in [0, num_pages). prefill / decode_step / forward check
+  this on the host and raise a ValueError naming the sequence and position: a write to a -1 page is dropped, and
+  the Pallas kernels clamp -1 to page 0 (another sequence's rows) where the reference reads zeros, so a missing page
+  would otherwise give silently wrong logits. The serving engine grows its pages itself (and skips the check in its
+  own jitted decode step).
+The transformer sees `page_table` on the cache and writes through it (`write_paged`), and hands it to the
 strategy in `AttentionInputs.page_table`, with `k_cache` / `v_cache` then being this layer's pools. Writes to an
 unallocated page (-1) are dropped by the scatter (mode="drop"), so a slot whose page-table row is all -1 (a free
-slot of the serving engine) can ride along in a batched decode step without touching anyone's pages.
+slot of the serving engine) can ride along in a batched decode step without touching anyone's pages. Pages are
+reused dirty (never zeroed): rows past kv_len may hold a previous owner's values, inf/NaN included; the kernels
+and references zero K/V there, so they never reach an output.
 
 `PageAllocator` is the host-side free list: pages are handed out as sequences grow and returned when a slot is
 released; asking for more than are free raises `OutOfPagesError` (a ValueError naming the numbers), never hands out

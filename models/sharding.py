@@ -115,8 +115,6 @@ def check_heads(config: ModelConfig, mesh) -> None:
     if config.kv_heads % m:
         raise ValueError(f"mesh axis model:{m} does not divide the model's kv_heads={config.kv_heads} "
                          f"(q_heads={config.q_heads}); choose a model size that divides {config.kv_heads}")
-    if config.q_heads % m:  # implied by the above (q_heads = group * kv_heads); kept for clarity of the message
-        raise ValueError(f"mesh axis model:{m} does not divide q_heads={config.q_heads}")
 
 
 def check_batch(batch: int, mesh) -> None:
@@ -240,10 +238,7 @@ def attend_per_shard(mesh, strategy, layer: int, q, k, v, k_cache, v_cache, meta
     q [batch, T, q_heads, d], k/v [batch, T, kv_heads, d], caches [batch, max_len, kv_heads, d] (global views).
     Returns (out [batch, T, q_heads, d], k_cache, v_cache, state), like the unsharded path of Attention.__call__.
     """
-    d, m = mesh_sizes(mesh)
-    b, kvh, hq = q.shape[0], k.shape[2], q.shape[2]
-    if kvh % m or hq % m:
-        raise ValueError(f"mesh axis model:{m} does not divide kv_heads={kvh} (q_heads={hq})")
+    b = q.shape[0]  # the heads were checked when the model was placed (shard_model -> check_heads)
     check_batch(b, mesh)
     shards = layout(mesh)
     phase = meta["phase"]

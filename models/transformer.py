@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import AttentionInputs
+from models.attention import AttentionInputs, check_supports_paged
 from models.cache import KVCache, write_chunk, write_token
 from models.config import ModelConfig, RopeConfig
 from models.paged import write_paged
@@ -189,7 +189,10 @@ class Transformer(nnx.Module):
         inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
         x = self.embed_tokens(tokens)
         state = None
-        meta = dict(meta, page_table=getattr(cache, "page_table", None))  # a models.paged.PagedKVCache has one
+        page_table = getattr(cache, "page_table", None)  # a models.paged.PagedKVCache has one
+        if page_table is not None:
+            check_supports_paged(strategy)
+        meta = dict(meta, page_table=page_table)
         ks, vs = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):  # unrolled: each layer's role is a trace-time Python fact
             h = layer.input_layernorm(x)

@@ -123,11 +123,23 @@ def test_kascade_slot_reuse_leaks_nothing(model, rng):
 
 
 def test_baselines_refuse_paged_cache(model, rng):
-    eng = Engine(model, Tok(), QuestStrategy(), max_batch=1, page_size=16, max_len=256)
-    eng.submit(rng.integers(5, 128, 20).tolist(), SamplingParams(max_new_tokens=2))
-    with pytest.raises(ValueError, match="quest baseline does not support a paged KV cache"):
-        eng.run()
-    assert eng.idle and eng.allocator.free == eng.num_pages  # the failed admission gave its slot and pages back
+    """The baselines leave supports_paged unset: the engine refuses them up front, prefill on a paged cache before
+    attend, and a direct attend with a page table in attend (one message)."""
+    from models import generate as gen
+    from models.attention import AttentionInputs
+    from models.paged import PagedKVCache
+
+    with pytest.raises(ValueError, match="strategy 'quest' .QuestStrategy. does not support a paged KV cache"):
+        Engine(model, Tok(), QuestStrategy(), max_batch=1, page_size=16, max_len=256)
+    cache = PagedKVCache.init(model.config, 1, 4, 16, 64, dtype=jnp.float32).with_table([[0, 1, 2, 3]], [0])
+    with pytest.raises(ValueError, match="strategy 'quest' .QuestStrategy. does not support a paged KV cache"):
+        gen.prefill(model, rng.integers(5, 128, (1, 20)), [20], cache, QuestStrategy())
+    q = jnp.zeros((1, 1, 4, 16))
+    inputs = AttentionInputs(q=q, k_cache=cache.k[0], v_cache=cache.v[0], q_start=jnp.zeros(1, jnp.int32),
+                             kv_len=jnp.ones(1, jnp.int32), seq_len=jnp.ones(1, jnp.int32), phase="decode",
+                             page_table=cache.page_table)
+    with pytest.raises(ValueError, match="strategy 'quest' .QuestStrategy. does not support a paged KV cache"):
+        QuestStrategy().attend(0, inputs, None)
 
 
 def test_bundle_without_paged_decode_is_refused(model, rng):
@@ -135,9 +147,12 @@ def test_bundle_without_paged_decode_is_refused(model, rng):
     register_kernels("no_paged", Kernels(base.anchor_decode, base.reuse_decode, base.anchor_prefill,
                                          base.reuse_prefill, base.query_block))
     eng = Engine(model, Tok(), _kascade("no_paged"), max_batch=1, page_size=16, max_len=256)
-    eng.submit(rng.integers(5, 128, 20).tolist(), SamplingParams(max_new_tokens=3))
+    h = eng.submit(rng.integers(5, 128, 20).tolist(), SamplingParams(max_new_tokens=3))
     with pytest.raises(ValueError, match="kernels 'no_paged' have no paged decode"):
-        eng.run()
+        eng.run()  # prefill (gathered) works; the decode step fails
+    assert h.finish_reason == "error" and h.tokens and eng.idle and eng.allocator.free == eng.num_pages
+    with pytest.raises(ValueError, match="kernels 'no_paged' have no paged decode"):
+        h.result()
 
 
 @pytest.mark.gpu

@@ -112,6 +112,60 @@ def test_anchor_decode_interpret(ps, dtype, tol, dense_out):
     assert _rel(out, want) < tol
 
 
+def test_non_power_of_two_length_interpret():
+    """s = 80 over pages of 16 (5 pages): a 64-key block spans 4 pages and the last one is re-read at a clamped
+    offset (block 128 caps to 64); dense decode and anchor decode (logits + reuse) against the references."""
+    print("seed", SEED)
+    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 4, 3, 80, 4, 2, 64, 16, jnp.float32)
+    tuning = dec.DecodeTuning(stream_block=128)
+    out = paged.dense_decode(q, kp, vp, table, kv_len, interpret=True, tuning=tuning)
+    assert _rel(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
+    kw = dict(topk_frac=0.25, min_k=8, k_max=ref.max_budget(80, 0.25, 8))
+    out, _, counts = paged.anchor_decode(q, kp, vp, table, kv_len, interpret=True, tuning=tuning, **kw)
+    want, _, ref_counts = dec.anchor_decode(q, k, v, kv_len, impl="reference", **kw)
+    np.testing.assert_array_equal(counts, ref_counts)
+    assert _rel(out, want) < 1e-4
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl):
+    """Pages are reused dirty: a previous owner's inf/NaN past kv_len (in the last page of each sequence, and in
+    every unused page, page 0 included, which is where a -1 entry is clamped) must not reach the output."""
+    print("seed", SEED)
+    rng = np.random.default_rng(SEED + 5)
+    b, s, kvh, d, ps = 3, 128, 2, 64, 16
+    q = rng.standard_normal((b, 1, 4, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
+    kv_len = jnp.asarray([128, 37, 70], jnp.int32)  # the last two end inside a page
+    n = b * (s // ps) + 3
+    perm = rng.permutation(n)
+    kp = np.full((n, ps, kvh, d), poison, np.float32)  # every row not written below is poison
+    vp = np.full((n, ps, kvh, d), poison, np.float32)
+    tb = np.full((b, s // ps), -1, np.int32)
+    used = set()
+    for bi in range(b):
+        m = int(kv_len[bi])
+        for j in range(-(-m // ps)):
+            page = tb[bi, j] = perm[bi * (s // ps) + j]
+            used.add(int(page))
+            rows = min(ps, m - j * ps)  # the last page: only the rows below kv_len are real
+            kp[page, :rows], vp[page, :rows] = k[bi, j * ps:j * ps + rows], v[bi, j * ps:j * ps + rows]
+        k[bi, m:], v[bi, m:] = 0.0, 0.0
+    if 0 not in used:  # make sure a clamped -1 lands on poison
+        assert not np.isfinite(kp[0]).any()
+    kw = dict(impl="pallas", interpret=True) if impl == "interpret" else dict(impl="reference")
+    args = (jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tb), kv_len)
+    for block in (16, 64):  # within a page (one load) and over four pages (gathered rows)
+        out = paged.dense_decode(*args, tuning=dec.DecodeTuning(stream_block=block), **kw)
+        assert _rel(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
+    akw = dict(topk_frac=0.25, min_k=8, k_max=ref.max_budget(128, 0.25, 8))
+    out, _, _ = paged.anchor_decode(*args, **akw, **kw)
+    want, _, _ = dec.anchor_decode(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_len, impl="reference", **akw)
+    assert _rel(out, want) < 1e-4
+
+
 def test_gather_pages_and_errors():
     q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 3, 2, 64, 4, 2, 64, 16, jnp.float32)
     view = np.asarray(paged.gather_pages(kp, table))

@@ -6,6 +6,9 @@ contiguous KVCache path (`models.generate`), token for token.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,7 +86,7 @@ def test_page_size_and_allocator_errors():
     assert a.allocate(2)[0] == got[0]  # LIFO: a released (dirty) page is handed out next
 
 
-@pytest.mark.parametrize("ps", [16])  # page size 64 through the engine: tests/kascade_jax/test_paged.py
+@pytest.mark.parametrize("ps", [16])  # page size 64 through the engine: tests/kascade_jax/test_paged_kascade.py
 def test_engine_equals_generate(model, rng, ps):
     """Requests joining at different steps, ragged prompts and lengths: the same greedy tokens as generate()."""
     eng = Engine(model, Tok(), S, max_batch=3, page_size=ps, max_len=256)
@@ -177,3 +180,160 @@ def test_sampling_depends_on_the_request_only(model, rng):
     assert h.tokens == want and want != greedy
     with pytest.raises(ValueError, match="temperature must be"):
         SamplingParams(temperature=float("nan"))
+
+
+# --- review fixes: unallocated pages, opt-in paged support, failed requests, dirty pages, argument checks ---------
+
+
+@dataclasses.dataclass(frozen=True)
+class NotPaged:
+    """Dense attention from a strategy that never heard of pages (no supports_paged)."""
+
+    name: str = "not_paged"
+
+    def attend(self, layer, inputs, state):
+        return S.attend(layer, inputs, state)
+
+    def post_attention(self, layer, x, attn_out, state):
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class OffsetRefusing:
+    """Paged-aware, but refuses a prefill chunk at an offset (a trace-time error in the second chunk)."""
+
+    supports_paged = True
+    name: str = "offset_refusing"
+
+    def attend(self, layer, inputs, state):
+        if inputs.phase == "prefill" and not inputs.chunk_at_zero:
+            raise ValueError("offset_refusing refuses prefill chunks at an offset")
+        return S.attend(layer, inputs, state)
+
+    def post_attention(self, layer, x, attn_out, state):
+        return state
+
+
+def test_direct_paged_use_needs_allocated_pages(model, rng):
+    """prefill / decode_step / forward on a paged cache refuse a position on an unallocated (-1 or out of range)
+    page, naming the sequence and position, instead of reading another sequence's rows (Pallas clamps -1 to
+    page 0) or zeros (the reference)."""
+    cfg = model.config
+    cache = PagedKVCache.init(cfg, 2, 10, 16, 64, dtype=jnp.float32)
+    table = np.array([[0, 1, 2, 3], [4, 5, -1, -1]], np.int32)
+    toks = rng.integers(5, 128, (2, 48)).astype(np.int32)
+    with pytest.raises(ValueError, match=r"prefill: sequence 1 needs positions \[0, 40\), but position 32 lies on "
+                                         r"page-table entry \[1, 2\] = -1"):
+        gen.prefill(model, toks, np.array([48, 40]), cache.with_table(table, np.zeros(2)), S)
+    bad = table.copy()
+    bad[1, 2] = 10  # == num_pages: out of range
+    with pytest.raises(ValueError, match=r"sequence 1 .* entry \[1, 2\] = 10, not an allocated page in \[0, 10\)"):
+        gen.prefill(model, toks, np.array([48, 40]), cache.with_table(bad, np.zeros(2)), S)
+    with pytest.raises(ValueError, match=r"forward: sequence 0 needs positions \[0, 48\)"):
+        gen.forward(model, toks, cache.with_table(np.array([[0, 1, -1, 3], [4, 5, 6, 7]]), np.zeros(2)), S)
+    _, pc = gen.prefill(model, toks, np.array([48, 32]), cache.with_table(table, np.zeros(2)), S)  # fits
+    with pytest.raises(ValueError, match=r"decode_step: sequence 1 needs positions \[0, 33\), but position 32"):
+        gen.decode_step(model, np.array([5, 6]), pc, S)
+    logits, pc = gen.decode_step(model, np.array([5, 6]), pc.with_table(np.array([[0, 1, 2, 3], [4, 5, 6, -1]]),
+                                                                      pc.lengths), S)
+    assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_paged_support_is_opt_in(model, rng):
+    """A strategy without supports_paged gets a ValueError naming it (not a shape error, nor, with num_pages ==
+    batch, page b silently read as sequence b); the engine refuses it at construction."""
+    cache = PagedKVCache.init(model.config, 2, 2, 64, 64, dtype=jnp.float32).with_table(np.array([[0], [1]]),
+                                                                                          np.zeros(2))
+    toks = rng.integers(5, 128, (2, 30)).astype(np.int32)
+    with pytest.raises(ValueError, match="strategy 'not_paged' .NotPaged. does not support a paged KV cache"):
+        gen.prefill(model, toks, np.array([30, 20]), cache, NotPaged())
+    with pytest.raises(ValueError, match="strategy 'not_paged' .NotPaged. does not support a paged KV cache"):
+        Engine(model, Tok(), NotPaged(), max_batch=1, page_size=16, max_len=256)
+    assert DenseStrategy.supports_paged and "supports_paged" not in {f.name for f in dataclasses.fields(S)}
+    _, cc = gen.prefill(model, toks, np.array([30, 20]), KVCache.init(model.config, 2, 64, jnp.float32), NotPaged())
+
+
+def test_failed_admission_errors_the_request_and_keeps_the_pools(model, rng):
+    """A prefill that fails in its second chunk: the handle finishes with "error" (result() and iteration
+    re-raise), its slot and pages are given back, and no pool buffer was donated into the failing program (the
+    engine serves the next request with the same tokens as a fresh engine)."""
+    eng = Engine(model, Tok(), OffsetRefusing(), max_batch=1, page_size=16, max_len=256, chunk_size=64)
+    bad = eng.submit(rng.integers(5, 128, 100).tolist(), SamplingParams(max_new_tokens=3))  # two chunks
+    with pytest.raises(ValueError, match="refuses prefill chunks at an offset"):
+        eng.step()
+    assert bad.finished and bad.finish_reason == "error" and isinstance(bad.error, ValueError)
+    with pytest.raises(ValueError, match="refuses prefill chunks at an offset"):
+        bad.result()
+    with pytest.raises(ValueError, match="refuses prefill chunks at an offset"):
+        list(bad)
+    assert eng.idle and eng.allocator.free == eng.num_pages
+    p = rng.integers(5, 128, 40).tolist()  # one chunk: fine
+    got = eng.submit(p, SamplingParams(max_new_tokens=5)).result()
+    want = Engine(model, Tok(), S, max_batch=1, page_size=16, max_len=256).submit(
+        p, SamplingParams(max_new_tokens=5)).result()
+    assert got == want
+
+
+def test_unfinished_handle_of_idle_engine_raises(model):
+    from models.engine import RequestHandle
+
+    eng = Engine(model, Tok(), S, max_batch=1, page_size=16, max_len=256)
+    h = RequestHandle(eng, 7, [5, 6], SamplingParams(), None, 0.0)  # never queued: could never finish
+    with pytest.raises(RuntimeError, match="request 7 is unfinished but its engine is idle"):
+        h.result()
+
+
+def test_poisoned_free_pages_do_not_leak(model, rng):
+    """Every page of the pool starts as inf/NaN (a previous owner's garbage; pages are reused dirty): the tokens
+    equal a clean engine's."""
+    p = rng.integers(5, 128, 37).tolist()
+    want = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256).submit(
+        p, SamplingParams(max_new_tokens=20)).result()
+    eng = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256)
+    poison = lambda x: jnp.full_like(x, jnp.nan).at[::2].set(jnp.inf)  # noqa: E731
+    eng.cache = dataclasses.replace(eng.cache, k=tuple(map(poison, eng.cache.k)), v=tuple(map(poison, eng.cache.v)))
+    assert eng.submit(p, SamplingParams(max_new_tokens=20)).result() == want
+
+
+def test_engine_argument_checks(model):
+    with pytest.raises(ValueError, match=r"max_len \(200\) must be a multiple of page_size \(16\), e.g. 192"):
+        Engine(model, Tok(), S, max_batch=1, page_size=16, max_len=200)
+    with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 64"):
+        Engine(model, Tok(), S, max_batch=1, page_size=16, max_len=256, chunk_size=100)
+    sharded = random_model(tiny_config(num_hidden_layers=1, max_position_embeddings=512), seed=4)
+    sharded.mesh = object()  # what shard_model sets: a jax.sharding.Mesh
+    with pytest.raises(ValueError, match="the engine runs on one device"):
+        Engine(sharded, Tok(), S, max_batch=1, page_size=16, max_len=256)
+
+
+@dataclasses.dataclass(frozen=True)
+class FailsAtRuntime:
+    """Paged-aware dense attention whose compiled decode step fails while running (after the pools were donated)."""
+
+    supports_paged = True
+    name: str = "fails_at_runtime"
+
+    def attend(self, layer, inputs, state):
+        if inputs.phase == "decode" and layer == 0:
+            jax.debug.callback(_boom, inputs.kv_len)
+        return S.attend(layer, inputs, state)
+
+    def post_attention(self, layer, x, attn_out, state):
+        return state
+
+
+def _boom(kv_len):
+    raise RuntimeError("decode failed at run time")
+
+
+def test_runtime_failure_after_donation_marks_the_engine_unusable(model, rng):
+    eng = Engine(model, Tok(), FailsAtRuntime(), max_batch=2, page_size=16, max_len=256)
+    h = eng.submit(rng.integers(5, 128, 20).tolist(), SamplingParams(max_new_tokens=4))
+    queued = [eng.submit(rng.integers(5, 128, 20).tolist(), SamplingParams(max_new_tokens=4)) for _ in range(2)]
+    with pytest.raises(Exception, match="decode failed at run time"):
+        eng.run()
+    assert h.finish_reason == "error" and all(q.finish_reason == "error" for q in queued)
+    with pytest.raises(RuntimeError, match="this engine is unusable: a failed step consumed its donated KV pools"):
+        eng.step()
+    with pytest.raises(RuntimeError, match="this engine is unusable"):
+        eng.submit([5, 6])
