@@ -102,7 +102,8 @@ def forward(model, tokens, cache: KVCache, strategy, *, q_start: int = 0, seq_le
     b, t = tokens.shape
     _check_room(cache, q_start + t, "forward", model.config.max_position_embeddings)
     lens = jnp.full((b,), q_start + t, jnp.int32) if seq_len is None else jnp.asarray(seq_len, jnp.int32)
-    _check_pages(cache, np.minimum(np.asarray(lens), q_start + t), "forward")
+    if getattr(cache, "page_table", None) is not None:  # contiguous caches may be traced here (calibration's jit)
+        _check_pages(cache, np.minimum(np.asarray(lens), q_start + t), "forward")
     graphdef, params = nnx.split(model)
     return _prefill_chunk(graphdef, params, tokens, cache, lens, q_start, strategy, q_start == 0, True)
 
