@@ -860,41 +860,19 @@ def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print, 
         log(f"{spec.name}: random weights initialised on the device in {time.perf_counter() - t0:.1f} s")
         return (model, [note] if note else [], dict(anchors=spec.anchors, head_map=None), cfg.max_position_embeddings,
                 orig.max_position_embeddings)
+    from kascade_jax.calibration import recipe_kascade
     from models import load_model
 
     model, _ = load_model(spec.alias, "bfloat16", with_tokenizer=False)
-    kw, note = calibrated_kascade(spec.alias, model.config.num_layers, model.config.kv_heads)
+    # The shipped default recipe (levers, calibrated anchors and head map); never calibrates: without one it raises.
+    kw, note = recipe_kascade(spec.alias, model.config.num_layers, model.config.kv_heads, dtype="bfloat16",
+                              calibrate=False)
     if mesh is not None:
         from models.sharding import shard_model
 
         model = shard_model(model, mesh)
     notes = [f"{spec.alias}: real weights (GGUF dequantised to bf16), {note}"]
     return model, notes, kw, model.config.max_position_embeddings, model.config.max_position_embeddings
-
-
-def calibrated_kascade(alias: str, num_layers: int, kv_heads: int) -> tuple[dict, str]:
-    """(make_strategy kwargs, description) of the shipped default recipe of a real model: its levers and the anchors
-    and head map of its shipped (or cached) calibration. Never runs a calibration: without one it raises."""
-    from kascade_jax.calibration.artifact import CalibrationArtifact
-    from kascade_jax.calibration.resolve import calibration_key, find_cached
-    from kascade_jax.recipes import load_recipe
-
-    r = load_recipe(alias, "default")
-    # the keywords experiments/recipe_flags.calibration_kwargs gives load_or_calibrate (the run's dtype: bfloat16)
-    key = calibration_key(alias, num_prompts=r.calib_num_prompts, k=r.calib_k, tile_size=32, reduce=r.calib_reduce,
-                          max_tokens=r.calib_max_tokens, min_tokens=max(64, r.calib_max_tokens // 2),
-                          dtype=r.calib_dtype or "bfloat16")
-    found, near = find_cached(key)
-    if found is None:
-        miss = "; ".join(f"{p.name} differs in {', '.join(d)}" for p, d in near) or "none near"
-        raise ValueError(f"{alias}: no shipped or cached calibration for {key.name()} ({miss}); run "
-                         f"experiments.calibrate first")
-    art = CalibrationArtifact.load(found)
-    art.check_model(num_layers, kv_heads)
-    anchors = tuple(int(a) for a in art.anchors_for(r.num_anchors, r.calib_importance))
-    head_map = [[int(h) for h in row] for row in art.head_map(anchors)]
-    return (dict(anchors=anchors, head_map=head_map, **r.levers()),
-            f"recipe {r.describe()}, anchors {list(anchors)} from {found.name}")
 
 
 def make_strategies(names, cfg, kascade_kw: dict, topk_frac: float, min_k: int) -> dict:

@@ -568,16 +568,18 @@ def test_prepared_programs_are_the_product_path(rng):
     assert isinstance(bad["x"], ValueError)
 
 
-def test_calibrated_kascade_of_the_real_model():
+def test_the_real_model_gets_its_shipped_recipe():
+    """What bench e2e builds for the real model: kascade_jax.calibration.recipe_kascade, never calibrating."""
+    from kascade_jax.calibration import recipe_kascade
     from kascade_jax.registry import make_strategy
 
-    kw, note = e2e.calibrated_kascade("qwen2.5-coder-1.5b", 28, 2)
+    kw, note = recipe_kascade("qwen2.5-coder-1.5b", 28, 2, dtype="bfloat16", calibrate=False)
     assert kw["anchors"] == (0, 2, 5, 14, 27) and len(kw["head_map"]) == 28 and all(len(r) == 2 for r in kw["head_map"])
     assert (kw["sink_tokens"], kw["recent_window"], kw["dense_suffix"]) == (4, 60, 128) and "default" in note
     strategy = make_strategy("kascade", 28, 2, topk_frac=0.1, min_k=128, kernels="pallas", **kw)
     assert strategy.config.anchors == (0, 2, 5, 14, 27)
     with pytest.raises(ValueError):
-        e2e.calibrated_kascade("qwen2.5-coder-1.5b", 30, 2)  # wrong model shape for the artifact
+        recipe_kascade("qwen2.5-coder-1.5b", 30, 2, dtype="bfloat16", calibrate=False)  # wrong model shape
 
 
 # ---------------------------------------------------------------------------------------------------------------
