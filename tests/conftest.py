@@ -1,7 +1,11 @@
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -20,6 +24,30 @@ def tiny_config(model_type="llama", **over):
                rms_norm_eps=1e-5, rope_theta=10000.0)
     cfg.update(over)
     return ModelConfig.from_hf(cfg)
+
+
+class CharTokenizer:
+    """A tokenizer for tiny random models: one id per character (ids 5..104), no EOS; decode gives letters."""
+
+    eos_token_ids = ()
+
+    def encode(self, text):
+        return [5 + (ord(c) % 100) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def run_on_8_simulated_devices(test_file: str, select: str, timeout: int):
+    """Run `pytest -k select` over test_file in a subprocess whose JAX has 8 simulated CPU devices (the flag must be
+    set before jax is imported, so not in this process). Returns (CompletedProcess, the tail of its output)."""
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-rs",
+                          "-k", select, os.path.abspath(test_file)],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return res, res.stdout[-6000:] + res.stderr[-2000:]
 
 
 @pytest.fixture(scope="session")

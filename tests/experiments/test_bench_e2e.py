@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from experiments import bench_e2e as e2e
+from tests.conftest import run_on_8_simulated_devices
 
 # Kernel names as CUPTI reported them on the H200 (benchmarks/decode.json, prefill.json).
 CUDNN_DECODE = "cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35_16x128x128_1x4x1_cga1x1x1_kernel0_0"
@@ -661,14 +662,7 @@ def test_on_8_simulated_cpu_devices():
         pytest.skip("the simulated-device tier runs on CPU")
     if len(jax.devices()) >= 8:
         pytest.skip("this process already has 8 devices: the tests ran directly")
-    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-rs",
-                          "-k", "mesh_programs_equal_unsharded", os.path.abspath(__file__)],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    tail = res.stdout[-6000:] + res.stderr[-2000:]
+    res, tail = run_on_8_simulated_devices(__file__, "mesh_programs_equal_unsharded", timeout=600)
     assert res.returncode == 0, tail
     summary = res.stdout.strip().splitlines()[-1]
     assert "3 passed" in summary and "failed" not in summary and "skipped" not in summary, summary

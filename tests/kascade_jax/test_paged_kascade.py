@@ -20,17 +20,7 @@ from kernels_pallas import paged as pg
 from models import generate as gen
 from models.engine import Engine, SamplingParams
 from models.params import random_model
-from tests.conftest import tiny_config
-
-
-class Tok:
-    eos_token_ids = ()
-
-    def encode(self, text):
-        return [5 + (ord(c) % 100) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(65 + i % 26) for i in ids)
+from tests.conftest import CharTokenizer as Tok, tiny_config
 
 
 def _interpret_bundle() -> str:

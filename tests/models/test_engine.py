@@ -19,19 +19,9 @@ from models.cache import KVCache
 from models.engine import Engine, SamplingParams
 from models.paged import OutOfPagesError, PageAllocator, PagedKVCache, check_page_size
 from models.params import random_model
-from tests.conftest import tiny_config
+from tests.conftest import CharTokenizer as Tok, tiny_config
 
 S = DenseStrategy()
-
-
-class Tok:
-    eos_token_ids = ()
-
-    def encode(self, text):
-        return [5 + (ord(c) % 100) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(65 + i % 26) for i in ids)
 
 
 @pytest.fixture(scope="module")

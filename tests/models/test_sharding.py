@@ -32,6 +32,7 @@ from models.attention import AttentionInputs, DenseStrategy
 from models.cache import write_chunk, write_token
 from models.config import ModelConfig
 from models.params import random_model
+from tests.conftest import run_on_8_simulated_devices
 
 MESHES = [(1, 8), (2, 4), (8, 1)]  # (data, model)
 LAYERS, GEN_LAYERS, BATCH, NEW = 4, 2, 8, 5  # GEN_LAYERS: the generation tests (compile time grows with depth)
@@ -382,14 +383,7 @@ def test_on_8_simulated_cpu_devices():
     """This file's tests in a subprocess with 8 simulated CPU devices."""
     if jax.default_backend() != "cpu":
         pytest.skip("the simulated-device tier runs on CPU")
-    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-rs",
-                          "-k", "not two_processes", os.path.abspath(__file__)],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    tail = res.stdout[-6000:] + res.stderr[-2000:]
+    res, tail = run_on_8_simulated_devices(__file__, "not two_processes", timeout=900)
     print(tail)
     assert res.returncode == 0, tail
     summary = res.stdout.strip().splitlines()[-1]
