@@ -167,6 +167,27 @@ def _ungroup(out, b: int, group: int, dtype):
 # Reuse: sparse GQA decode over a head-mapped index list.
 
 
+def _online_step(m, l, qk):
+    """One block of the online softmax: from the running max m and sum l [rows] and this block's masked fp32 logits
+    qk [rows, block] -> (m_new, alpha (the rescale of the old partials), p [rows, block], l_new)."""
+    m_new = jnp.maximum(m, jnp.max(qk, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(qk - m_new[:, None])
+    return m_new, alpha, p, l * alpha + jnp.sum(p, axis=1)
+
+
+def _reuse_partials(b: int, kvh: int, splits: int, rows: int, d: int):
+    """(out_specs, out_shape) of a reuse kernel's split-K partials: acc [b, kvh, splits, rows, d] fp32, then m and l
+    [b, kvh, splits, rows] fp32, on the grid (batch, kv_heads, splits)."""
+    specs = [pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)),
+             pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
+             pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0))]
+    shapes = [jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
+              jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
+              jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32)]
+    return specs, shapes
+
+
 def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
                   block: int, split_len: int, k_max: int, scale: float, group: int):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -190,10 +211,7 @@ def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, q_ref, k_ref, v_ref, acc_
         v = v_ref[safe, :]
         qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(qk, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(qk - m_new[:, None])
-        l_new = l * alpha + jnp.sum(p, axis=1)
+        m_new, alpha, p, l_new = _online_step(m, l, qk)
         acc_new = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc_new, m_new, l_new
 
@@ -221,6 +239,7 @@ def _reuse_pallas(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, scale,
     splits = pl.cdiv(k_max, split_len)
     s_len, ih = k_cache.shape[1], idx.shape[1]
     kernel = functools.partial(_reuse_kernel, block=block, split_len=split_len, k_max=k_max, scale=scale, group=group)
+    out_specs, out_shape = _reuse_partials(b, kvh, splits, rows, d)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
@@ -233,16 +252,8 @@ def _reuse_pallas(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, scale,
             pl.BlockSpec((None, s_len, None, d), lambda i, j, s: (i, 0, j, 0)),
             pl.BlockSpec((None, s_len, None, d), lambda i, j, s: (i, 0, j, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=tuning.reuse_stages),
         interpret=interpret,
         name="kascade_reuse_decode",
@@ -306,11 +317,7 @@ def _stream_kernel(kvlen_ref, q_ref, k_ref, *refs, block: int, split_len: int, s
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
         if logits_ref is not None:
             plgpu.store(logits_ref.at[:, pl.ds(off_c, block)], qk, mask=real[:, None] & valid[None, :])
-        m, l = carry[0], carry[1]
-        m_new = jnp.maximum(m, jnp.max(qk, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(qk - m_new[:, None])
-        l_new = l * alpha + jnp.sum(p, axis=1)
+        m_new, alpha, p, l_new = _online_step(carry[0], carry[1], qk)
         if not dense_out:
             return m_new, l_new
         v = v_ref[pl.ds(off_c, block), :]

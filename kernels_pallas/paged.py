@@ -156,11 +156,7 @@ def _stream_kernel(kvlen_ref, pt_ref, q_ref, k_ref, *refs, block, split_len, s_l
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
         if write_logits:
             plgpu.store(logits_ref.at[:, pl.ds(off_c, block)], qk, mask=real[:, None] & valid[None, :])
-        m, l = carry[0], carry[1]
-        m_new = jnp.maximum(m, jnp.max(qk, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(qk - m_new[:, None])
-        l_new = l * alpha + jnp.sum(p, axis=1)
+        m_new, alpha, p, l_new = dec._online_step(carry[0], carry[1], qk)
         if not dense_out:
             return m_new, l_new
         v = jnp.where(valid[:, None], v_ref[phys, :], 0)  # p = 0 there, but 0 x a stale inf/NaN is NaN
@@ -261,10 +257,7 @@ def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, pt_ref, q_ref, k_ref, v_r
         v = jnp.where(valid[:, None], v_ref[phys, :], 0)
         qk = plgpu.dot(q, k, trans_b=True) * scale
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(qk, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(qk - m_new[:, None])
-        l_new = l * alpha + jnp.sum(p, axis=1)
+        m_new, alpha, p, l_new = dec._online_step(m, l, qk)
         return acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v), m_new, l_new
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
@@ -294,6 +287,7 @@ def _reuse_pallas(q, k_pages, v_pages, page_table, kv_len, idx, counts, head_map
     ih = idx.shape[1]
     kernel = functools.partial(_reuse_kernel, block=block, split_len=split_len, k_max=k_max, page_size=ps,
                                num_pages=n, max_pages=max_pages, scale=scale, group=group)
+    out_specs, out_shape = dec._reuse_partials(b, kvh, splits, rows, d)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
@@ -307,16 +301,8 @@ def _reuse_pallas(q, k_pages, v_pages, page_table, kv_len, idx, counts, head_map
             _pool_spec(k_pages),
             _pool_spec(v_pages),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=tuning.reuse_stages),
         interpret=interpret,
         name="paged_reuse_decode",
