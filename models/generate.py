@@ -156,8 +156,8 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
 
 def decode_step(model, tokens, cache: KVCache, strategy):
     """Append tokens [batch] at each sequence's length. Returns (logits [batch, vocab], cache); cache donated."""
-    _check_pages(cache, np.asarray(cache.lengths) + 1 if getattr(cache, "page_table", None) is not None else 0,
-                 "decode_step")
+    if getattr(cache, "page_table", None) is not None:  # no host copy of the lengths for a contiguous cache
+        _check_pages(cache, np.asarray(cache.lengths) + 1, "decode_step")
     graphdef, params = nnx.split(model)
     return _decode(graphdef, params, jnp.asarray(tokens, jnp.int32), cache, strategy)
 
