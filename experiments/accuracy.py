@@ -27,7 +27,10 @@ flags.DEFINE_list("inputs", [], "experiments.eval output folders (globs allowed)
 flags.DEFINE_string("model", "", "--mode=choose: the model whose dev results decide")
 flags.DEFINE_integer("context", 16384, "--mode=choose: the context length whose dev results decide")
 flags.DEFINE_integer("num_layers", 0, "--mode=choose: the model's layer count (for the speed model)")
-flags.DEFINE_float("max_slowdown", 0.15, "--mode=choose: allowed loss of weighted attention speed vs the paper recipe")
+flags.DEFINE_float("max_slowdown", 0.15, "--mode=choose with --within_dense<0: allowed loss of weighted attention "
+                   "speed vs the paper recipe (issue 17's rule)")
+flags.DEFINE_float("within_dense", 1.0, "--mode=choose: the fastest candidate at most this many points below dense on "
+                   "dev wins (issue 21's rule); < 0: issue 17's rule (best dev score within --max_slowdown)")
 flags.DEFINE_list("also_for", [], "--mode=choose: MODEL:LAYERS entries that get the same recipe fields")
 flags.DEFINE_string("out", "", "--mode=choose: recipe file to write")
 flags.DEFINE_string("out_dir", "results/accuracy", "--mode=report: where summary.json / summary.md / plots go")
@@ -62,7 +65,8 @@ def main(argv):
         if not (FLAGS.model and FLAGS.num_layers and FLAGS.out):
             raise app.UsageError("--mode=choose needs --model, --num_layers and --out")
         doc = accuracy.choose_recipe(rows, CANDIDATES, model=FLAGS.model, context=FLAGS.context,
-                                     num_layers=FLAGS.num_layers, max_slowdown=FLAGS.max_slowdown)
+                                     num_layers=FLAGS.num_layers, max_slowdown=FLAGS.max_slowdown,
+                                     within_dense=FLAGS.within_dense if FLAGS.within_dense >= 0 else None)
         out = Path(FLAGS.out).expanduser()
         _write_json(out, doc)
         print(json.dumps({k: doc[k] for k in ("chosen_from", "default")}, indent=1))

@@ -72,9 +72,12 @@ def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = Non
     if name in KASCADE_FAMILY:
         r = recipe()
         anchors, head_map = resolve_anchors_and_head_map(model, tokenizer, r)
+        levers = r.levers()
+        if TILE_SIZE.present or "tile_size" not in levers:  # an explicit --tile_size wins over the recipe's
+            levers["tile_size"] = TILE_SIZE.value
         return make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map, topk_frac=frac,
-                             min_k=MIN_K.value, tile_size=TILE_SIZE.value, rolling_prefill=ROLLING.value,
-                             kernels="pallas" if jax.default_backend() == "gpu" else "reference", **r.levers())
+                             min_k=MIN_K.value, rolling_prefill=ROLLING.value,
+                             kernels="pallas" if jax.default_backend() == "gpu" else "reference", **levers)
     if name in BUDGETED_BASELINES:
         return make_strategy(name, cfg.num_layers, cfg.kv_heads, topk_frac=frac, min_k=MIN_K.value)
     return make_strategy(name, cfg.num_layers, cfg.kv_heads)

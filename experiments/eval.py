@@ -74,9 +74,16 @@ flags.DEFINE_bool("progress", True, "tqdm progress bars")
 from kascade_jax.calibration.resolve import even_anchors  # noqa: E402  (re-exported: the eval's spelling)
 
 
-def resolve_recipe():
-    """The --recipe, with every explicitly given recipe flag applied on top (experiments.recipe_flags)."""
-    return recipe_flags.resolve_recipe(FLAGS.model)
+def resolve_recipes():
+    """Every recipe of --recipe (a comma-separated list), each with the explicitly given recipe flags on top."""
+    return recipe_flags.resolve_recipes(FLAGS.model)
+
+
+def recipe_kwargs(recipe) -> tuple:
+    """The Kascade-family strategy kwargs of one recipe: its levers, then the explicit --min_k / --tile_size."""
+    kw = {k: v for k, v in recipe.levers().items() if v}
+    kw.update({k: v for k, v in (("min_k", FLAGS.min_k), ("tile_size", FLAGS.tile_size)) if v is not None})
+    return tuple(kw.items())
 
 
 def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int, recipe):
@@ -112,9 +119,12 @@ def main(argv):
     out = FLAGS.output_dir
     report.check_output_dir(out, overwrite=FLAGS.overwrite, resume=FLAGS.resume)
     mesh = devices.setup()
-    recipe = resolve_recipe()
-    kw = tuple((k, v) for k, v in (("min_k", FLAGS.min_k), ("tile_size", FLAGS.tile_size)) if v is not None)
-    kw += tuple((k, v) for k, v in recipe.levers().items() if v)
+    recipes = resolve_recipes()
+    recipe = recipes[0]
+    kw = recipe_kwargs(recipe)
+    if len({r.describe() for r in recipes}) != len(recipes):
+        raise ValueError(f"--recipe: {FLAGS.recipe!r} names recipes that are identical after the recipe flags: "
+                         f"{[r.describe() for r in recipes]}")
     spec = suite.EvalSpec(
         model=FLAGS.model, strategies=tuple(FLAGS.strategies), topk_fracs=tuple(float(x) for x in FLAGS.topk_frac),
         tasks=tuple(FLAGS.tasks), context_lengths=tuple(int(x) for x in FLAGS.context_lengths),
@@ -150,9 +160,16 @@ def main(argv):
     model, tokenizer = load_model(FLAGS.model, FLAGS.dtype, cache_dir=FLAGS.cache_dir)
     cfg = model.config
     anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, recipe)
-    model = devices.place(model, mesh)  # after calibration (which runs one prompt at a time)
     note = f"{recipe.describe()}; {note}"
     spec = dataclasses.replace(spec, anchors=anchors, head_map=head_map)
+    if len(recipes) > 1:  # one Variant per recipe, evaluated on the same prompts by this one process
+        variants = [suite.Variant(recipe.describe(), anchors, head_map, kw)]
+        for r in recipes[1:]:
+            a, hm, n = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, r)
+            variants.append(suite.Variant(r.describe(), a, hm, recipe_kwargs(r)))
+            note += f"\n- {r.describe()}; {n}"
+        spec = dataclasses.replace(spec, variants=tuple(variants))
+    model = devices.place(model, mesh)  # after calibration (which runs one prompt at a time)
     record = suite.spec_record(spec, **flag_fields)
     if previous is not None:
         suite.check_resume(saved, record, out, fields=late)

@@ -78,7 +78,8 @@ def resolve_kascade(model, tok, anchors_flag: str, head_map_flag: str | None, mo
     if chosen == "auto":
         kw, desc = recipe_kascade(model_name, cfg.num_layers, cfg.kv_heads, dtype=dtype, tile_size=tile_size,
                                   model=model, tokenizer=tok)
-        chosen, levers = kw["anchors"], {f: kw[f] for f in ("sink_tokens", "recent_window", "dense_suffix")}
+        chosen = kw["anchors"]
+        levers = {f: v for f, v in kw.items() if f not in ("anchors", "head_map", "tile_size")}  # --tile_size rules
         auto_map = kw["head_map"]
     else:
         levers, desc, auto_map = {}, f"anchors {list(chosen)} (--anchors), no recipe levers", None

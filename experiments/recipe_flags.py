@@ -2,7 +2,7 @@
 
 A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`,
-`--sink_tokens`, `--recent_window`, `--dense_suffix`; each defaults to None, "the recipe's", and an explicitly
+`--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`; each defaults to None, "the recipe's", and an explicitly
 given value wins over the `--recipe`. `--anchors` is defined here too, so it parses and means the same everywhere
 (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
 `--calib_num_prompts` (it warns; see `experiments.cli.deprecated_alias`).
@@ -23,12 +23,17 @@ ANCHORS = flags.DEFINE_string("anchors", "auto", ANCHORS_HELP)
 RECIPE = flags.DEFINE_string("recipe", "default", "Kascade recipe (kascade_jax.recipes): 'default' (tuned on the "
                              "dev split for this model, shipped in kascade_jax/data/recipes; the paper recipe where "
                              "none is shipped), 'paper' (the paper's method exactly), 'candidate:<name>' or a .json "
-                             "path. The recipe flags below, given explicitly, override its fields")
+                             "path; experiments.eval takes a comma-separated list (one process, one model load). "
+                             "The recipe flags below, given explicitly, override its fields")
 NUM_ANCHORS = flags.DEFINE_integer("num_anchors", None, "anchor count M for --anchors=auto|even (recipe: 5)")
 SINK = flags.DEFINE_integer("sink_tokens", None, "recipe lever: first keys forced into every anchor selection")
 RECENT = flags.DEFINE_integer("recent_window", None, "recipe lever: keys just before the query/tile forced into "
                               "every anchor selection")
 SUFFIX = flags.DEFINE_integer("dense_suffix", None, "recipe lever: last prompt tokens that attend densely in prefill")
+LOCAL = flags.DEFINE_integer("local_window", None, "recipe lever (prefill): keys before each query tile attended on "
+                             "top of the Top-k budget")
+PREFILL_FRAC = flags.DEFINE_float("prefill_topk_frac", None, "recipe lever: prefill budget fraction (default: "
+                                  "--topk_frac; decode keeps --topk_frac)")
 CALIB_K = flags.DEFINE_integer("calib_k", None, "--anchors/--head_map=auto: similarity budget k of the calibration "
                                "(recipe: 64)")
 CALIB_REDUCE = flags.DEFINE_enum("calib_reduce", None, ["min", "mean"], "--anchors/--head_map=auto: reduction over "
@@ -46,15 +51,40 @@ RECALIBRATE = flags.DEFINE_boolean("recalibrate", False, "--anchors/--head_map=a
 cli.deprecated_alias("calib_prompts", "calib_num_prompts")
 
 
+def _recipe_names() -> list[str]:
+    names = [n.strip() for n in RECIPE.value.split(",")]
+    if not all(names):
+        raise ValueError(f"--recipe: empty recipe name in {RECIPE.value!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--recipe names a recipe twice: {RECIPE.value!r}")
+    return names
+
+
+def _apply_flags(recipe):
+    return recipe.replace(
+        num_anchors=NUM_ANCHORS.value, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
+        local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value,
+        calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value, calib_importance=CALIB_IMPORTANCE.value,
+        calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
+        calib_dtype=CALIB_DTYPE.value)
+
+
 def resolve_recipe(model_name: str):
     """The --recipe for `model_name`, with every explicitly given recipe flag applied on top."""
     from kascade_jax.recipes import load_recipe  # noqa: PLC0415
 
-    return load_recipe(model_name, RECIPE.value).replace(
-        num_anchors=NUM_ANCHORS.value, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
-        calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value, calib_importance=CALIB_IMPORTANCE.value,
-        calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
-        calib_dtype=CALIB_DTYPE.value)
+    names = _recipe_names()
+    if len(names) > 1:
+        raise ValueError(f"--recipe: this command runs one recipe, got {len(names)} ({RECIPE.value!r}); "
+                         "experiments.eval evaluates several in one process")
+    return _apply_flags(load_recipe(model_name, names[0]))
+
+
+def resolve_recipes(model_name: str) -> list:
+    """Every recipe of a comma-separated --recipe (experiments.eval), each with the explicit recipe flags on top."""
+    from kascade_jax.recipes import load_recipe  # noqa: PLC0415
+
+    return [_apply_flags(load_recipe(model_name, n)) for n in _recipe_names()]
 
 
 def calibration_kwargs(recipe, dtype: str) -> dict:

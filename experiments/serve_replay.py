@@ -128,9 +128,9 @@ def build_strategy(name: str, model, tok, spec: str, dtype: str = "float32"):
             kw = dict(kw, anchors=ANCHORS.value, head_map=None)
         print(f"kascade: {desc}" + (f"; anchors {ANCHORS.value} (--replay_anchors), identity head map"
                                     if ANCHORS.value != "auto" else ""), flush=True)
+    kw = dict(dict(tile_size=TILE_SIZE.value), **kw)  # a recipe that sets its own tile keeps it
     return make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=TOPK_FRAC.value, min_k=MIN_K.value,
-                         tile_size=TILE_SIZE.value, kernels="pallas" if jax.default_backend() == "gpu" else "reference",
-                         **kw)
+                         kernels="pallas" if jax.default_backend() == "gpu" else "reference", **kw)
 
 
 def make_trace(n, rate, min_prompt, max_prompt, min_new, max_new, vocab, seed):

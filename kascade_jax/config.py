@@ -24,6 +24,11 @@ Recipe levers (all off by default, i.e. the paper's method; see results/accuracy
 - `dense_suffix`: in prefill, the last `dense_suffix` prompt tokens of every sequence (in the usual long-context
   layout: the question after the document) attend densely in every layer; the rest of the prompt stays sparse.
   Cost: about dense_suffix / L of a dense prefill's attention.
+- `local_window` (prefill only): the `local_window` keys just before every query tile are forced into each anchor's
+  selection *on top of* the Top-k budget (the tile's count grows by `local_window`), so every reuse layer attends
+  a dense local neighbourhood plus the anchor's Top-k. Cost: local_window extra keys per tile in every layer.
+- `prefill_topk_frac`: the prefill budget fraction (None = `topk_frac`); decode keeps `topk_frac`, so prefill
+  quality can be bought without slowing decode.
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
@@ -67,6 +72,8 @@ class KascadeConfig:
     sink_tokens: int = 0  # first keys forced into every anchor selection
     recent_window: int = 0  # keys just before the query / tile forced into every anchor selection
     dense_suffix: int = 0  # last prompt tokens that attend densely in prefill
+    local_window: int = 0  # prefill: keys before each tile forced into the selection on top of the budget
+    prefill_topk_frac: float | None = None  # prefill budget fraction (None: topk_frac)
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size"):
@@ -76,9 +83,17 @@ class KascadeConfig:
         if isinstance(self.topk_frac, bool) or not isinstance(self.topk_frac, (int, float)):
             raise ValueError(f"topk_frac must be a number in (0, 1], got {self.topk_frac!r}")
         frac_numerator(self.topk_frac)  # raises for topk_frac outside (0, 1]
+        if self.prefill_topk_frac is not None:
+            if isinstance(self.prefill_topk_frac, bool) or not isinstance(self.prefill_topk_frac, (int, float)):
+                raise ValueError(f"prefill_topk_frac must be None or a number in (0, 1], got {self.prefill_topk_frac!r}")
+            try:
+                frac_numerator(self.prefill_topk_frac)
+            except ValueError:
+                raise ValueError(f"prefill_topk_frac must be None or in (0, 1] and a multiple of 1e-4, got "
+                                 f"{self.prefill_topk_frac!r}") from None
         if self.pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
-        for name in ("sink_tokens", "recent_window", "dense_suffix"):
+        for name in ("sink_tokens", "recent_window", "dense_suffix", "local_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -115,6 +130,11 @@ class KascadeConfig:
                                      f"{list(range(self.kv_heads))}, got {list(rows[a])}")
             if self.pool == "all":
                 raise ValueError("pool='all' shares one index set between all heads, so head_map must be None")
+
+    @property
+    def prefill_frac(self) -> float:
+        """The prefill budget fraction: `prefill_topk_frac`, else `topk_frac`."""
+        return self.topk_frac if self.prefill_topk_frac is None else self.prefill_topk_frac
 
     # ---- layer roles -------------------------------------------------------------------------------------------
     def is_anchor(self, layer: int) -> bool:

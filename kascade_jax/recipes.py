@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
-LEVERS = ("sink_tokens", "recent_window", "dense_suffix")
+LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "tile_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,9 @@ class Recipe:
     sink_tokens: int = 0
     recent_window: int = 0
     dense_suffix: int = 0
+    local_window: int = 0  # prefill: keys before each tile attended on top of the budget
+    prefill_topk_frac: float | None = None  # prefill budget fraction (None: the run's topk_frac)
+    tile_size: int | None = None  # prefill query tile (None: KascadeConfig's 32)
     note: str = ""  # why this recipe (what it measured on the dev split)
 
     def __post_init__(self):
@@ -47,10 +50,16 @@ class Recipe:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"recipe {self.name!r}: {f} must be an int >= 1, got {v!r}")
-        for f in LEVERS:
+        for f in ("sink_tokens", "recent_window", "dense_suffix", "local_window"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"recipe {self.name!r}: {f} must be an int >= 0, got {v!r}")
+        pf = self.prefill_topk_frac
+        if pf is not None and (isinstance(pf, bool) or not isinstance(pf, (int, float)) or not 0 < pf <= 1):
+            raise ValueError(f"recipe {self.name!r}: prefill_topk_frac must be null or in (0, 1], got {pf!r}")
+        ts = self.tile_size
+        if ts is not None and (isinstance(ts, bool) or ts not in (16, 32, 64)):
+            raise ValueError(f"recipe {self.name!r}: tile_size must be null, 16, 32 or 64, got {ts!r}")
         if self.calib_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"recipe {self.name!r}: calib_dtype must be float32, bfloat16, float16 or null, "
                              f"got {self.calib_dtype!r}")
@@ -60,9 +69,10 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: calib_importance must be one of {IMPORTANCE}, "
                              f"got {self.calib_importance!r}")
 
-    def levers(self) -> dict[str, int]:
-        """The KascadeConfig fields this recipe sets."""
-        return {f: getattr(self, f) for f in LEVERS}
+    def levers(self) -> dict[str, Any]:
+        """The KascadeConfig fields this recipe sets (the optional ones, prefill_topk_frac and tile_size, only when
+        the recipe names them)."""
+        return {f: getattr(self, f) for f in LEVERS if getattr(self, f) is not None}
 
     def calibration_kwargs(self, dtype: str = "float32") -> dict[str, Any]:
         """`calibration.load_or_calibrate` keywords of this recipe: its calibration fields, and its `calib_dtype`
@@ -72,7 +82,8 @@ class Recipe:
                     dtype=self.calib_dtype or dtype)
 
     def describe(self) -> str:
-        on = [f"{f}={getattr(self, f)}" for f in LEVERS if getattr(self, f)]
+        on = [f"{f}={getattr(self, f):g}" if isinstance(getattr(self, f), float) else f"{f}={getattr(self, f)}"
+              for f in LEVERS if getattr(self, f)]
         calib = f"k{self.calib_k}/{self.calib_reduce}/w={self.calib_importance}"
         return f"recipe={self.name} M={self.num_anchors} calib={calib}" + (" " + " ".join(on) if on else "")
 
@@ -150,6 +161,17 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "calib_k352": dict(num_anchors=5, calib_k=352),
     "calib_mean": dict(num_anchors=5, calib_reduce="mean"),
     "calib_16k": dict(num_anchors=5, calib_k=1664, calib_num_prompts=16, calib_max_tokens=16384),
+    # issue 21: levers against the sparse rolling prefill's loss (results/accuracy/NOTES.md has the predictions)
+    "lw256": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, local_window=256),
+    "lw1024": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, local_window=1024),
+    "pf20": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, prefill_topk_frac=0.2),
+    "ds512s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=512),
+    "t16": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, tile_size=16),
+    "m7s": dict(num_anchors=7, sink_tokens=4, recent_window=60, dense_suffix=128),
+    "imp_none_s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, calib_importance="none"),
+    "imp_sqrt_s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, calib_importance="sqrt"),
+    "m7_lw1024_pf20": dict(num_anchors=7, sink_tokens=4, recent_window=60, dense_suffix=512, local_window=1024,
+                           prefill_topk_frac=0.2),
 }
 
 

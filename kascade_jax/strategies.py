@@ -111,7 +111,7 @@ def _reuse_decode_reference(q, k, v, kv_len, idx, counts, head_map_row):
 def _anchor_prefill_reference(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero):
     counts = prefill_budget(cfg, q_start, kv_len, seq_len, q.shape[1])  # [batch, tiles]
     scores, _ = pooled_scores_prefill_reference(q, k, q_start, kv_len, cfg.tile_size, pool=cfg.pool,
-                                                sinks=cfg.sink_tokens, window=cfg.recent_window)
+                                                sinks=cfg.sink_tokens, window=cfg.recent_window + cfg.local_window)
     idx = select_topk_reference(scores, counts[:, None, :], k_max)  # [batch, idx_heads, tiles, k_max]
     if dense:
         out = dense_attention(q, k, v, q_start, kv_len, phase="prefill", chunk_at_zero=chunk_at_zero)
@@ -165,10 +165,10 @@ def _pallas_kernels() -> Kernels:
         if cfg.pool == "pre_softmax":
             return _anchor_prefill_reference(q, k, v, q_start, kv_len, seq_len, cfg=cfg, k_max=k_max, dense=dense,
                                              head_map_row=head_map_row, chunk_at_zero=chunk_at_zero)
-        return pp.anchor_prefill(q, k, v, q_start, kv_len, seq_len, cfg.tile_size, topk_frac=cfg.topk_frac,
+        return pp.anchor_prefill(q, k, v, q_start, kv_len, seq_len, cfg.tile_size, topk_frac=cfg.prefill_frac,
                                  min_k=cfg.min_k, k_max=k_max, rolling=cfg.rolling_prefill, dense_out=dense,
                                  pool=cfg.pool, chunk_at_zero=chunk_at_zero, sinks=cfg.sink_tokens,
-                                 window=cfg.recent_window)
+                                 window=cfg.recent_window + cfg.local_window, extra_k=cfg.local_window)
 
     def paged_anchor_decode(q, k, v, page_table, kv_len, *, cfg, k_max, dense, head_map_row):
         check(cfg)
@@ -212,9 +212,13 @@ def _round_up(counts, multiple: int, cap):
     return jnp.minimum(-(-counts // multiple) * multiple, cap).astype(jnp.int32)
 
 
-def static_k_max(cfg: KascadeConfig, max_len: int) -> int:
-    """Static index-buffer width: the largest budget any length <= max_len can get (after rounding)."""
-    k = max_budget(max_len, cfg.topk_frac, cfg.min_k)
+def static_k_max(cfg: KascadeConfig, max_len: int, phase: str = "decode") -> int:
+    """Static index-buffer width: the largest budget any length <= max_len can get in `phase` (after rounding;
+    prefill adds the local window)."""
+    if phase == "prefill":
+        k = max_budget(max_len, cfg.prefill_frac, cfg.min_k) + cfg.local_window
+    else:
+        k = max_budget(max_len, cfg.topk_frac, cfg.min_k)
     return max(1, min(-(-k // cfg.k_multiple) * cfg.k_multiple, max_len))
 
 
@@ -226,8 +230,8 @@ def decode_budget(cfg: KascadeConfig, kv_len):
 
 def prefill_budget(cfg: KascadeConfig, q_start, kv_len, seq_len, q_len: int):
     """[batch, tiles] int32: per-tile budget over the keys strictly before the tile (see reference.prefill_counts)."""
-    counts = prefill_counts(q_start, kv_len, seq_len, q_len, cfg.tile_size, cfg.topk_frac, cfg.min_k,
-                            rolling=cfg.rolling_prefill)
+    counts = prefill_counts(q_start, kv_len, seq_len, q_len, cfg.tile_size, cfg.prefill_frac, cfg.min_k,
+                            rolling=cfg.rolling_prefill, extra=cfg.local_window)
     n_tiles = counts.shape[1]
     eligible = jnp.minimum(q_start[:, None] + jnp.arange(n_tiles)[None, :] * cfg.tile_size, kv_len[:, None])
     # Rounding after clamping to the eligible keys equals clamping after rounding, since eligible <= base L.
@@ -411,7 +415,7 @@ class KascadeStrategy:
             row = tuple(range(k.shape[2])) if cfg.pool != "all" else cfg.head_map_row(layer)
         else:
             reuse_idx, row = self._reuse_indices(layer, state["idx"], inputs.shards, k.shape[2])
-        k_max = static_k_max(cfg, k.shape[1])
+        k_max = static_k_max(cfg, k.shape[1], "prefill")
         # Static blocks of whole tiles (a block never splits a tile, so per-tile results are unchanged).
         block = q_len if kern.query_block is None else max(ts, kern.query_block // ts * ts)
         outs, idxs, counts_all = [], [], []

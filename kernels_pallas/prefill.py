@@ -703,14 +703,17 @@ def reuse_prefill(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_ro
 
 def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, topk_frac, min_k, k_max, rolling=True,
                    dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
-                   tuning: PrefillTuning | None = None, chunk_at_zero=False, sinks: int = 0, window: int = 0):
+                   tuning: PrefillTuning | None = None, chunk_at_zero=False, sinks: int = 0, window: int = 0,
+                   extra_k: int = 0):
     """Anchor prefill: pooled post-softmax scores per (tile, head), exact rolling top-k, then attention.
 
     Returns (out [batch, q_len, q_heads, d], idx [batch, idx_heads, tiles, k_max], counts [batch, tiles]); out is
     the sparse output on the layer's own indices, or the dense causal output with dense_out=True (anchor layer 0).
     chunk_at_zero (static): the caller guarantees q_start == 0 for every sequence, which lets anchor layer 0 take
     its dense output and LSE from cuDNN (tuning.anchor0_cudnn, GPU only). `sinks` / `window`: forced keys of every
-    tile (the first `sinks` keys and the `window` keys before the tile score `reference.FORCED_SCORE`).
+    tile (the first `sinks` keys and the `window` keys before the tile score `reference.FORCED_SCORE`). `extra_k`:
+    keys added to every tile's budget (`reference.prefill_counts(extra=...)`), e.g. a forced local window that
+    does not count against the Top-k.
     """
     ref.check_forced(sinks, window)
     _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
@@ -727,7 +730,7 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q_start, kv_len = _ints(q_start, "q_start", b), _ints(kv_len, "kv_len", b)
     seq_len = _ints(jnp.broadcast_to(jnp.asarray(seq_len), (b,)), "seq_len", b)
-    counts = ref.prefill_counts(q_start, kv_len, seq_len, t, tile_size, topk_frac, min_k, rolling)
+    counts = ref.prefill_counts(q_start, kv_len, seq_len, t, tile_size, topk_frac, min_k, rolling, extra=extra_k)
     counts = jnp.minimum(counts, k_max)
     idx_heads = k_cache.shape[2] if pool != "all" else 1
     identity = jnp.arange(k_cache.shape[2], dtype=jnp.int32) if pool != "all" else jnp.zeros(k_cache.shape[2], jnp.int32)

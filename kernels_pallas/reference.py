@@ -221,13 +221,17 @@ def decode_counts(kv_len, topk_frac: float, min_k: int):
     return topk_budget(kv_len, topk_frac, min_k)
 
 
-def prefill_counts(q_start, kv_len, seq_len, q_len: int, tile_size: int, topk_frac: float, min_k: int, rolling=True):
-    """[batch, tiles] prefill budgets: over the tile's prefix (rolling) or the whole sequence, clamped to the eligible keys."""
+def prefill_counts(q_start, kv_len, seq_len, q_len: int, tile_size: int, topk_frac: float, min_k: int, rolling=True,
+                   extra: int = 0):
+    """[batch, tiles] prefill budgets: over the tile's prefix (rolling) or the whole sequence, plus `extra` keys (a
+    local window selected on top of the budget), clamped to the eligible keys."""
+    if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+        raise ValueError(f"extra must be an int >= 0, got {extra!r}")
     n_tiles = -(-q_len // tile_size)
     tile_start = q_start[:, None] + jnp.arange(n_tiles)[None, :] * tile_size
     eligible = jnp.minimum(tile_start, kv_len[:, None])
     base = tile_start if rolling else jnp.broadcast_to(seq_len[:, None], tile_start.shape)
-    return jnp.minimum(topk_budget(base, topk_frac, min_k), eligible).astype(jnp.int32)
+    return jnp.minimum(topk_budget(base, topk_frac, min_k) + extra, eligible).astype(jnp.int32)
 
 
 def _index_mask(idx, num_keys: int):

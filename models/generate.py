@@ -55,6 +55,15 @@ def _decode(graphdef, params, tokens, cache, strategy):
     return _step(nnx.merge(graphdef, params), tokens, cache, strategy)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "strategy"), donate_argnames=("cache",))
+def _decode_with_state(graphdef, params, tokens, cache, strategy):
+    model = nnx.merge(graphdef, params)
+    q_start = cache.lengths
+    kv_len = q_start + 1
+    meta = _meta("decode", None, q_start, kv_len, kv_len, kv_len)
+    return model(tokens[:, None], cache, strategy, meta, last_only=jnp.zeros_like(q_start))
+
+
 def _step(model, tokens, cache, strategy):
     """Traced body of one decode step: tokens [batch] at each sequence's length -> (logits [batch, vocab], cache)."""
     q_start = cache.lengths
@@ -154,11 +163,14 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
     return last, cache
 
 
-def decode_step(model, tokens, cache: KVCache, strategy):
-    """Append tokens [batch] at each sequence's length. Returns (logits [batch, vocab], cache); cache donated."""
+def decode_step(model, tokens, cache: KVCache, strategy, *, with_state: bool = False):
+    """Append tokens [batch] at each sequence's length. Returns (logits [batch, vocab], cache), plus the strategy's
+    final layer state with `with_state` (probes such as the fidelity mass probe); cache donated."""
     if getattr(cache, "page_table", None) is not None:  # no host copy of the lengths for a contiguous cache
         _check_pages(cache, np.asarray(cache.lengths) + 1, "decode_step")
     graphdef, params = nnx.split(model)
+    if with_state:
+        return _decode_with_state(graphdef, params, jnp.asarray(tokens, jnp.int32), cache, strategy)
     return _decode(graphdef, params, jnp.asarray(tokens, jnp.int32), cache, strategy)
 
 
@@ -195,20 +207,22 @@ def sample(logits, key, temperature: float, top_p: float, top_k: int):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "strategy", "temperature", "top_p", "top_k", "eos"),
                    donate_argnames=("carry",))
-def _decode_loop(graphdef, params, carry, seed, strategy, steps, limit, temperature, top_p, top_k, eos):
-    """Run up to `steps` decode steps, never past token `limit`. carry = (cache, tok [batch] (sampled, not yet
-    recorded), finished, i, out). `steps` and `limit` are traced: one compilation serves every generation length
-    whose output buffer (`out`, OUT_MULTIPLE-rounded) has the same width."""
+def _decode_loop(graphdef, params, carry, seed, strategy, steps, limits, temperature, top_p, top_k, eos):
+    """Run up to `steps` decode steps; row b records at most `limits[b]` tokens. carry = (cache, tok [batch] (sampled,
+    not yet recorded), finished, i, out). `steps` and `limits` are traced: one compilation serves every generation
+    length whose output buffer (`out`, OUT_MULTIPLE-rounded) has the same width. The loop ends as soon as every row
+    has ended (EOS or its own limit), so a batch of short answers never waits for the longest limit."""
     model = nnx.merge(graphdef, params)
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
-    stop_at = jnp.minimum(carry[3] + steps, limit)
+    stop_at = jnp.minimum(carry[3] + steps, jnp.max(limits))
 
     def cond(c):
         _, _, finished, i, out = c
-        return (i < jnp.minimum(stop_at, out.shape[1])) & ~jnp.all(finished)
+        return (i < jnp.minimum(stop_at, out.shape[1])) & ~jnp.all(finished | (i >= limits))
 
     def body(c):
         cache, tok, finished, i, out = c
+        finished = finished | (i >= limits)
         out = out.at[:, i].set(jnp.where(finished, -1, tok))
         finished = finished | jnp.isin(tok, eos_arr)
         logits, cache = _step(model, tok, cache, strategy)
@@ -232,20 +246,29 @@ def _first_stop(text: str, stop: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
-def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, temperature: float = 0.0,
+def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Sequence[int] = 64, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), chat: bool = True,
              max_len: int | None = None, chunk_size: int | None = None, segment: int = 32,
              bucket: int = 512) -> list[GenerationResult]:
     """Generate for a batch of prompts (strings, or token-id lists used as they are).
 
     Prompts are right-padded to a multiple of `bucket` tokens and the cache to a multiple of `bucket` positions, so
-    batches of slightly different lengths reuse one compilation.
+    batches of slightly different lengths reuse one compilation. `max_new_tokens` is one limit for every prompt or
+    one per prompt (tasks with different answer lengths share a batch; the loop stops when every row has ended).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    check_sampling(temperature, top_p, top_k, vocab=model.config.vocab)
     if not prompts:
         raise ValueError("generate needs at least one prompt")
+    if isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens, bool):
+        limits = [int(max_new_tokens)] * len(prompts)
+    else:
+        limits = list(max_new_tokens)
+        if len(limits) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(limits)} limits for {len(prompts)} prompts")
+    bad = [m for m in limits if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1]
+    if bad:
+        raise ValueError(f"max_new_tokens must be ints >= 1, got {bad[0]!r}")
+    max_new_tokens = max(int(m) for m in limits)
+    check_sampling(temperature, top_p, top_k, vocab=model.config.vocab)
     ids = []
     for p in prompts:
         if isinstance(p, str):
@@ -255,13 +278,13 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, t
         ids.append(list(p))
     cfg = model.config
     lens = np.array([len(p) for p in ids], np.int32)
-    need = int(lens.max()) + max_new_tokens
+    need = int((lens + np.asarray(limits, np.int32)).max())
     if int(lens.max()) > cfg.max_position_embeddings:
         raise ValueError(f"prompt of {int(lens.max())} tokens exceeds the model's maximum context "
                          f"{cfg.max_position_embeddings}")
     if need > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({int(lens.max())} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
-                         f"model's maximum context {cfg.max_position_embeddings}")
+        raise ValueError(f"prompt + max_new_tokens = {need} tokens (longest: {int(lens.max())} + {max_new_tokens}) "
+                         f"exceeds the model's maximum context {cfg.max_position_embeddings}")
     if bucket <= 0 or bucket % CHUNK_MULTIPLE:
         raise ValueError(f"bucket must be a positive multiple of {CHUNK_MULTIPLE}, got {bucket}")
     max_len = max_len or min(_round_up(need, bucket), cfg.max_position_embeddings)
@@ -280,19 +303,21 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int = 64, t
     eos = tuple(sorted(set(cfg.eos_token_ids if tok_eos is None else tok_eos)))
     graphdef, params = nnx.split(model)
     steps = max_new_tokens if not stop else segment
+    row_limits = jnp.asarray(limits, jnp.int32)
     stopped = [None] * b
     while True:
-        carry = _decode_loop(graphdef, params, carry, seed, strategy, jnp.int32(steps), jnp.int32(max_new_tokens),
+        carry = _decode_loop(graphdef, params, carry, seed, strategy, jnp.int32(steps), row_limits,
                              float(temperature), float(top_p), int(top_k), eos)
         i = int(carry[3])
-        if i >= max_new_tokens or bool(jnp.all(carry[2])):
+        if i >= max_new_tokens or bool(jnp.all(carry[2] | (i >= row_limits))):
             break
         if stop:
             texts = [tokenizer.decode([t for t in row[:i] if t >= 0 and t not in eos]) for row in to_host(carry[4])]
             for j, t in enumerate(texts):
                 if stopped[j] is None and _first_stop(t, stop) is not None:
                     stopped[j] = True
-            if all(s or f for s, f in zip(stopped, to_host(carry[2]))):
+            ended = to_host(carry[2]) | (i >= np.asarray(limits))
+            if all(s or f for s, f in zip(stopped, ended)):
                 break
     out = to_host(carry[4])[:, :max_new_tokens]
     results = []

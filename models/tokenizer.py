@@ -178,6 +178,9 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)  # the template already wrote the special tokens
 
+    def __getstate__(self):  # picklable for worker processes: the compiled chat template is rebuilt on first use
+        return dict(self.__dict__, _compiled=None)
+
     def __repr__(self) -> str:
         return (
             f"Tokenizer({self.source!r}, vocab={self.vocab_size}, bos={self.bos_token_id}, "

@@ -12,9 +12,13 @@
    The probe reads the strategy's own state (`idx [batch, idx_heads, tiles, k_max]`, `counts [batch, tiles]`)
    and recomputes dense probabilities from q and the cache with plain jnp, so it sees exactly what ran.
 
+3. Decode-phase mass: after a prefill with the strategy, `DECODE_STEPS` teacher-forced decode steps (the
+   document's last tokens) run through the same probe in the decode phase: per layer, the dense mass on the keys
+   the strategy attends (its decode indices through the head map) against each query head's own Top-count.
+   Prefill and decode numbers side by side say which phase loses the mass.
+
 Documents are stdlib prose (`tasks.prose`) from seeded offsets of the "test" split stream, or any texts passed in.
 There are ~70K tokens of prose, so many 8K documents overlap; pass LongBench contexts for fully distinct ones.
-Deliberately not here: decode-phase mass (the prefill chunk covers the same selection rule per tile).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kascade_jax.tasks import prompt as prompt_lib
 from kascade_jax.tasks import prose, synthetic
 
 PROBE_CHUNK = 64  # query rows probed at the end of each document (a multiple of every tile size we use)
+DECODE_STEPS = 8  # teacher-forced decode steps probed at the end of each document
 
 
 def prose_documents(tokenizer, num_docs: int, length: int, *, seed: int = 0, split: str = "test") -> list[list[int]]:
@@ -90,6 +95,8 @@ def _layer_mass(cfg, layer: int, inputs, prev_state, new_state):
     diag = visible & (key_pos[None, None] >= tile_start[:, :, None])  # [b, tq, keys]
     diag_mass = jnp.sum(jnp.where(diag[:, None, None], probs, 0.0), axis=-1)  # [b, kvh, g, tq]
     row_ok = pos < inputs.seq_len[:, None]  # [b, tq]
+    if inputs.phase == "decode":
+        return _layer_mass_decode(cfg, layer, probs, visible, prev_state, new_state)
     dense_layer = cfg.decode_only or (layer == 0 and cfg.layer0_dense)
     if dense_layer:
         return jnp.ones((2, kvh), jnp.float32)
@@ -111,6 +118,26 @@ def _layer_mass(cfg, layer: int, inputs, prev_state, new_state):
     ranks = jnp.arange(top.shape[-1])
     oracle = jnp.sum(jnp.where(ranks < cnt[:, None, None, :, None], top, 0.0), axis=-1) + diag_mass
     return jnp.stack([_row_mean(sel, row_ok), _row_mean(oracle, row_ok)])
+
+
+def _layer_mass_decode(cfg, layer, probs, visible, prev_state, new_state):
+    """Decode: probs [b, kvh, g, 1, keys]; the state's idx [b, idx_heads, k_max], counts [b]."""
+    b, kvh = probs.shape[:2]
+    keys = probs.shape[-1]
+    if layer == 0 and cfg.layer0_dense:
+        return jnp.ones((2, kvh), jnp.float32)
+    st = new_state if cfg.is_anchor(layer) else prev_state
+    idx, counts = st["idx"], st["counts"]
+    idx_kv = idx[:, jnp.asarray(cfg.head_map_row(layer))]  # [b, kvh, k_max]
+    safe = jnp.where(idx_kv >= 0, idx_kv, keys)
+    bi, hi = jnp.meshgrid(jnp.arange(b), jnp.arange(kvh), indexing="ij")
+    member = jnp.zeros((b, kvh, keys + 1), bool).at[bi[..., None], hi[..., None], safe].set(True)[..., :keys]
+    p = probs[:, :, :, 0]  # [b, kvh, g, keys]
+    sel = jnp.sum(jnp.where(member[:, :, None], p, 0.0), axis=-1)  # [b, kvh, g]
+    top = jax.lax.top_k(p, min(idx.shape[-1], keys))[0]
+    oracle = jnp.sum(jnp.where(jnp.arange(top.shape[-1]) < counts[:, None, None, None], top, 0.0), axis=-1)
+    del visible
+    return jnp.stack([jnp.mean(sel, axis=(0, 2)), jnp.mean(oracle, axis=(0, 2))])
 
 
 def _row_mean(x, row_ok):
@@ -158,6 +185,26 @@ def attention_mass(model, tokens, strategy) -> np.ndarray:
     return np.asarray(jnp.stack(state["mass"]))
 
 
+def decode_attention_mass(model, tokens, strategy, steps: int = DECODE_STEPS) -> np.ndarray:
+    """[num_layers, 2, kv_heads] (selected, oracle) decode mass, mean over `steps` teacher-forced decode steps that
+    feed the document's last `steps` tokens after a prefill of the rest with the strategy."""
+    from models import generate as gen  # noqa: PLC0415
+    from models.cache import KVCache  # noqa: PLC0415
+
+    tokens = np.asarray(tokens, np.int32)[None]
+    t = tokens.shape[1]
+    if steps < 1 or t <= steps:
+        raise ValueError(f"decode mass needs 1 <= steps < document length, got steps={steps}, length {t}")
+    cut = t - steps
+    cache = KVCache.init(model.config, 1, -(-t // 64) * 64, dtype=model.dtype)
+    _, cache = gen.prefill(model, tokens[:, :cut], np.array([cut], np.int32), cache, strategy)
+    probe, out = MassProbe(strategy), []
+    for j in range(cut, t):
+        _, cache, state = gen.decode_step(model, tokens[:, j], cache, probe, with_state=True)
+        out.append(jnp.stack(state["mass"]))
+    return np.asarray(jnp.mean(jnp.stack(out), axis=0))
+
+
 # ----------------------------------------------------------------------------- driver
 def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, Any], *, dense=None,
                       mass: bool = True, progress: bool = True) -> dict[str, dict]:
@@ -167,7 +214,8 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
     if dense is None:
         from models.attention import DenseStrategy  # noqa: PLC0415
         dense = DenseStrategy()
-    acc = {name: dict(kl=[], top1=[], kl_late=[], top1_late=[], mass=[], failures=0, errors=[]) for name in strategies}
+    acc = {name: dict(kl=[], top1=[], kl_late=[], top1_late=[], mass=[], dmass=[], failures=0, errors=[])
+           for name in strategies}
     for doc in tqdm(documents, desc="fidelity", disable=not progress, leave=False):
         lp_dense = _logprobs(model, doc, dense)
         half = len(doc) // 2
@@ -182,6 +230,7 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
                 a["top1_late"].append(agree[half:].mean())
                 if mass and supports_mass(strategy):
                     a["mass"].append(attention_mass(model, doc, strategy))
+                    a["dmass"].append(decode_attention_mass(model, doc, strategy))
             except Exception as e:  # noqa: BLE001 - counted, reported, not dropped silently
                 a["failures"] += 1
                 a["errors"].append(f"{type(e).__name__}: {e}")
@@ -189,6 +238,8 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
     for name, a in acc.items():
         mh = np.mean(a["mass"], axis=0) if a["mass"] else None  # [layers, 2, kv_heads]
         m = None if mh is None else mh.mean(axis=-1)  # [layers, 2]
+        dh = np.mean(a["dmass"], axis=0) if a["dmass"] else None  # [layers, 2, kv_heads]
+        dm = None if dh is None else dh.mean(axis=-1)
         out[name] = dict(documents=len(documents), failures=a["failures"], errors=a["errors"][:5],
                          kl=float(np.mean(a["kl"])) if a["kl"] else float("nan"),
                          top1=float(np.mean(a["top1"])) if a["top1"] else float("nan"),
@@ -199,5 +250,10 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
                          mass_oracle=None if m is None else m[:, 1].tolist(),
                          mass_ratio=None if m is None else (m[:, 0] / np.maximum(m[:, 1], 1e-12)).tolist(),
                          mass_ratio_heads=None if mh is None else
-                         (mh[:, 0] / np.maximum(mh[:, 1], 1e-12)).tolist())  # [layers][kv_heads]
+                         (mh[:, 0] / np.maximum(mh[:, 1], 1e-12)).tolist(),  # [layers][kv_heads]
+                         decode_mass_selected=None if dm is None else dm[:, 0].tolist(),
+                         decode_mass_oracle=None if dm is None else dm[:, 1].tolist(),
+                         decode_mass_ratio=None if dm is None else (dm[:, 0] / np.maximum(dm[:, 1], 1e-12)).tolist(),
+                         decode_mass_ratio_heads=None if dh is None else
+                         (dh[:, 0] / np.maximum(dh[:, 1], 1e-12)).tolist())
     return out

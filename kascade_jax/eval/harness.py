@@ -7,10 +7,13 @@ Failure accounting (the official harness silently drops failing queries): an exc
 of its examples alone; an example that still fails becomes an `ExampleResult` with `error` set and score 0. It is
 counted in `failures` and in the score (as 0), never dropped.
 
-Shapes are kept stable to avoid recompiling: samples are grouped by generation settings, sorted by length,
-batches are padded to `batch_size` with copies of their last prompt (results discarded), and the cache length is
-the group's context length rounded up to 64 (so every task at that length shares one decode-loop compile per
-generation length). Prefill still compiles once per distinct 64-rounded prompt width.
+Batching (one compilation per shape, as little waste as possible): samples are grouped by sampling settings only
+(temperature, top_p, seed, stop strings), so tasks with different answer lengths share batches; each row gets its
+own generation limit and the decode loop stops once every row has ended. A group is sorted by (answer length,
+prompt length) and cut into ceil(n / batch_size) batches of one balanced size, so only the last batch is padded,
+by fewer rows than there are batches (copies of its last prompt with a 1-token limit, results discarded). The cache
+length is the group's context length rounded up to 64 (every task at that length shares one decode-loop compile).
+`run_samples(..., stats=d)` fills `d` with the prompts, padding, batch size and prompts/s.
 """
 
 from __future__ import annotations
@@ -59,22 +62,32 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _group_key(s: dict):
-    return (int(s["max_new_tokens"]), float(s.get("temperature", 0.0)), float(s.get("top_p", 1.0)),
-            int(s.get("sample_seed", 0)), tuple(s.get("stop") or ()))
+    return (float(s.get("temperature", 0.0)), float(s.get("top_p", 1.0)), int(s.get("sample_seed", 0)),
+            tuple(s.get("stop") or ()))
 
 
-def _generate(model, tokenizer, prompts, strategy, key, max_len, chunk_size=None):
+def _generate(model, tokenizer, prompts, strategy, key, max_len, limits, chunk_size=None):
     from models import generate as gen  # noqa: PLC0415  (models is heavy; tasks-only users never import it)
 
-    max_new, temperature, top_p, seed, stop = key
-    return gen.generate(model, tokenizer, prompts, strategy, max_new_tokens=max_new, temperature=temperature,
+    temperature, top_p, seed, stop = key
+    return gen.generate(model, tokenizer, prompts, strategy, max_new_tokens=list(limits), temperature=temperature,
                         top_p=top_p, seed=seed, stop=stop, chat=False, max_len=max_len, chunk_size=chunk_size)
 
 
+def balanced_batch(n: int, batch_size: int) -> int:
+    """The batch size that cuts n prompts into ceil(n / batch_size) batches with the least padding."""
+    if n <= 0:
+        return batch_size
+    batches = -(-n // batch_size)
+    return -(-n // batches)
+
+
 def run_samples(model, tokenizer, samples: list[dict], strategy, *, batch_size: int = 1, progress: bool = True,
-                desc: str = "", generate_fn=None, prefill_chunk: int | None = None) -> list[ExampleResult]:
+                desc: str = "", generate_fn=None, prefill_chunk: int | None = None,
+                stats: dict | None = None) -> list[ExampleResult]:
     """Generate and score every sample; results come back in the order of `samples`. `prefill_chunk` bounds the
-    prefill's working set (None: the generator's default, the whole prompt on GPU)."""
+    prefill's working set (None: the generator's default, the whole prompt on GPU). `generate_fn(model, tokenizer,
+    prompts, strategy, key, max_len, limits)` replaces the generator (tests)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if generate_fn is None and prefill_chunk is None:
@@ -82,38 +95,49 @@ def run_samples(model, tokenizer, samples: list[dict], strategy, *, batch_size: 
     elif generate_fn is None:
         def generate_fn(*args):
             return _generate(*args, chunk_size=prefill_chunk)
+    t_start = time.perf_counter()
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     ids = [prompt_lib.encode(tokenizer, s["input"]) for s in samples]
     groups: dict = {}
     for i, s in enumerate(samples):
         groups.setdefault(_group_key(s), []).append(i)
     results: list[ExampleResult | None] = [None] * len(samples)
+    padded, sizes = 0, set()
     bar = tqdm(total=len(samples), desc=desc or getattr(strategy, "name", "eval"), disable=not progress, leave=False)
     for key, members in groups.items():
-        members.sort(key=lambda i: len(ids[i]))
-        max_len = _round_up(max(len(ids[i]) for i in members) + key[0], CACHE_MULTIPLE)
+        members.sort(key=lambda i: (int(samples[i]["max_new_tokens"]), len(ids[i])))
+        max_len = _round_up(max(len(ids[i]) + int(samples[i]["max_new_tokens"]) for i in members), CACHE_MULTIPLE)
         # One cache length per context length (not per task) lets tasks share the compiled decode loop.
         ctx = max(int(samples[i].get("context_length") or 0) for i in members)
         if ctx >= max_len:
             max_len = _round_up(ctx, CACHE_MULTIPLE)
         if max_pos is not None:
             max_len = min(max_len, max(max_pos, 1))
-        for b0 in range(0, len(members), batch_size):
-            batch = members[b0:b0 + batch_size]
+        size = balanced_batch(len(members), batch_size)
+        sizes.add(size)
+        for b0 in range(0, len(members), size):
+            batch = members[b0:b0 + size]
+            padded += size - len(batch)
             for i, res in zip(batch, _run_batch(model, tokenizer, samples, ids, batch, strategy, key, max_len,
-                                                batch_size, generate_fn)):
+                                                size, generate_fn)):
                 results[i] = res
             bar.update(len(batch))
     bar.close()
+    if stats is not None:
+        wall = time.perf_counter() - t_start
+        stats.update(prompts=len(samples), padded_rows=padded, batch_sizes=sorted(sizes), wall_s=round(wall, 3),
+                     prompts_per_s=round(len(samples) / wall, 3) if wall > 0 else float("nan"))
     return results
 
 
 def _run_batch(model, tokenizer, samples, ids, batch, strategy, key, max_len, batch_size, generate_fn):
     prompts = [ids[i] for i in batch]
-    prompts += [prompts[-1]] * (batch_size - len(prompts))  # fixed batch shape: no recompile for the last batch
+    limits = [int(samples[i]["max_new_tokens"]) for i in batch]
+    pad = batch_size - len(prompts)  # fixed batch shape: no recompile for the last batch
+    prompts, limits = prompts + [prompts[-1]] * pad, limits + [1] * pad
     t0 = time.perf_counter()
     try:
-        outs = generate_fn(model, tokenizer, prompts, strategy, key, max_len)[:len(batch)]
+        outs = generate_fn(model, tokenizer, prompts, strategy, key, max_len, limits)[:len(batch)]
         if len(outs) != len(batch):
             raise RuntimeError(f"generate returned {len(outs)} results for {len(batch)} prompts")
     except Exception:  # noqa: BLE001 - any failure is recorded per example below

@@ -26,7 +26,7 @@ import tempfile
 import numpy as np
 
 ROW_FIELDS = ("model", "task", "family", "context_length", "strategy", "config", "topk_frac", "anchors", "examples",
-              "failures", "score", "score_ok", "ci_low", "ci_high", "prefill_tokens", "decode_tokens", "wall_s")
+              "failures", "score", "score_ok", "ci_low", "ci_high", "prefill_tokens", "decode_tokens", "wall_s", "prompts_per_s")
 CSV_FIELDS = ROW_FIELDS + ("status",)  # status: "partial" (a checkpoint of an unfinished run) or "complete"
 RESULT_FILES = ("results.json", "results.csv", "examples.jsonl", "summary.md")  # plus the *.png plots
 
@@ -177,14 +177,15 @@ def markdown(rows, env: dict, extra_sections: list[str] = ()) -> str:
         lines += ["**partial**: a checkpoint of a run still in progress or stopped early; only its finished "
                   "(task, context length, strategy) blocks are listed.", ""]
     lines += ["Scores in %, failures counted as 0 (`failures` column); 95% CI: Wilson (0/1 scores) or bootstrap.", "",
-             "| task | ctx | strategy | config | score | 95% CI | n | fail | prefill tok | decode tok | time s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| task | ctx | strategy | config | score | 95% CI | n | fail | prefill tok | decode tok | time s | "
+             "prompts/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["family"] == "fidelity":
             continue
         lines.append(f"| {r['task']} | {r['context_length']} | {r['strategy']} | {r['config']} | {_fmt(r['score'])} | "
                      f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] | {r['examples']} | {r['failures']} | "
-                     f"{_fmt(r['prefill_tokens'], 0)} | {_fmt(r['decode_tokens'], 1)} | {_fmt(r['wall_s'])} |")
+                     f"{_fmt(r['prefill_tokens'], 0)} | {_fmt(r['decode_tokens'], 1)} | {_fmt(r['wall_s'])} | "
+                     f"{_fmt(r.get('prompts_per_s'), 2)} |")
     avg = averages(rows)
     if avg:
         lines += ["", "## Average over tasks", "", "| family | ctx | strategy | config | tasks | n | fail | score |",

@@ -1,9 +1,12 @@
 """One evaluation run: (strategies x Top-k fractions) x (tasks x context lengths) -> rows, examples, fidelity.
 
 `EvalSpec` is the frozen, validated description of a run (the CLI flags of `experiments/eval.py` map 1:1 onto
-it). `build_strategies` turns names + fractions into constructed strategies through `kascade_jax.registry`;
-`build_samples` makes each task's samples once, so every strategy sees identical prompts; `run` executes and
-returns result rows (see `report.ROW_FIELDS`). A resumed run hands `run` the earlier rows (`previous`): it skips
+it). `build_strategies` turns names + fractions (+ one `Variant` per Kascade recipe, so several recipes run in one
+process on one loaded model) into constructed strategies through `kascade_jax.registry`; `build_samples` makes
+each task's samples once, so every strategy sees identical prompts; `run` executes and returns result rows (see
+`report.ROW_FIELDS`). RULER and synthetic tasks at one context length are pooled: their samples are built together
+(in worker processes, `sample_workers`) and every strategy runs over all of them in one batched pass, so tasks
+share batches and compiled programs; each row records the pass's prompts/s. A resumed run hands `run` the earlier rows (`previous`): it skips
 their (task, context length, strategy, config) blocks, and `check_resume` first makes sure the earlier run had
 the same spec in every field that changes results (`RESUME_FREE` lists the ones that may differ).
 
@@ -74,6 +77,19 @@ def family_of(task: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Variant:
+    """One Kascade set-up (a recipe with its resolved anchors and head map) evaluated beside the others."""
+
+    recipe: str = ""  # recipes.Recipe.describe(), recorded in each of its rows' config
+    anchors: tuple[int, ...] | None = None
+    head_map: tuple[tuple[int, ...], ...] | None = None
+    strategy_kwargs: tuple[tuple[str, object], ...] = ()
+
+
+POOLED_FAMILIES = ("ruler", "synthetic")  # tasks of these families at one context length share batches
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalSpec:
     model: str = "smollm2-135m"
     strategies: tuple[str, ...] = ("dense", "kascade")
@@ -98,6 +114,8 @@ class EvalSpec:
     fidelity_docs: int | None = None  # None: num_samples
     chat: bool = True
     recipe: str = ""  # the Kascade recipe's description (recipes.Recipe.describe), recorded in each Kascade row
+    variants: tuple[Variant, ...] = ()  # several recipes in one run; () = the one of the fields above
+    sample_workers: int | None = None  # processes that build RULER/synthetic samples; None = up to 16 cores
 
     def __post_init__(self):
         if not self.strategies:
@@ -122,6 +140,17 @@ class EvalSpec:
         object.__setattr__(self, "tasks", tuple(expand_tasks(self.tasks)))
         if not self.tasks:
             raise ValueError("tasks must name at least one task")
+        variants = tuple(v if isinstance(v, Variant) else Variant(**v) for v in self.variants)
+        object.__setattr__(self, "variants", variants)
+        recipes = [v.recipe for v in variants]
+        if len(set(recipes)) != len(recipes):
+            raise ValueError(f"variants must have distinct recipe descriptions, got {recipes}")
+        if self.sample_workers is not None and self.sample_workers < 1:
+            raise ValueError(f"sample_workers must be >= 1 or None, got {self.sample_workers}")
+
+    def kascade_variants(self) -> tuple[Variant, ...]:
+        """The Kascade set-ups of this run: `variants`, else the one given by recipe / anchors / head_map."""
+        return self.variants or (Variant(self.recipe, self.anchors, self.head_map, self.strategy_kwargs),)
 
     def batch_for(self, context_length: int) -> int:
         """Prompts per generate call at this context length (memory grows with batch x length)."""
@@ -131,7 +160,7 @@ class EvalSpec:
 
 
 # Fields a resume may change: they choose which blocks run (or only how prompts are batched), not their results.
-RESUME_FREE = ("strategies", "topk_fracs", "tasks", "context_lengths", "batch_size", "batch_tokens")
+RESUME_FREE = ("strategies", "topk_fracs", "tasks", "context_lengths", "batch_size", "batch_tokens", "sample_workers")
 
 
 def spec_record(spec: EvalSpec, **extra) -> dict:
@@ -182,18 +211,19 @@ def build_strategies(spec: EvalSpec, num_layers: int, kv_heads: int) -> list[Str
     runs = []
     for name in spec.strategies:
         if name in KASCADE_FAMILY:
-            for frac in spec.topk_fracs:
-                kw = dict(spec.strategy_kwargs, topk_frac=frac, kernels=spec.kernels)
-                if name != "oracle_topk" and spec.anchors is not None:
-                    kw["anchors"] = spec.anchors
-                if name in ("kascade", "pre_softmax_pooling", "decode_only") and spec.head_map is not None:
-                    kw["head_map"] = spec.head_map
-                st = make_strategy(name, num_layers, kv_heads, **kw)
-                anchors = _anchors_text(st)
-                hm = "calibrated" if getattr(st.config, "head_map", None) is not None else "identity"
-                cfg = f"k={frac:g}" + (f" anchors={anchors} head_map={hm}" if anchors else "")
-                cfg += f" {spec.recipe}" if spec.recipe else ""
-                runs.append(StrategyRun(name, cfg, frac, anchors, st))
+            for var in spec.kascade_variants():
+                for frac in spec.topk_fracs:
+                    kw = dict(var.strategy_kwargs, topk_frac=frac, kernels=spec.kernels)
+                    if name != "oracle_topk" and var.anchors is not None:
+                        kw["anchors"] = var.anchors
+                    if name in ("kascade", "pre_softmax_pooling", "decode_only") and var.head_map is not None:
+                        kw["head_map"] = var.head_map
+                    st = make_strategy(name, num_layers, kv_heads, **kw)
+                    anchors = _anchors_text(st)
+                    hm = "calibrated" if getattr(st.config, "head_map", None) is not None else "identity"
+                    cfg = f"k={frac:g}" + (f" anchors={anchors} head_map={hm}" if anchors else "")
+                    cfg += f" {var.recipe}" if var.recipe else ""
+                    runs.append(StrategyRun(name, cfg, frac, anchors, st))
         elif name in BUDGET_BASELINES:
             for frac in spec.topk_fracs:
                 st = make_strategy(name, num_layers, kv_heads, budget_frac=frac)
@@ -226,6 +256,67 @@ def build_samples(spec: EvalSpec, tokenizer, task: str, context_length: int, mod
                                    seed=spec.seed, chat=spec.chat, max_new_tokens=spec.max_new_tokens,
                                    path=spec.aa_lcr_path)
     raise ValueError(f"task {task!r} has no samples")
+
+
+def _sample_job(args):
+    spec, task, ctx, window, start, n = args
+    return _build_range(spec, _WORKER_TOKENIZER, task, ctx, window, start, n)
+
+
+_WORKER_TOKENIZER = None
+
+
+def _init_worker(tokenizer):
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _build_range(spec, tokenizer, task, ctx, window, start, n):
+    fam = family_of(task)
+    if fam == "ruler":
+        return ruler.generate_samples(task, tokenizer, ctx, n, seed=spec.seed, split=spec.split,
+                                      max_new_tokens=spec.max_new_tokens, chat=spec.chat, start=start)
+    if fam == "synthetic":
+        samples = synthetic.generate_samples(task.split(":", 1)[1], tokenizer, ctx, n, seed=spec.seed,
+                                             split=spec.split, max_new_tokens=spec.max_new_tokens, chat=spec.chat,
+                                             start=start)
+        return [dict(x, task=task) for x in samples]
+    raise ValueError(f"task {task!r} is not a pooled (RULER / synthetic) task")
+
+
+def sample_workers(spec: EvalSpec, n_samples: int) -> int:
+    """Processes for building `n_samples` pooled samples: spec.sample_workers, else up to 16 cores for >= 32."""
+    import os  # noqa: PLC0415
+
+    if spec.sample_workers is not None:
+        return spec.sample_workers
+    return 1 if n_samples < 32 else max(1, min(16, os.cpu_count() or 1, n_samples // 8))
+
+
+def build_pooled_samples(spec: EvalSpec, tokenizer, tasks, ctx: int, window: int, *, log=None) -> dict[str, list]:
+    """{task: samples} for RULER / synthetic tasks at one context length, built in `sample_workers` spawned
+    processes (each sample is a pure function of its arguments, so the result equals a serial build)."""
+    n = spec.num_samples
+    workers = sample_workers(spec, n * len(tasks))
+    t0 = time.perf_counter()
+    if workers <= 1:
+        out = {t: _build_range(spec, tokenizer, t, ctx, window, 0, n) for t in tasks}
+    else:
+        import concurrent.futures  # noqa: PLC0415
+        import multiprocessing  # noqa: PLC0415
+
+        step = max(1, -(-n // max(1, -(-workers // len(tasks)))))  # enough jobs per task to fill the workers
+        jobs = [(spec, t, ctx, window, s0, min(step, n - s0)) for t in tasks for s0 in range(0, n, step)]
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                    initializer=_init_worker, initargs=(tokenizer,)) as pool:
+            parts = list(pool.map(_sample_job, jobs))
+        out = {t: [] for t in tasks}
+        for (_, t, *_rest), part in zip(jobs, parts):
+            out[t] += part
+    if log is not None:
+        log(f"built {n * len(tasks)} samples at {ctx} tokens in {time.perf_counter() - t0:.1f} s "
+            f"({workers} process{'es' if workers > 1 else ''})")
+    return out
 
 
 def _contexts_for(spec: EvalSpec, task: str, model_window: int) -> list[int]:
@@ -265,7 +356,16 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
     # Shortest contexts first (stable in task order): a run cut short still has complete lower lengths.
     blocks = sorted(((task, ctx) for task in spec.tasks for ctx in _contexts_for(spec, task, window)),
                     key=lambda b: b[1])
+    pooled_done = set()
     for task, ctx in blocks:
+        if family_of(task) in POOLED_FAMILIES:
+            if ctx in pooled_done:
+                continue
+            pooled_done.add(ctx)
+            tasks = [t for t, c in blocks if c == ctx and family_of(t) in POOLED_FAMILIES]
+            _run_pooled(spec, model, tokenizer, runs, tasks, ctx, window, finished, rows, records, progress, log,
+                        on_block, fid)
+            continue
         if task == "fidelity":
             n_docs = spec.fidelity_docs or spec.num_samples
             length = max(128, ctx // fidelity_lib.PROBE_CHUNK * fidelity_lib.PROBE_CHUNK)
@@ -305,13 +405,55 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
             rows.append(report.make_row(results, model=spec.model, task=task, family=family_of(task),
                                         context_length=ctx, strategy=r.label, config=r.config,
                                         topk_frac=r.topk_frac, anchors=r.anchors, wall_s=wall))
-            row = rows[-1]
-            if row["failures"]:
-                errs = sorted({x.error for x in results if x.failed})
-                log(f"WARNING: {row['failures']} of {row['examples']} examples failed for {task}@{ctx} "
-                    f"{r.label}: {errs[:3]}")
-            for x in results:
-                records.append(dict(dataclasses.asdict(x), strategy=r.label, config=r.config))
+            rows[-1]["prompts_per_s"] = round(len(results) / wall, 3) if wall > 0 else float("nan")
+            _record(rows[-1], results, r, records, log)
             if on_block is not None:
                 on_block(rows, records, fid)
     return rows, records, fid
+
+
+def _record(row, results, r, records, log):
+    """Warn about the row's failures and append its example records."""
+    if row["failures"]:
+        errs = sorted({x.error for x in results if x.failed})
+        log(f"WARNING: {row['failures']} of {row['examples']} examples failed for {row['task']}@"
+            f"{row['context_length']} {r.label}: {errs[:3]}")
+    for x in results:
+        records.append(dict(dataclasses.asdict(x), strategy=r.label, config=r.config))
+
+
+def _run_pooled(spec, model, tokenizer, runs, tasks, ctx, window, finished, rows, records, progress, log, on_block,
+                fid):
+    """Every strategy over the pooled samples of `tasks` at `ctx` in one batched pass each; rows per task."""
+    todo = {r.config + "\0" + r.label: [t for t in tasks if not finished(t, ctx, r)] for r in runs}
+    need = [t for t in tasks if any(t in ts for ts in todo.values())]
+    if not need:
+        return
+    samples = build_pooled_samples(spec, tokenizer, need, ctx, window, log=log)
+    for r in runs:
+        mine = todo[r.config + "\0" + r.label]
+        if not mine:
+            continue
+        pool = [x for t in mine for x in samples[t]]
+        stats: dict = {}
+        t0 = time.perf_counter()
+        results = harness.run_samples(model, tokenizer, pool, r.strategy, batch_size=spec.batch_for(ctx),
+                                      progress=progress, desc=f"{len(mine)} tasks@{ctx} {r.label}",
+                                      prefill_chunk=spec.prefill_chunk, stats=stats)
+        wall = time.perf_counter() - t0
+        log(f"{r.label} {r.config} @ {ctx}: {len(pool)} prompts in {wall:.1f} s = {stats['prompts_per_s']:.2f} "
+            f"prompts/s (batch {stats['batch_sizes']}, {stats['padded_rows']} padded rows)")
+        by_task: dict = {}
+        for x in results:
+            by_task.setdefault(x.task, []).append(x)
+        for t in mine:
+            res = by_task.get(t, [])
+            rows.append(report.make_row(res, model=spec.model, task=t, family=family_of(t), context_length=ctx,
+                                        strategy=r.label, config=r.config, topk_frac=r.topk_frac, anchors=r.anchors,
+                                        wall_s=wall * len(res) / max(1, len(pool))))
+            rows[-1].update(prompts_per_s=stats["prompts_per_s"], pass_prompts=len(pool),
+                            batch_size=max(stats["batch_sizes"]) if stats["batch_sizes"] else 0,
+                            padded_rows=stats["padded_rows"])
+            _record(rows[-1], res, r, records, log)
+        if on_block is not None:
+            on_block(rows, records, fid)

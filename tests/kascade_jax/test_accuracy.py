@@ -87,11 +87,40 @@ def test_choose_recipe(rng):
         accuracy.choose_recipe(rows, CANDIDATES, model="other", context=4096, num_layers=24)
 
 
+def test_attention_cost_of_the_prefill_levers():
+    c = accuracy.attention_cost(24, 5, context=16384)
+    pf = accuracy.attention_cost(24, 5, context=16384, prefill_topk_frac=0.2)
+    lw = accuracy.attention_cost(24, 5, context=16384, local_window=1024)
+    r = accuracy.PREFILL_RATIOS
+    assert pf["decode_cost"] == lw["decode_cost"] == c["decode_cost"]  # decode keeps its 10%
+    assert pf["prefill_cost"] == pytest.approx(c["prefill_cost"] + 19 / 24 * r["reuse"], abs=1e-4)
+    assert lw["prefill_cost"] == pytest.approx(c["prefill_cost"] + 19 / 24 * r["reuse"] * 1.25, abs=1e-4)
+
+
+def test_choose_fastest_within_one_point_of_dense(rng):
+    base = _base(rng)
+    recs = _records(rng, "dense", "", base, split="dev")
+    recs += _records(rng, "kascade", "k=0.1 recipe=paper", base, shift=-0.3, split="dev")  # far below dense
+    dense = [r for r in recs if r["strategy"] == "dense"]
+    recs += [dict(r, strategy="kascade", config="k=0.1 recipe=m8") for r in dense]  # equal to dense, slow
+    recs += [dict(r, strategy="kascade", config="k=0.1 recipe=sw_ds128") for r in dense]  # equal to dense, faster
+    rows = accuracy.summarize(recs, ruler_tasks=TASKS, reps=100)
+    doc = accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, within_dense=1.0)
+    assert doc["chosen_from"] == "sw_ds128" and "fastest candidate within 1" in doc["default"]["note"]
+    table = {r["recipe"]: r for r in doc["measured"]}
+    assert table["m8"]["qualifies"] and not table["paper"]["qualifies"]
+    # nobody within the tolerance: the best dev score, and the note says so
+    rows = accuracy.summarize([r for r in recs if "m8" not in r["config"] and "sw_ds128" not in r["config"]],
+                              ruler_tasks=TASKS, reps=100)
+    doc = accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, within_dense=1.0)
+    assert doc["chosen_from"] == "paper" and "no candidate within 1" in doc["default"]["note"]
+
+
 def test_recipes(tmp_path):
     assert load_recipe("any-model", "paper") == PAPER
     d = load_recipe("a-model-without-a-recipe", "default")
     assert d.name == "default" and d.levers() == PAPER.levers() and "paper recipe" in d.note
-    assert candidate("sw").levers() == dict(sink_tokens=4, recent_window=60, dense_suffix=0)
+    assert candidate("sw").levers() == dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0)
     assert load_recipe("m", "candidate:m6").num_anchors == 6
     assert PAPER.replace(num_anchors=5) is PAPER
     changed = PAPER.replace(num_anchors=8, sink_tokens=None)

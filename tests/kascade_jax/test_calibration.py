@@ -401,9 +401,9 @@ def test_recipe_kascade_finds_every_shipped_calibration_at_any_run_dtype(tmp_pat
     assert shipped.name in desc
     assert kw["anchors"] == tuple(ref.anchors_for(r.num_anchors, r.calib_importance))
     assert np.array_equal(np.asarray(kw["head_map"]), ref.head_map(kw["anchors"]))
-    assert {f: kw[f] for f in ("sink_tokens", "recent_window", "dense_suffix")} == r.levers()
+    assert {f: kw[f] for f in r.levers()} == r.levers()
     if recipe_name == "default":
-        assert r.levers() == dict(sink_tokens=4, recent_window=60, dense_suffix=128)
+        assert r.levers() == dict(sink_tokens=4, recent_window=60, dense_suffix=128, local_window=0)
     with pytest.raises(ValueError, match=r"no shipped or cached calibration .*dtype: recorded"):
         resolve.recipe_kascade(model_name, ref.num_layers, ref.kv_heads, recipe=r.replace(
             calib_dtype="float16"), calibrate=False, cache_dir=tmp_path)

@@ -28,9 +28,9 @@ def _samples(n=5):
 
 def make_stub(fail_on=(), calls=None):
     """Echo the answer for even indices, a wrong one for odd; raise when a prompt of index in fail_on is batched."""
-    def gen(model, tokenizer, prompts, strategy, key, max_len):
+    def gen(model, tokenizer, prompts, strategy, key, max_len, limits):
         if calls is not None:
-            calls.append((len(prompts), key, max_len))
+            calls.append((len(prompts), key, max_len, tuple(limits)))
         outs = []
         for p in prompts:
             i = (len(p) // 3) - 1  # FakeTokenizer: 3 tokens per repetition
@@ -72,14 +72,30 @@ def test_metric_errors_are_failures():
     assert r.failed and "unknown metric" in r.error
 
 
-def test_grouping_by_generation_settings():
+def test_grouping_by_sampling_settings_with_per_row_limits():
     s = _samples(4)
     s[1]["max_new_tokens"] = 8
     s[3].update(temperature=0.6, top_p=0.95, sample_seed=3)
     calls = []
     harness.run_samples(StubModel(), TOK, s, "S", batch_size=4, progress=False, generate_fn=make_stub(calls=calls))
-    keys = sorted(c[1] for c in calls)
-    assert len(calls) == 3 and (8, 0.0, 1.0, 0, ()) in keys and (4, 0.6, 0.95, 3, ()) in keys
+    by_key = {c[1]: c for c in calls}
+    assert len(calls) == 2 and set(by_key) == {(0.0, 1.0, 0, ()), (0.6, 0.95, 3, ())}
+    # answer lengths 4 and 8 share one batch, sorted by limit, each row with its own limit
+    assert by_key[(0.0, 1.0, 0, ())][3] == (4, 4, 8) and by_key[(0.6, 0.95, 3, ())][3] == (4,)
+
+
+@pytest.mark.parametrize("n,batch,size", [(325, 32, 30), (5, 2, 2), (64, 32, 32), (1, 8, 1), (33, 32, 17)])
+def test_balanced_batches_pad_less_than_one_row_per_batch(n, batch, size):
+    assert harness.balanced_batch(n, batch) == size
+    calls, stats = [], {}
+    s = [dict(x, index=i) for i, x in enumerate(_samples(1) * n)]
+    harness.run_samples(StubModel(), TOK, s, "S", batch_size=batch, progress=False, generate_fn=make_stub(calls=calls),
+                        stats=stats)
+    batches = -(-n // batch)
+    assert len(calls) == batches and {c[0] for c in calls} == {size}
+    assert stats["padded_rows"] == size * batches - n < batches and stats["prompts"] == n
+    assert stats["batch_sizes"] == [size] and stats["prompts_per_s"] > 0
+    assert calls[-1][3][len(calls[-1][3]) - stats["padded_rows"]:] == (1,) * stats["padded_rows"]  # pad rows: 1 token
 
 
 def test_first_line_scoring():
@@ -185,9 +201,9 @@ def test_batch_tokens_and_block_checkpoints(monkeypatch):
     calls = []
     stub = make_stub()
 
-    def spy(model, tok, prompts, strategy, key, max_len):
+    def spy(model, tok, prompts, strategy, key, max_len, limits):
         calls.append(len(prompts))
-        return stub(model, tok, prompts, strategy, key, max_len)
+        return stub(model, tok, prompts, strategy, key, max_len, limits)
 
     monkeypatch.setattr(harness, "_generate", spy)
     model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096, num_layers=4, kv_heads=1))
@@ -196,7 +212,7 @@ def test_batch_tokens_and_block_checkpoints(monkeypatch):
     assert (spec.batch_for(600), spec.batch_for(1200), spec.batch_for(5000)) == (2, 1, 1)
     seen = []
     rows, _, _ = suite.run(spec, model, TOK, progress=False, on_block=lambda r, rec, fid: seen.append(len(r)))
-    assert seen == [1, 2, 3, 4] and len(rows) == 4
+    assert seen == [2, 4] and len(rows) == 4  # one pooled block per context length: both tasks batched together
     assert sorted(set(calls)) == [1, 2]  # batches of 2 at 600 tokens, 1 at 1200
     with pytest.raises(ValueError, match="batch_tokens"):
         suite.EvalSpec(batch_tokens=0)
@@ -312,6 +328,11 @@ def test_fidelity_on_tiny_model(tiny_model, rng):
     full = res["full"]
     assert full["kl"] < 1e-5 and full["top1"] == 1.0
     np.testing.assert_allclose(full["mass_ratio"], 1.0, atol=1e-5)
+    np.testing.assert_allclose(full["decode_mass_ratio"], 1.0, atol=1e-5)  # every key selected in decode too
+    sparse = res["kascade"]
+    assert len(sparse["decode_mass_ratio"]) == cfg.num_layers and sparse["decode_mass_ratio"][0] == 1.0
+    assert all(0.0 < r <= 1.0 + 1e-5 for r in sparse["decode_mass_ratio"])
+    assert min(sparse["decode_mass_ratio"][1:]) < 1.0  # reuse layers with 5% of the keys lose some mass
     for name in ("kascade",):
         ratio = np.asarray(res[name]["mass_ratio"])
         assert ratio.shape == (cfg.num_layers,) and np.all(ratio <= 1 + 1e-5) and np.all(ratio > 0)
@@ -361,5 +382,45 @@ def test_run_longbench_and_aime_with_stub(monkeypatch):
     assert [(r["task"], r["family"], r["examples"]) for r in rows] == [
         ("hotpotqa", "longbench", 2), ("trec", "longbench", 2), ("aime24", "aime24", 6)]
     assert rows[0]["context_length"] == 4096 and rows[2]["context_length"] == 8192
-    aime_keys = {c[1] for c in calls if c[1][1] == 0.6}
-    assert {k[3] for k in aime_keys} == {0, 1, 2} and all(k[2] == 0.95 for k in aime_keys)  # seeded runs
+    aime_keys = {c[1] for c in calls if c[1][0] == 0.6}  # (temperature, top_p, seed, stop)
+    assert {k[2] for k in aime_keys} == {0, 1, 2} and all(k[1] == 0.95 for k in aime_keys)  # seeded runs
+
+
+def test_variants_build_one_kascade_run_per_recipe():
+    v1 = suite.Variant("recipe=a M=2", (0, 3), None, (("dense_suffix", 64),))
+    v2 = suite.Variant("recipe=b M=3", (0, 2, 5), None, (("local_window", 32), ("prefill_topk_frac", 0.2)))
+    spec = suite.EvalSpec(strategies=("dense", "kascade"), variants=(v1, v2))
+    runs = suite.build_strategies(spec, num_layers=8, kv_heads=2)
+    assert [r.label for r in runs] == ["dense", "kascade", "kascade"]
+    a, b = runs[1].strategy.config, runs[2].strategy.config
+    assert a.anchors == (0, 3) and a.dense_suffix == 64 and a.local_window == 0
+    assert b.anchors == (0, 2, 5) and b.local_window == 32 and b.prefill_topk_frac == 0.2
+    assert "recipe=a" in runs[1].config and "recipe=b" in runs[2].config
+    with pytest.raises(ValueError, match="distinct recipe"):
+        suite.EvalSpec(variants=(v1, v1))
+    with pytest.raises(ValueError, match="sample_workers"):
+        suite.EvalSpec(sample_workers=0)
+
+
+def test_pooled_samples_in_worker_processes_do_not_depend_on_the_split_into_jobs():
+    # (Against a serial build only outside pytest: pytest patches pdb/typing, whose docstrings feed the synthetic
+    # prose, so the parent's prose differs from a fresh worker's; tests/kascade_jax/test_ruler.py compares RULER.)
+    spec = suite.EvalSpec(tasks=("synthetic:niah_single_1", "synthetic:vt"), num_samples=5, max_new_tokens=8)
+    logs = []
+    two = suite.build_pooled_samples(dataclasses.replace(spec, sample_workers=2), TOK, list(spec.tasks), 400, 4096,
+                                     log=logs.append)
+    three = suite.build_pooled_samples(dataclasses.replace(spec, sample_workers=3), TOK, list(spec.tasks), 400, 4096)
+    assert two == three and [len(v) for v in two.values()] == [5, 5] and "2 processes" in logs[0]
+    assert [s["index"] for s in two["synthetic:vt"]] == list(range(5))
+
+
+def test_pooled_run_mixes_tasks_in_one_batch_and_records_throughput(monkeypatch):
+    calls = []
+    monkeypatch.setattr(harness, "_generate", make_stub(calls=calls))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096, num_layers=4, kv_heads=1))
+    spec = suite.EvalSpec(tasks=("synthetic:niah_single_1", "synthetic:vt"), context_lengths=(600,), num_samples=2,
+                          strategies=("dense",), batch_size=4)
+    rows, _, _ = suite.run(spec, model, TOK, progress=False)
+    assert len(calls) == 1 and calls[0][0] == 4  # both tasks' prompts in one batch of 4
+    assert sorted(calls[0][3]) == sorted(calls[0][3]) and len(set(calls[0][3])) == 2  # their own answer lengths
+    assert all(r["prompts_per_s"] > 0 and r["pass_prompts"] == 4 for r in rows)

@@ -41,7 +41,7 @@ class Stubs:
         self.loads += 1
         return _model(), TOK
 
-    def generate(self, model, tokenizer, prompts, strategy, key, max_len):
+    def generate(self, model, tokenizer, prompts, strategy, key, max_len, limits):
         self.calls += 1
         if self.calls == self.stop:
             raise KeyboardInterrupt  # not an Exception: the harness does not catch it, like a killed run
@@ -142,8 +142,8 @@ def test_resume_with_another_spec_is_refused(monkeypatch, tmp_path, flag, field)
     stubs = Stubs(monkeypatch)
     out = tmp_path / "out"
     run_cli(out)
-    monkeypatch.setattr(cli, "resolve_recipe", lambda: __import__("kascade_jax.recipes", fromlist=["x"]).load_recipe(
-        "smollm2-135m", "default"))  # --model=other-model has no recipe to load; the spec check comes first anyway
+    monkeypatch.setattr(cli, "resolve_recipes", lambda: [__import__("kascade_jax.recipes", fromlist=["x"]).load_recipe(
+        "smollm2-135m", "default")])  # --model=other-model has no recipe to load; the spec check comes first anyway
     with pytest.raises(ValueError, match=rf"--resume: .* was run with {field}=.* but this run has {field}="):
         run_cli(out, "--resume", flag)
     assert stubs.loads == 1

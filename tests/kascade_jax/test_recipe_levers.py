@@ -154,3 +154,70 @@ def test_forced_keys_triton_lowering_verifies_for_sm90(triton_sm90_modules):
                                                    impl="pallas", sinks=4, window=60)
     jax.jit(f).trace(q, k, k, i32, i32).lower(lowering_platforms=("cuda",))
     assert len(names) >= 3  # LSE pass, pooled scores with forced keys, select (+ reuse)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_prefill_local_window_is_on_top_of_the_budget(rng, impl):
+    """extra_k / window: every tile's count grows by the window, the window keys are selected, and the other
+    count - window keys are still the plain Top-k's best (the window displaces none of them)."""
+    b, t, hq, kvh, d, tile, w = 2, 256, 4, 2, 64, 32, 24
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)) * 3, jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(b, t, kvh, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(b, t, kvh, d)), jnp.bfloat16)
+    q_start = jnp.zeros((b,), jnp.int32)
+    kv_len = jnp.asarray([t, t - 50], jnp.int32)
+    kw = dict(topk_frac=0.1, min_k=8, impl=impl, interpret=True)
+    k_plain = ref.max_budget(t, 0.1, 8)
+    _, idx0, c0 = pre.anchor_prefill(q, k, v, q_start, kv_len, kv_len, tile, k_max=k_plain, **kw)
+    _, idx, c = pre.anchor_prefill(q, k, v, q_start, kv_len, kv_len, tile, k_max=k_plain + w, window=w, extra_k=w,
+                                   **kw)
+    tile_start = np.arange(c.shape[1]) * tile
+    eligible = np.minimum(tile_start[None], np.asarray(kv_len)[:, None])
+    np.testing.assert_array_equal(np.asarray(c), np.minimum(np.asarray(c0) + w, eligible))
+    idx, idx0 = np.asarray(idx), np.asarray(idx0)
+    grew = 0
+    for bi in range(b):
+        for h in range(kvh):
+            for ti in range(idx.shape[2]):
+                got = {int(i) for i in idx[bi, h, ti] if i >= 0}
+                plain = {int(i) for i in idx0[bi, h, ti] if i >= 0}
+                window = set(range(max(0, tile_start[ti] - w), tile_start[ti])) & set(range(eligible[bi, ti]))
+                assert len(got) == int(c[bi, ti]) and window <= got, (bi, h, ti)
+                # the plain selection survives outside the window (ties aside in the Pallas select)
+                assert len((plain - window) - got) <= (1 if impl == "pallas" else 0), (bi, h, ti)
+                grew += len(got) > len(plain)
+    assert grew > 0
+    with pytest.raises(ValueError, match="extra must be an int >= 0"):
+        ref.prefill_counts(q_start, kv_len, kv_len, t, tile, 0.1, 8, extra=-1)
+
+
+def test_strategy_local_window_and_prefill_frac(rng):
+    """Through the strategy: prefill budgets use prefill_topk_frac plus local_window, decode keeps topk_frac, and a
+    reuse layer's prefill attends the window (its output equals sparse attention over the anchor's set)."""
+    from kascade_jax.strategies import decode_budget, prefill_budget, static_k_max
+
+    num_layers, kvh, group, d, max_len, tile = 3, 2, 2, 16, 256, 16
+    cfg = KascadeConfig(num_layers=num_layers, kv_heads=kvh, anchors=(0,), topk_frac=0.1, min_k=8, tile_size=tile,
+                        local_window=32, prefill_topk_frac=0.25)
+    assert cfg.prefill_frac == 0.25 and KascadeConfig(num_layers=2, kv_heads=1).prefill_frac == 0.1
+    assert static_k_max(cfg, max_len, "prefill") == 64 + 32 and static_k_max(cfg, max_len) == 25
+    kv_len = jnp.asarray([max_len], jnp.int32)
+    pc = np.asarray(prefill_budget(cfg, jnp.zeros((1,), jnp.int32), kv_len, kv_len, max_len))
+    starts = np.arange(max_len // tile) * tile
+    np.testing.assert_array_equal(pc[0], np.minimum(np.maximum(starts // 4, 8) + 32, starts))
+    assert int(decode_budget(cfg, kv_len)[0]) == 25
+    layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    lens = [max_len, 200]
+    st = make_strategy("kascade", num_layers, kvh, anchors=(0,), topk_frac=0.1, min_k=8, tile_size=tile,
+                       local_window=32)
+    _, states = run_layers(st, [prefill_inputs(lay, 0, max_len, lens) for lay in layers])
+    idx = np.asarray(states[-1]["idx"])
+    for bi, n in enumerate(lens):
+        for ti in range(1, idx.shape[2]):
+            s0 = ti * tile
+            got = {int(i) for i in idx[bi, 0, ti] if i >= 0}
+            assert set(range(max(0, s0 - 32), min(s0, n))) <= got
+    for bad in (dict(local_window=-1), dict(prefill_topk_frac=0.0), dict(prefill_topk_frac=1.5),
+                dict(prefill_topk_frac=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            KascadeConfig(num_layers=2, kv_heads=1, **bad)

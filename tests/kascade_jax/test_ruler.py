@@ -326,3 +326,16 @@ def test_suite_expands_and_builds(tok):
         assert {"input", "answers", "metric", "max_new_tokens", "task", "index", "context_length"} <= set(s)
         assert s["max_new_tokens"] == 16 and s["context_length"] == 1024
         assert s["prompt_tokens"] + 16 <= 1024
+
+
+def test_pooled_ruler_samples_in_worker_processes_equal_a_serial_build(tok):
+    """RULER samples are pure functions of their arguments: two spawned workers build what one process builds."""
+    import dataclasses
+
+    from kascade_jax.eval import suite
+
+    spec = suite.EvalSpec(tasks=("niah_single_1", "vt"), num_samples=3)
+    tasks = list(spec.tasks)
+    serial = suite.build_pooled_samples(dataclasses.replace(spec, sample_workers=1), tok, tasks, 1024, 8192)
+    pooled = suite.build_pooled_samples(dataclasses.replace(spec, sample_workers=2), tok, tasks, 1024, 8192)
+    assert pooled == serial and [len(v) for v in serial.values()] == [3, 3]

@@ -66,6 +66,21 @@ def test_batch_with_different_lengths_equals_single(tiny_model, rng):
         assert r.prompt_tokens == len(p)
 
 
+def test_per_row_limits_equal_separate_runs(tiny_model, rng):
+    """One batch with a generation limit per row gives each row exactly what a run at that limit alone gives."""
+    prompts = [rng.integers(5, 128, n).tolist() for n in (20, 45, 31)]
+    limits = [3, 9, 1]
+    batched = gen.generate(tiny_model, ToyTokenizer(), prompts, S, max_new_tokens=limits)
+    for p, lim, r in zip(prompts, limits, batched):
+        (single,) = gen.generate(tiny_model, ToyTokenizer(), [p], S, max_new_tokens=lim)
+        assert r.token_ids == single.token_ids and r.finish_reason == single.finish_reason
+        assert r.new_tokens <= lim
+    with pytest.raises(ValueError, match="2 limits for 3 prompts"):
+        gen.generate(tiny_model, ToyTokenizer(), prompts, S, max_new_tokens=[1, 2])
+    with pytest.raises(ValueError, match="max_new_tokens must be ints >= 1, got 0"):
+        gen.generate(tiny_model, ToyTokenizer(), prompts, S, max_new_tokens=[1, 0, 2])
+
+
 def test_decode_after_prefill_matches_longer_prefill(tiny_model, rng):
     toks = rng.integers(5, 128, (1, 50))
     cache = KVCache.init(tiny_model.config, 1, 128, jnp.float32)

@@ -313,3 +313,19 @@ def test_load_tokenizer_from_gguf_checkpoint_reuses_metadata(tmp_path):
     w.close()
     with pytest.raises(ValueError, match=r"novocab\.gguf.*no embedded tokenizer"):
         load_tokenizer(path)
+
+
+def test_tokenizer_pickles_after_chat_use():
+    """Worker processes (the eval's sample builders) receive the tokenizer by pickle, also after it rendered chat."""
+    import pickle
+
+    from models.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer("smollm2-135m")
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
+    msgs = [{"role": "user", "content": "hi"}]
+    before = tok.encode_chat(msgs)
+    back = pickle.loads(pickle.dumps(tok))
+    assert back.encode_chat(msgs) == before and back.encode("hello world") == tok.encode("hello world")
