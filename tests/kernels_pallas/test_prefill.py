@@ -204,6 +204,33 @@ def test_pack_lse_matches_dense_pass_interpret():
     np.testing.assert_allclose(mine[real], np.asarray(lse2)[real], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hq,kvh,d,dtype", [(14, 2, 64, jnp.bfloat16), (12, 2, 128, jnp.float16), (8, 8, 64, jnp.float32)])
+def test_dense_prefill_at_an_offset_interpret(hq, kvh, d, dtype):
+    """dense_prefill (the flash pass with its output) equals causal dense attention for a chunk after the first,
+    ragged lengths included; padding rows are finite."""
+    rng = np.random.default_rng(SEED + 11)
+    b, t, max_len = 2, 96, 320
+    q, k, v = _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky=True)
+    qs, kl = jnp.asarray([128, 192], jnp.int32), jnp.asarray([224, 250], jnp.int32)
+    out = P.dense_prefill(q, k, v, qs, kl, impl="pallas", interpret=True)
+    want = R.attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), qs, kl)
+    for bi in range(b):
+        n = int(kl[bi] - qs[bi])  # valid rows of this sequence's chunk
+        assert _rel(out[bi, :n], want[bi, :n]) < (1e-5 if dtype == jnp.float32 else 2e-2)
+        assert np.all(np.isfinite(np.asarray(out[bi, n:], np.float32)))
+    np.testing.assert_allclose(np.asarray(P.dense_prefill(q, k, v, qs, kl, impl="reference"), np.float32)[0, :96],
+                               np.asarray(want, np.float32)[0, :96], rtol=2e-2, atol=2e-2)
+
+
+def test_dense_prefill_triton_lowering_verifies_for_sm90(triton_sm90_modules):
+    q = jax.ShapeDtypeStruct((2, 4096, 14, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 16384, 2, 64), jnp.bfloat16)
+    i32 = jax.ShapeDtypeStruct((2,), jnp.int32)
+    jax.jit(lambda q, k, v, qs, kl: P.dense_prefill(q, k, v, qs, kl, impl="pallas")).trace(
+        q, k, k, i32, i32).lower(lowering_platforms=("cuda",))
+    assert len(triton_sm90_modules) == 1
+
+
 def test_tuning_errors():
     for spec, match in (("reuse_order=diagonal", "reuse_order"), ("reuse_rows=48", "reuse_rows"),
                         ("reuse_block_k=100", "reuse_block_k"), ("reuse_stages=0", "reuse_stages"),
@@ -411,3 +438,18 @@ def test_gpu_tuning_variants_8k(spec):
     hm = jnp.asarray([3, 3, 0, 1, 2, 7, 6, 5], jnp.int32)
     out = P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, 32, impl="pallas", tuning=tuning)
     assert _rel(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 32)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_dense_attention_chunk_at_an_offset():
+    """kernels_pallas.dense.dense_attention sends a prefill chunk at an offset to dense_prefill on the GPU."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from kernels_pallas.dense import dense_attention
+
+    rng = np.random.default_rng(SEED + 12)
+    q, k, v = _inputs(rng, 4, 4096, 14, 2, 64, 16384, jnp.bfloat16, peaky=True)
+    qs, kl = jnp.full((4,), 8192, jnp.int32), jnp.asarray([12288, 12000, 11000, 12288], jnp.int32)
+    out = jax.jit(lambda *a: dense_attention(*a, phase="prefill", chunk_at_zero=False))(q, k, v, qs, kl)
+    want = R.attention_reference(q[:1], k[:1], v[:1], qs[:1], kl[:1])
+    assert _rel(out[:1], want) < 2e-2
