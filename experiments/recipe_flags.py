@@ -2,8 +2,9 @@
 
 A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`,
-`--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`; each defaults to None, "the recipe's", and an explicitly
-given value wins over the `--recipe`. `--anchors` is defined here too, so it parses and means the same everywhere
+`--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`; each defaults to None,
+"the recipe's", and an explicitly given value wins over the `--recipe`. `--anchors` is defined here too, so it
+parses and means the same everywhere
 (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
 `--calib_num_prompts` (it warns; see `experiments.cli.deprecated_alias`).
 

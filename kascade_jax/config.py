@@ -85,7 +85,8 @@ class KascadeConfig:
         frac_numerator(self.topk_frac)  # raises for topk_frac outside (0, 1]
         if self.prefill_topk_frac is not None:
             if isinstance(self.prefill_topk_frac, bool) or not isinstance(self.prefill_topk_frac, (int, float)):
-                raise ValueError(f"prefill_topk_frac must be None or a number in (0, 1], got {self.prefill_topk_frac!r}")
+                raise ValueError(f"prefill_topk_frac must be None or a number in (0, 1], "
+                                 f"got {self.prefill_topk_frac!r}")
             try:
                 frac_numerator(self.prefill_topk_frac)
             except ValueError:

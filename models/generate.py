@@ -246,9 +246,9 @@ def _first_stop(text: str, stop: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
-def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Sequence[int] = 64, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), chat: bool = True,
-             max_len: int | None = None, chunk_size: int | None = None, segment: int = 32,
+def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Sequence[int] = 64,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (),
+             chat: bool = True, max_len: int | None = None, chunk_size: int | None = None, segment: int = 32,
              bucket: int = 512) -> list[GenerationResult]:
     """Generate for a batch of prompts (strings, or token-id lists used as they are).
 

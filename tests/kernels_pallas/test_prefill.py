@@ -204,7 +204,8 @@ def test_pack_lse_matches_dense_pass_interpret():
     np.testing.assert_allclose(mine[real], np.asarray(lse2)[real], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("hq,kvh,d,dtype", [(14, 2, 64, jnp.bfloat16), (12, 2, 128, jnp.float16), (8, 8, 64, jnp.float32)])
+@pytest.mark.parametrize("hq,kvh,d,dtype", [(14, 2, 64, jnp.bfloat16), (12, 2, 128, jnp.float16),
+                                            (8, 8, 64, jnp.float32)])
 def test_dense_prefill_at_an_offset_interpret(hq, kvh, d, dtype):
     """dense_prefill (the flash pass with its output) equals causal dense attention for a chunk after the first,
     ragged lengths included; padding rows are finite."""
