@@ -110,7 +110,7 @@ def _layer_mass(cfg, layer: int, inputs, prev_state, new_state):
     diag_mass = jnp.sum(jnp.where(diag[:, None, None], probs, 0.0), axis=-1)  # [b, kvh, g, tq]
     row_ok = pos < inputs.seq_len[:, None]  # [b, tq]
     if inputs.phase == "decode":
-        return _layer_mass_decode(cfg, layer, probs, visible, prev_state, new_state)
+        return _layer_mass_decode(cfg, layer, probs, prev_state, new_state)
     dense_layer = cfg.decode_only or (layer == 0 and cfg.layer0_dense)
     if dense_layer:
         return jnp.ones((2, kvh), jnp.float32)
@@ -134,7 +134,7 @@ def _layer_mass(cfg, layer: int, inputs, prev_state, new_state):
     return jnp.stack([_row_mean(sel, row_ok), _row_mean(oracle, row_ok)])
 
 
-def _layer_mass_decode(cfg, layer, probs, visible, prev_state, new_state):
+def _layer_mass_decode(cfg, layer, probs, prev_state, new_state):
     """Decode: probs [b, kvh, g, 1, keys]; the state's idx [b, idx_heads, k_max], counts [b]."""
     b, kvh = probs.shape[:2]
     keys = probs.shape[-1]
@@ -150,7 +150,6 @@ def _layer_mass_decode(cfg, layer, probs, visible, prev_state, new_state):
     sel = jnp.sum(jnp.where(member[:, :, None], p, 0.0), axis=-1)  # [b, kvh, g]
     top = jax.lax.top_k(p, min(idx.shape[-1], keys))[0]
     oracle = jnp.sum(jnp.where(jnp.arange(top.shape[-1]) < counts[:, None, None, None], top, 0.0), axis=-1)
-    del visible
     return jnp.stack([jnp.mean(sel, axis=(0, 2)), jnp.mean(oracle, axis=(0, 2))])
 
 

@@ -236,14 +236,8 @@ def build_strategies(spec: EvalSpec, num_layers: int, kv_heads: int) -> list[Str
 
 def build_samples(spec: EvalSpec, tokenizer, task: str, context_length: int, model_window: int) -> list[dict]:
     fam = family_of(task)
-    if fam == "ruler":
-        return ruler.generate_samples(task, tokenizer, context_length, spec.num_samples, seed=spec.seed,
-                                      split=spec.split, max_new_tokens=spec.max_new_tokens, chat=spec.chat)
-    if fam == "synthetic":  # generated under the bare name (its seeds), reported under the prefixed one
-        samples = synthetic.generate_samples(task.split(":", 1)[1], tokenizer, context_length, spec.num_samples,
-                                             seed=spec.seed, split=spec.split, max_new_tokens=spec.max_new_tokens,
-                                             chat=spec.chat)
-        return [dict(s, task=task) for s in samples]
+    if fam in POOLED_FAMILIES:
+        return _build_range(spec, tokenizer, task, context_length, model_window, 0, spec.num_samples)
     if fam == "longbench":
         return longbench.load_samples(task, tokenizer, max_length=context_length, data_dir=spec.longbench_dir,
                                       num_samples=spec.num_samples, seed=spec.seed, chat=spec.chat,
@@ -273,6 +267,8 @@ def _init_worker(tokenizer):
 
 
 def _build_range(spec, tokenizer, task, ctx, window, start, n):
+    """Samples start .. start + n - 1 of one RULER / synthetic task (synthetic ones are generated under the bare
+    name, its seeds, and reported under the prefixed one)."""
     fam = family_of(task)
     if fam == "ruler":
         return ruler.generate_samples(task, tokenizer, ctx, n, seed=spec.seed, split=spec.split,
