@@ -203,14 +203,24 @@ def main(argv):
 
 
 def fidelity_section(fid: dict) -> str:
+    def num(x, fmt):
+        return "-" if x is None or x != x else format(x, fmt)  # x != x: NaN (every document failed)
+
+    def mean_worst(ratio):
+        if not ratio:
+            return "-", "-"
+        worst = min(range(len(ratio)), key=ratio.__getitem__)
+        return f"{sum(ratio) / len(ratio):.3f}", f"L{worst}: {ratio[worst]:.3f}"
+
     lines = ["## Fidelity vs dense (teacher forcing on prose)", "",
              "| strategy | config | ctx | docs | fail | KL (nats/token) | top-1 agree % | KL 2nd half | "
-             "mass / oracle (mean over layers) | worst layer | worst (layer, KV head) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "prefill mass / oracle (mean over layers) | worst layer | worst (layer, KV head) | "
+             "decode mass / oracle | worst decode layer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    errors = []
     for f in fid.values():
-        ratio = f.get("mass_ratio")
-        mean = f"{sum(ratio) / len(ratio):.3f}" if ratio else "-"
-        worst = f"L{min(range(len(ratio)), key=ratio.__getitem__)}: {min(ratio):.3f}" if ratio else "-"
+        mean, worst = mean_worst(f.get("mass_ratio"))
+        dmean, dworst = mean_worst(f.get("decode_mass_ratio"))
         heads = f.get("mass_ratio_heads")
         if heads:
             cells = [(r, l, h) for l, row in enumerate(heads) for h, r in enumerate(row)]
@@ -218,8 +228,14 @@ def fidelity_section(fid: dict) -> str:
             worst_head = f"L{l} H{h}: {r:.3f}"
         else:
             worst_head = "-"
+        top1 = f.get("top1")
         lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | {f['documents']} | "
-                     f"{f['failures']} | {f['kl']:.4f} | {100 * f['top1']:.1f} | {f['kl_late']:.4f} | {mean} | {worst} | {worst_head} |")
+                     f"{f['failures']} | {num(f['kl'], '.4f')} | {num(None if top1 is None else 100 * top1, '.1f')} | "
+                     f"{num(f['kl_late'], '.4f')} | {mean} | {worst} | {worst_head} | {dmean} | {dworst} |")
+        if f.get("errors"):
+            errors.append(f"- {f['strategy']} {f['config']}: {f['failures']} failed documents, first: {f['errors'][0]}")
+    if errors:
+        lines += ["", *errors]
     return "\n".join(lines)
 
 

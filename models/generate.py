@@ -121,9 +121,12 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size: int | None = None, all_logits=False):
+def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size: int | None = None, all_logits=False,
+            join_logits: bool = True):
     """Chunked prefill of a right-padded batch. Returns (logits [batch, vocab] at each last prompt token, or
-    [batch, P, vocab] with all_logits, cache)."""
+    [batch, P, vocab] with all_logits, cache). With all_logits and join_logits=False the logits come as the list of
+    the chunks' [batch, width, vocab] arrays (P columns in all), never joined: a 16K x 152K fp32 join is a 10 GB
+    copy."""
     tokens = np.asarray(tokens, np.int32)
     prompt_lens = np.asarray(prompt_lens, np.int32)
     b, p = tokens.shape
@@ -158,6 +161,9 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
             here = (prompt_lens - 1 >= offset) & (prompt_lens - 1 < offset + chunk.shape[1])
             last = logits if last is None else jnp.where(jnp.asarray(here)[:, None], logits, last)
     cache = dataclasses.replace(cache, lengths=plens)
+    if all_logits and not join_logits:
+        ends = [min(o + chunk_size, total) for o in offsets]
+        return [lg[:, :max(0, min(e, p) - o)] for lg, o, e in zip(outs, offsets, ends) if o < p], cache
     if all_logits:
         return jnp.concatenate(outs, axis=1)[:, :p], cache
     return last, cache

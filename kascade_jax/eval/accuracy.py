@@ -60,9 +60,18 @@ def recipe_of(config: str) -> str:
 
 
 def _cells(examples):
+    """{cell: {task: {prompt index: score %}}}. A prompt of one cell found in two runs is an error, not an
+    overwrite: a repeated run is a replicate, to be compared on its own."""
     cells: dict = {}
+    seen: dict = {}
     for r in examples:
         key = tuple(r[k] for k in CELL_KEYS)
+        where = (key, r["task"], int(r["index"]))
+        src = r.get("source", "")
+        if seen.setdefault(where, src) != src:
+            raise ValueError(f"{r['strategy']} {r['config'] or ''} ({r['model']}, {r['context_length']}, "
+                             f"{r['split']}) {r['task']} prompt {r['index']} is in two runs, {seen[where]} and {src}: "
+                             "give each cell's run once (a repeat is a replicate; report it separately)")
         cells.setdefault(key, {}).setdefault(r["task"], {})[int(r["index"])] = 100.0 * float(r["score"])
     return cells
 

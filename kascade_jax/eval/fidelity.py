@@ -58,15 +58,21 @@ def prose_documents(tokenizer, num_docs: int, length: int, *, seed: int = 0, spl
 
 
 # ----------------------------------------------------------------------------- teacher forcing
-def _logprobs(model, tokens, strategy):
+_LOGIT_CHUNK = 4096  # teacher-forced prefill chunk: the logits stay as per-chunk [chunk, vocab] fp32 arrays
+
+
+def _logprobs(model, tokens, strategy) -> list:
+    """The document's next-token logits as a list of [rows, vocab] chunks (never one [T, vocab] array: 16K x 152K
+    fp32 is 10 GB, and joining the chunks would copy it)."""
     from models import generate as gen  # noqa: PLC0415
     from models.cache import KVCache  # noqa: PLC0415
 
     tokens = np.asarray(tokens, np.int32)[None]
     t = tokens.shape[1]
     cache = KVCache.init(model.config, 1, -(-t // 64) * 64, dtype=model.dtype)
-    logits, _ = gen.prefill(model, tokens, np.array([t], np.int32), cache, strategy, all_logits=True)
-    return logits[0]  # [T, vocab] logits; log-softmax per row block in _kl_top1 (a 16K x 152K fp32 copy is 10 GB)
+    chunks, _ = gen.prefill(model, tokens, np.array([t], np.int32), cache, strategy, all_logits=True,
+                            join_logits=False, chunk_size=min(_LOGIT_CHUNK, -(-t // 64) * 64))
+    return [c[0] for c in chunks]
 
 
 _KL_ROWS = 1024  # rows per block of the KL: bounds the fp32 log-softmax copies
@@ -81,12 +87,18 @@ def _kl_top1_block(ld, lo):
 
 
 def _kl_top1(logits_dense, logits_other):
-    """KL(dense || other) and argmax agreement per token, in blocks of _KL_ROWS rows."""
+    """KL(dense || other) and argmax agreement per token, in blocks of _KL_ROWS rows. Each argument is a [T, vocab]
+    array or a list of [rows, vocab] chunks (`_logprobs`); both sides must be split alike."""
+    dense = logits_dense if isinstance(logits_dense, (list, tuple)) else [logits_dense]
+    other = logits_other if isinstance(logits_other, (list, tuple)) else [logits_other]
+    if [c.shape for c in dense] != [c.shape for c in other]:
+        raise ValueError(f"logit chunks differ: {[c.shape for c in dense]} vs {[c.shape for c in other]}")
     kls, agrees = [], []
-    for i in range(0, logits_dense.shape[0], _KL_ROWS):
-        kl, agree = _kl_top1_block(logits_dense[i:i + _KL_ROWS], logits_other[i:i + _KL_ROWS])
-        kls.append(kl)
-        agrees.append(agree)
+    for ld, lo in zip(dense, other):
+        for i in range(0, ld.shape[0], _KL_ROWS):
+            kl, agree = _kl_top1_block(ld[i:i + _KL_ROWS], lo[i:i + _KL_ROWS])
+            kls.append(kl)
+            agrees.append(agree)
     return jnp.concatenate(kls), jnp.concatenate(agrees)
 
 

@@ -56,6 +56,16 @@ def test_no_dense_twin_means_no_difference(rng):
     assert all(r["diff_vs_dense"] is None for r in rows if r["strategy"] == "kascade")
 
 
+def test_a_cell_in_two_runs_is_an_error_not_an_overwrite(rng):
+    base = _base(rng)
+    one = [dict(r, source="runA") for r in _records(rng, "kascade", "k=0.1 recipe=paper", base)]
+    two = [dict(r, source="runB") for r in _records(rng, "kascade", "k=0.1 recipe=paper", base)]
+    with pytest.raises(ValueError, match="is in two runs, runA and runB"):
+        accuracy.summarize(one + two, ruler_tasks=TASKS, reps=10)
+    other = [dict(r, config="k=0.1 recipe=sw") for r in two]  # another cell from the second run is fine
+    assert accuracy.summarize(one + other, ruler_tasks=TASKS, reps=10)
+
+
 def test_attention_cost_model():
     c = accuracy.attention_cost(24, 5, context=16384)
     r = accuracy.DECODE_RATIOS

@@ -364,7 +364,14 @@ def test_cli_helpers():
                      top1=0.9, kl_late=0.2, mass_ratio=[1.0, 0.8, 0.9],
                      mass_ratio_heads=[[1.0, 1.0], [0.7, 0.9], [0.9, 0.9]])}
     text = cli.fidelity_section(fid)
-    assert "| kascade | k=0.1 | 256 | 2 | 0 | 0.1000 | 90.0 | 0.2000 | 0.900 | L1: 0.800 | L1 H0: 0.700 |" in text
+    assert "| kascade | k=0.1 | 256 | 2 | 0 | 0.1000 | 90.0 | 0.2000 | 0.900 | L1: 0.800 | L1 H0: 0.700 | - | - |" in text
+    fid["x"].update(decode_mass_ratio=[1.0, 0.6, 0.9])
+    assert "| L1 H0: 0.700 | 0.833 | L1: 0.600 |" in cli.fidelity_section(fid)
+    failed = {"y": dict(strategy="kascade", config="k=0.1", context_length=256, documents=2, failures=2,
+                        kl=float("nan"), top1=float("nan"), kl_late=float("nan"), errors=["JaxRuntimeError: OOM"])}
+    text = cli.fidelity_section(failed)  # every document failed: dashes and the first error, never "nan"
+    assert "| 2 | 2 | - | - | - |" in text and "2 failed documents, first: JaxRuntimeError: OOM" in text
+    assert "nan" not in text
     rows = [dict(family="longbench", strategy="dense", config="", task=t, score=s)
             for t, s in (("hotpotqa", 40.0), ("musique", 20.0), ("trec", 50.0))]
     lb = cli.longbench_section(rows)

@@ -55,6 +55,11 @@ def test_chunked_prefill_equals_one_chunk(tiny_model, rng):
     logits, cache = gen.prefill(tiny_model, toks, [300, 300], cache, S, chunk_size=128, all_logits=True)
     np.testing.assert_allclose(np.asarray(logits), full, atol=2e-4)
     assert np.asarray(cache.lengths).tolist() == [300, 300]
+    cache = KVCache.init(tiny_model.config, 2, 320, jnp.float32)
+    chunks, _ = gen.prefill(tiny_model, toks, [300, 300], cache, S, chunk_size=128, all_logits=True,
+                            join_logits=False)  # the same logits, per chunk, the padding columns dropped
+    assert [c.shape[1] for c in chunks] == [128, 128, 44]
+    np.testing.assert_allclose(np.concatenate([np.asarray(c) for c in chunks], axis=1), full, atol=2e-4)
 
 
 def test_batch_with_different_lengths_equals_single(tiny_model, rng):
