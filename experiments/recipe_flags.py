@@ -21,11 +21,18 @@ ANCHORS_HELP = ("Kascade anchor layers: 'auto' = the DP's choice on the dev-set 
                 "and both Qwen models, else cached, else calibrated now), 'even' = --num_anchors evenly spaced "
                 "layers, '' = the registry default (the paper's anchors scaled to depth), or a list like 0,2,8,13,14")
 ANCHORS = flags.DEFINE_string("anchors", "auto", ANCHORS_HELP)
+def _shipped_defaults() -> list[str]:
+    from kascade_jax.recipes import shipped_defaults  # noqa: PLC0415
+
+    return shipped_defaults()
+
+
 RECIPE = flags.DEFINE_string("recipe", "default", "Kascade recipe (kascade_jax.recipes): 'default' (tuned on the "
                              "dev split for this model, shipped in kascade_jax/data/recipes; the paper recipe where "
                              "none is shipped), 'paper' (the paper's method exactly), 'candidate:<name>' or a .json "
                              "path; experiments.eval takes a comma-separated list (one process, one model load). "
-                             "The recipe flags below, given explicitly, override its fields")
+                             "The recipe flags below, given explicitly, override its fields. Shipped defaults: "
+                             + " | ".join(_shipped_defaults()))
 NUM_ANCHORS = flags.DEFINE_integer("num_anchors", None, "anchor count M for --anchors=auto|even (recipe: 5)")
 SINK = flags.DEFINE_integer("sink_tokens", None, "recipe lever: first keys forced into every anchor selection")
 RECENT = flags.DEFINE_integer("recent_window", None, "recipe lever: keys just before the query/tile forced into "
@@ -35,6 +42,8 @@ LOCAL = flags.DEFINE_integer("local_window", None, "recipe lever (prefill): keys
                              "top of the Top-k budget")
 PREFILL_FRAC = flags.DEFINE_float("prefill_topk_frac", None, "recipe lever: prefill budget fraction (default: "
                                   "--topk_frac; decode keeps --topk_frac)")
+DECODE_FRAC = flags.DEFINE_float("decode_topk_frac", None, "recipe lever: decode budget fraction (default: "
+                                 "--topk_frac; prefill keeps --topk_frac)")
 CALIB_K = flags.DEFINE_integer("calib_k", None, "--anchors/--head_map=auto: similarity budget k of the calibration "
                                "(recipe: 64)")
 CALIB_REDUCE = flags.DEFINE_enum("calib_reduce", None, ["min", "mean"], "--anchors/--head_map=auto: reduction over "
@@ -64,7 +73,7 @@ def _recipe_names() -> list[str]:
 def _apply_flags(recipe):
     return recipe.replace(
         num_anchors=NUM_ANCHORS.value, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
-        local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value,
+        local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
         calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value, calib_importance=CALIB_IMPORTANCE.value,
         calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
         calib_dtype=CALIB_DTYPE.value)

@@ -29,6 +29,8 @@ Recipe levers (all off by default, i.e. the paper's method; see results/accuracy
   a dense local neighbourhood plus the anchor's Top-k. Cost: local_window extra keys per tile in every layer.
 - `prefill_topk_frac`: the prefill budget fraction (None = `topk_frac`); decode keeps `topk_frac`, so prefill
   quality can be bought without slowing decode.
+- `decode_topk_frac`: the decode budget fraction (None = `topk_frac`), the converse: decode quality bought without
+  slowing prefill. With both set, `topk_frac` is only the run's nominal budget.
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
@@ -74,6 +76,7 @@ class KascadeConfig:
     dense_suffix: int = 0  # last prompt tokens that attend densely in prefill
     local_window: int = 0  # prefill: keys before each tile forced into the selection on top of the budget
     prefill_topk_frac: float | None = None  # prefill budget fraction (None: topk_frac)
+    decode_topk_frac: float | None = None  # decode budget fraction (None: topk_frac)
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size"):
@@ -83,15 +86,16 @@ class KascadeConfig:
         if isinstance(self.topk_frac, bool) or not isinstance(self.topk_frac, (int, float)):
             raise ValueError(f"topk_frac must be a number in (0, 1], got {self.topk_frac!r}")
         frac_numerator(self.topk_frac)  # raises for topk_frac outside (0, 1]
-        if self.prefill_topk_frac is not None:
-            if isinstance(self.prefill_topk_frac, bool) or not isinstance(self.prefill_topk_frac, (int, float)):
-                raise ValueError(f"prefill_topk_frac must be None or a number in (0, 1], "
-                                 f"got {self.prefill_topk_frac!r}")
+        for name in ("prefill_topk_frac", "decode_topk_frac"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be None or a number in (0, 1], got {value!r}")
             try:
-                frac_numerator(self.prefill_topk_frac)
+                frac_numerator(value)
             except ValueError:
-                raise ValueError(f"prefill_topk_frac must be None or in (0, 1] and a multiple of 1e-4, got "
-                                 f"{self.prefill_topk_frac!r}") from None
+                raise ValueError(f"{name} must be None or in (0, 1] and a multiple of 1e-4, got {value!r}") from None
         if self.pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
         for name in ("sink_tokens", "recent_window", "dense_suffix", "local_window"):
@@ -136,6 +140,11 @@ class KascadeConfig:
     def prefill_frac(self) -> float:
         """The prefill budget fraction: `prefill_topk_frac`, else `topk_frac`."""
         return self.topk_frac if self.prefill_topk_frac is None else self.prefill_topk_frac
+
+    @property
+    def decode_frac(self) -> float:
+        """The decode budget fraction: `decode_topk_frac`, else `topk_frac`."""
+        return self.topk_frac if self.decode_topk_frac is None else self.decode_topk_frac
 
     # ---- layer roles -------------------------------------------------------------------------------------------
     def is_anchor(self, layer: int) -> bool:

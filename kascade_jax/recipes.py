@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
-LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "tile_size")
+LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
+          "tile_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Recipe:
     dense_suffix: int = 0
     local_window: int = 0  # prefill: keys before each tile attended on top of the budget
     prefill_topk_frac: float | None = None  # prefill budget fraction (None: the run's topk_frac)
+    decode_topk_frac: float | None = None  # decode budget fraction (None: the run's topk_frac)
     tile_size: int | None = None  # prefill query tile (None: KascadeConfig's 32)
     note: str = ""  # why this recipe (what it measured on the dev split)
 
@@ -54,9 +56,10 @@ class Recipe:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"recipe {self.name!r}: {f} must be an int >= 0, got {v!r}")
-        pf = self.prefill_topk_frac
-        if pf is not None and (isinstance(pf, bool) or not isinstance(pf, (int, float)) or not 0 < pf <= 1):
-            raise ValueError(f"recipe {self.name!r}: prefill_topk_frac must be null or in (0, 1], got {pf!r}")
+        for f in ("prefill_topk_frac", "decode_topk_frac"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
+                raise ValueError(f"recipe {self.name!r}: {f} must be null or in (0, 1], got {v!r}")
         ts = self.tile_size
         if ts is not None and (isinstance(ts, bool) or ts not in (16, 32, 64)):
             raise ValueError(f"recipe {self.name!r}: tile_size must be null, 16, 32 or 64, got {ts!r}")
@@ -70,8 +73,8 @@ class Recipe:
                              f"got {self.calib_importance!r}")
 
     def levers(self) -> dict[str, Any]:
-        """The KascadeConfig fields this recipe sets (the optional ones, prefill_topk_frac and tile_size, only when
-        the recipe names them)."""
+        """The KascadeConfig fields this recipe sets (the optional ones, the two budget fractions and tile_size, only
+        when the recipe names them)."""
         return {f: getattr(self, f) for f in LEVERS if getattr(self, f) is not None}
 
     def calibration_kwargs(self, dtype: str = "float32") -> dict[str, Any]:
@@ -172,7 +175,38 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "imp_sqrt_s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, calib_importance="sqrt"),
     "m7_lw1024_pf20": dict(num_anchors=7, sink_tokens=4, recent_window=60, dense_suffix=512, local_window=1024,
                            prefill_topk_frac=0.2),
+    # issue 21 session 3: the decode budget (+2.0 on the 1.5B at 20%) with the 0.5B's dense suffix and the DP
+    # without importance weights (+1.1 on the 1.5B)
+    "dec15_ds512s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=512, decode_topk_frac=0.15),
+    "dec20_ds512s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=512, decode_topk_frac=0.2),
+    "dec20_imp_none_ds512s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=512,
+                                  decode_topk_frac=0.2, calib_importance="none"),
+    "imp_none_ds512s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=512,
+                            calib_importance="none"),
+    "ds1024s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=1024),
 }
+
+
+def shipped_defaults() -> list[str]:
+    """One line per shipped default recipe (for --help): its fields, what it measured on dev, its estimated speed."""
+    lines = []
+    for path in sorted(RECIPE_DIR.glob("*.json")):
+        doc = json.loads(path.read_text())
+        r = Recipe.from_dict(doc["default"], "default")
+        on = r.describe().split(" ", 1)[1]  # without "recipe=default"
+        m = next((x for x in doc.get("measured", []) if x.get("recipe") == doc.get("chosen_from")), None)
+        here, borrowed = doc.get("measured_on_this_model"), "applied unchanged to" in r.note
+        how = ""
+        if here is not None:
+            how = f"; dev {here['dev_diff_vs_dense']:+.1f} vs dense on {here['dev_n']} prompts of this model"
+        elif m is not None and m.get("dev_diff_vs_dense") is not None and not borrowed:
+            how = f"; dev {m['dev_diff_vs_dense']:+.1f} vs dense on {m['dev_n']} prompts"
+        if m is not None and m.get("decode_speedup"):
+            how += f", est. attention speedup decode {m['decode_speedup']:.2f}x, prefill {m['prefill_speedup']:.2f}x"
+        if borrowed:
+            how += "; chosen on another model's dev split, not tuned on this one"
+        lines.append(f"{path.stem}: {doc.get('chosen_from', 'default')} ({on}{how})")
+    return lines
 
 
 def candidate(name: str) -> Recipe:

@@ -156,7 +156,7 @@ def _pallas_kernels() -> Kernels:
 
     def anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
         check(cfg)
-        return pd.anchor_decode(q, k, v, kv_len, topk_frac=cfg.topk_frac, min_k=cfg.min_k, k_max=k_max,
+        return pd.anchor_decode(q, k, v, kv_len, topk_frac=cfg.decode_frac, min_k=cfg.min_k, k_max=k_max,
                                 head_map_row=head_map_row, dense_out=dense, pool=cfg.pool, sinks=cfg.sink_tokens,
                                 window=cfg.recent_window)
 
@@ -172,7 +172,7 @@ def _pallas_kernels() -> Kernels:
 
     def paged_anchor_decode(q, k, v, page_table, kv_len, *, cfg, k_max, dense, head_map_row):
         check(cfg)
-        return pg.anchor_decode(q, k, v, page_table, kv_len, topk_frac=cfg.topk_frac, min_k=cfg.min_k, k_max=k_max,
+        return pg.anchor_decode(q, k, v, page_table, kv_len, topk_frac=cfg.decode_frac, min_k=cfg.min_k, k_max=k_max,
                                 head_map_row=head_map_row, dense_out=dense, pool=cfg.pool, sinks=cfg.sink_tokens,
                                 window=cfg.recent_window)
 
@@ -218,13 +218,13 @@ def static_k_max(cfg: KascadeConfig, max_len: int, phase: str = "decode") -> int
     if phase == "prefill":
         k = max_budget(max_len, cfg.prefill_frac, cfg.min_k) + cfg.local_window
     else:
-        k = max_budget(max_len, cfg.topk_frac, cfg.min_k)
+        k = max_budget(max_len, cfg.decode_frac, cfg.min_k)
     return max(1, min(-(-k // cfg.k_multiple) * cfg.k_multiple, max_len))
 
 
 def decode_budget(cfg: KascadeConfig, kv_len):
     """[batch] int32: k = min(max(floor(topk_frac * kv_len), min_k), kv_len), rounded up to k_multiple (<= kv_len)."""
-    counts = decode_counts(kv_len, cfg.topk_frac, cfg.min_k).astype(jnp.int32)
+    counts = decode_counts(kv_len, cfg.decode_frac, cfg.min_k).astype(jnp.int32)
     return _round_up(counts, cfg.k_multiple, kv_len)
 
 

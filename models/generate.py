@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Sequence
 
 import jax
@@ -255,12 +256,14 @@ def _first_stop(text: str, stop: Sequence[str]) -> int | None:
 def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Sequence[int] = 64,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (),
              chat: bool = True, max_len: int | None = None, chunk_size: int | None = None, segment: int = 32,
-             bucket: int = 512) -> list[GenerationResult]:
+             bucket: int = 512, timings: dict | None = None) -> list[GenerationResult]:
     """Generate for a batch of prompts (strings, or token-id lists used as they are).
 
     Prompts are right-padded to a multiple of `bucket` tokens and the cache to a multiple of `bucket` positions, so
     batches of slightly different lengths reuse one compilation. `max_new_tokens` is one limit for every prompt or
     one per prompt (tasks with different answer lengths share a batch; the loop stops when every row has ended).
+    `timings`: a dict that gets the wall seconds of the prefill (`prefill_s`, synchronised) and of the decode loop
+    (`decode_s`) and the decode steps run (`decode_steps`), added to what it holds.
     """
     if not prompts:
         raise ValueError("generate needs at least one prompt")
@@ -300,7 +303,11 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Seque
     for i, p in enumerate(ids):
         tokens[i, :len(p)] = p
     cache = init_cache(model, len(ids), max_len)  # KVCache.init, laid out on the model's mesh if it has one
+    t0 = time.perf_counter()
     logits, cache = prefill(model, tokens, lens, cache, strategy, chunk_size=chunk_size)
+    if timings is not None:
+        jax.block_until_ready(logits)
+        t1 = time.perf_counter()
     tok = sample(logits, jax.random.fold_in(jax.random.key(seed), 1 << 30), temperature, top_p, top_k)
     b = len(ids)
     out = jnp.full((b, _round_up(max_new_tokens, OUT_MULTIPLE)), -1, jnp.int32)
@@ -326,6 +333,9 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Seque
             if all(s or f for s, f in zip(stopped, ended)):
                 break
     out = to_host(carry[4])[:, :max_new_tokens]
+    if timings is not None:
+        for k, v in (("prefill_s", t1 - t0), ("decode_s", time.perf_counter() - t1), ("decode_steps", int(carry[3]))):
+            timings[k] = timings.get(k, 0) + v
     results = []
     for j in range(b):
         row = [int(t) for t in out[j] if t >= 0]

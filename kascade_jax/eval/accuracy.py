@@ -136,19 +136,20 @@ def _anchors(config: str) -> str:
 
 def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suffix: int = 0, oracle: bool = False,
                    dense_prefill: bool = False, topk_frac: float = 0.1, prefill_topk_frac: float | None = None,
-                   local_window: int = 0) -> dict:
+                   decode_topk_frac: float | None = None, local_window: int = 0) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
     adds, to every layer but 0, the dense-attention share of its rows: 2 * n / context of a causal dense layer (an
     upper bound for the suffix's own flash pass). Forced keys (sinks, recent window) cost nothing: they are part
     of the same budget and kernels. A reuse layer's time scales with the keys it gathers: decode topk_frac / 0.1 of
-    the measured ratio; prefill (prefill_topk_frac + 2 * local_window / context) / 0.1 (a rolling tile attends
-    f * position + W keys, on average f * L / 2 + W against the dense L / 2).
+    the measured ratio (decode_topk_frac, else topk_frac); prefill (prefill_topk_frac + 2 * local_window / context)
+    / 0.1 (a rolling tile attends f * position + W keys, on average f * L / 2 + W against the dense L / 2).
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
-    scale = dict(decode=topk_frac / 0.1, prefill=(pf + 2.0 * local_window / context) / 0.1)
+    df = topk_frac if decode_topk_frac is None else decode_topk_frac
+    scale = dict(decode=df / 0.1, prefill=(pf + 2.0 * local_window / context) / 0.1)
     out = {}
     for phase, r in (("decode", DECODE_RATIOS), ("prefill", PREFILL_RATIOS)):
         reuse = r["reuse"] * scale[phase]
@@ -167,7 +168,7 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int) -> dict:
     """attention_cost of one candidate recipe's fields."""
     return attention_cost(num_layers, fields["num_anchors"], context=context,
                           dense_suffix=fields.get("dense_suffix", 0), prefill_topk_frac=fields.get("prefill_topk_frac"),
-                          local_window=fields.get("local_window", 0))
+                          decode_topk_frac=fields.get("decode_topk_frac"), local_window=fields.get("local_window", 0))
 
 
 def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, num_layers: int,
@@ -184,8 +185,10 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
     """
     dev = {r["recipe"]: r for r in summary_rows if r["task"] == "ruler_avg" and r["split"] == "dev"
            and r["model"] == model and r["context"] == context and r["strategy"] == "kascade" and r["recipe"]}
-    if baseline not in dev:
+    if within_dense is None and baseline not in dev:  # issue 17's rule compares with the baseline
         raise ValueError(f"no dev ruler_avg for the {baseline!r} recipe of {model} at {context}; have {sorted(dev)}")
+    if not any(name in dev for name in candidates):
+        raise ValueError(f"no dev ruler_avg for any candidate recipe of {model} at {context}; have {sorted(dev)}")
     table = []
     base_speed = recipe_cost(candidates[baseline], num_layers=num_layers, context=context)
     for name, fields in candidates.items():

@@ -67,12 +67,13 @@ def _group_key(s: dict):
             tuple(s.get("stop") or ()))
 
 
-def _generate(model, tokenizer, prompts, strategy, key, max_len, limits, chunk_size=None):
+def _generate(model, tokenizer, prompts, strategy, key, max_len, limits, chunk_size=None, timings=None):
     from models import generate as gen  # noqa: PLC0415  (models is heavy; tasks-only users never import it)
 
     temperature, top_p, seed, stop = key
     return gen.generate(model, tokenizer, prompts, strategy, max_new_tokens=list(limits), temperature=temperature,
-                        top_p=top_p, seed=seed, stop=stop, chat=False, max_len=max_len, chunk_size=chunk_size)
+                        top_p=top_p, seed=seed, stop=stop, chat=False, max_len=max_len, chunk_size=chunk_size,
+                        timings=timings)
 
 
 def balanced_batch(n: int, batch_size: int) -> int:
@@ -91,11 +92,10 @@ def run_samples(model, tokenizer, samples: list[dict], strategy, *, batch_size: 
     prompts, strategy, key, max_len, limits)` replaces the generator (tests)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if generate_fn is None and prefill_chunk is None:
-        generate_fn = _generate
-    elif generate_fn is None:
+    timings: dict = {}  # prefill / decode seconds and decode steps of the real generator (models.generate)
+    if generate_fn is None:
         def generate_fn(*args):
-            return _generate(*args, chunk_size=prefill_chunk)
+            return _generate(*args, chunk_size=prefill_chunk, timings=timings)
     t_start = time.perf_counter()
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     ids = [prompt_lib.encode(tokenizer, s["input"]) for s in samples]
@@ -133,7 +133,8 @@ def run_samples(model, tokenizer, samples: list[dict], strategy, *, batch_size: 
         stats.update(prompts=len(samples), padded_rows=padded, batch_sizes=sorted(sizes), wall_s=round(wall, 3),
                      prompts_per_s=round(len(samples) / wall, 3) if wall > 0 else float("nan"),
                      first_batch_s=round(first[1], 3) if first else 0.0,
-                     warm_prompts_per_s=round(rest_n / rest_s, 3) if rest_n and rest_s > 0 else float("nan"))
+                     warm_prompts_per_s=round(rest_n / rest_s, 3) if rest_n and rest_s > 0 else float("nan"),
+                     **{k: round(v, 3) for k, v in timings.items()})
     return results
 
 

@@ -449,7 +449,9 @@ def _run_pooled(spec, model, tokenizer, runs, tasks, ctx, window, finished, rows
         wall = time.perf_counter() - t0
         log(f"{r.label} {r.config} @ {ctx}: {len(pool)} prompts in {wall:.1f} s = {stats['prompts_per_s']:.2f} "
             f"prompts/s (batch {stats['batch_sizes']}, {stats['padded_rows']} padded rows; first batch "
-            f"{stats['first_batch_s']:.1f} s with its compiles, then {stats['warm_prompts_per_s']:.2f} prompts/s)")
+            f"{stats['first_batch_s']:.1f} s with its compiles, then {stats['warm_prompts_per_s']:.2f} prompts/s)"
+            + (f"; prefill {stats['prefill_s']:.1f} s, decode {stats['decode_s']:.1f} s over "
+               f"{stats['decode_steps']} steps" if "prefill_s" in stats else ""))
         by_task: dict = {}
         for x in results:
             by_task.setdefault(x.task, []).append(x)
@@ -461,7 +463,8 @@ def _run_pooled(spec, model, tokenizer, runs, tasks, ctx, window, finished, rows
             rows[-1].update(prompts_per_s=stats["prompts_per_s"], warm_prompts_per_s=stats["warm_prompts_per_s"],
                             first_batch_s=stats["first_batch_s"], pass_prompts=len(pool),
                             batch_size=max(stats["batch_sizes"]) if stats["batch_sizes"] else 0,
-                            padded_rows=stats["padded_rows"])
+                            padded_rows=stats["padded_rows"],
+                            **{k: stats[k] for k in ("prefill_s", "decode_s", "decode_steps") if k in stats})
             _record(rows[-1], res, r, records, log)
         if on_block is not None:
             on_block(rows, records, fid)

@@ -105,6 +105,10 @@ def test_attention_cost_of_the_prefill_levers():
     assert pf["decode_cost"] == lw["decode_cost"] == c["decode_cost"]  # decode keeps its 10%
     assert pf["prefill_cost"] == pytest.approx(c["prefill_cost"] + 19 / 24 * r["reuse"], abs=1e-4)
     assert lw["prefill_cost"] == pytest.approx(c["prefill_cost"] + 19 / 24 * r["reuse"] * 1.25, abs=1e-4)
+    dc = accuracy.attention_cost(24, 5, context=16384, decode_topk_frac=0.2)  # decode budget doubled, prefill kept
+    assert dc["prefill_cost"] == c["prefill_cost"]
+    assert dc["decode_cost"] == pytest.approx(c["decode_cost"] + 19 / 24 * accuracy.DECODE_RATIOS["reuse"], abs=1e-4)
+    assert accuracy.recipe_cost(dict(num_anchors=5, decode_topk_frac=0.2), num_layers=24, context=16384) == dc
 
 
 def test_choose_fastest_within_one_point_of_dense(rng):
@@ -126,6 +130,16 @@ def test_choose_fastest_within_one_point_of_dense(rng):
     assert doc["chosen_from"] == "paper" and "no candidate within 1" in doc["default"]["note"]
 
 
+def test_shipped_defaults_help_lines():
+    from kascade_jax.recipes import RECIPE_DIR, shipped_defaults
+
+    lines = shipped_defaults()
+    assert len(lines) == len(list(RECIPE_DIR.glob("*.json"))) >= 3
+    by = {line.split(":", 1)[0]: line for line in lines}
+    assert "dense_suffix=512" in by["qwen2.5-coder-0.5b"] and "vs dense on 260 prompts" in by["qwen2.5-coder-0.5b"]
+    assert "not tuned on this one" in by["qwen2.5-coder-1.5b"] and "of this model" in by["qwen2.5-coder-1.5b"]
+
+
 def test_recipes(tmp_path):
     assert load_recipe("any-model", "paper") == PAPER
     d = load_recipe("a-model-without-a-recipe", "default")
@@ -139,8 +153,12 @@ def test_recipes(tmp_path):
     f.write_text(json.dumps({"default": dict(num_anchors=6, dense_suffix=128, note="x"), "measured": []}))
     r = load_recipe("m", str(f))
     assert r.num_anchors == 6 and r.dense_suffix == 128
+    dec = candidate("dec20_imp_none_ds512s")
+    assert dec.levers()["decode_topk_frac"] == 0.2 and "prefill_topk_frac" not in dec.levers()
+    assert "decode_topk_frac=0.2" in dec.describe() and dec.calib_importance == "none"
     for bad, match in ((dict(num_anchors=0), "num_anchors"), (dict(sink_tokens=-1), "sink_tokens"),
-                       (dict(calib_reduce="max"), "calib_reduce"), (dict(calib_importance="x"), "calib_importance")):
+                       (dict(calib_reduce="max"), "calib_reduce"), (dict(calib_importance="x"), "calib_importance"),
+                       (dict(decode_topk_frac=0.0), "decode_topk_frac"), (dict(decode_topk_frac=2), "decode_topk_frac")):
         with pytest.raises(ValueError, match=match):
             Recipe(**bad)
     with pytest.raises(ValueError, match="unknown fields"):

@@ -28,7 +28,7 @@ def _samples(n=5):
 
 def make_stub(fail_on=(), calls=None):
     """Echo the answer for even indices, a wrong one for odd; raise when a prompt of index in fail_on is batched."""
-    def gen(model, tokenizer, prompts, strategy, key, max_len, limits):
+    def gen(model, tokenizer, prompts, strategy, key, max_len, limits, **kw):  # kw: chunk_size, timings
         if calls is not None:
             calls.append((len(prompts), key, max_len, tuple(limits)))
         outs = []
@@ -202,7 +202,7 @@ def test_batch_tokens_and_block_checkpoints(monkeypatch):
     calls = []
     stub = make_stub()
 
-    def spy(model, tok, prompts, strategy, key, max_len, limits):
+    def spy(model, tok, prompts, strategy, key, max_len, limits, **kw):
         calls.append(len(prompts))
         return stub(model, tok, prompts, strategy, key, max_len, limits)
 

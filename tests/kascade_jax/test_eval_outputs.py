@@ -41,7 +41,7 @@ class Stubs:
         self.loads += 1
         return _model(), TOK
 
-    def generate(self, model, tokenizer, prompts, strategy, key, max_len, limits):
+    def generate(self, model, tokenizer, prompts, strategy, key, max_len, limits, **kw):
         self.calls += 1
         if self.calls == self.stop:
             raise KeyboardInterrupt  # not an Exception: the harness does not catch it, like a killed run

@@ -221,3 +221,36 @@ def test_strategy_local_window_and_prefill_frac(rng):
                 dict(prefill_topk_frac=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             KascadeConfig(num_layers=2, kv_heads=1, **bad)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_strategy_decode_frac(rng, kernels):
+    """decode_topk_frac sets the decode budget alone: decode equals a run at topk_frac = decode_topk_frac (same
+    outputs and index sets), prefill equals a run at the nominal topk_frac."""
+    from kascade_jax.strategies import decode_budget, prefill_budget, static_k_max
+
+    num_layers, kvh, group, d, max_len, tile = 3, 2, 2, 16, 256, 16
+    cfg = KascadeConfig(num_layers=num_layers, kv_heads=kvh, anchors=(0,), topk_frac=0.1, min_k=8, tile_size=tile,
+                        decode_topk_frac=0.25)
+    assert cfg.decode_frac == 0.25 and cfg.prefill_frac == 0.1 and KascadeConfig(num_layers=2, kv_heads=1).decode_frac == 0.1
+    assert static_k_max(cfg, max_len) == 64 and static_k_max(cfg, max_len, "prefill") == 25
+    kv_len = jnp.asarray([max_len], jnp.int32)
+    assert int(decode_budget(cfg, kv_len)[0]) == 64
+    plain = KascadeConfig(num_layers=num_layers, kv_heads=kvh, anchors=(0,), topk_frac=0.1, min_k=8, tile_size=tile)
+    np.testing.assert_array_equal(prefill_budget(cfg, jnp.zeros((1,), jnp.int32), kv_len, kv_len, max_len),
+                                  prefill_budget(plain, jnp.zeros((1,), jnp.int32), kv_len, kv_len, max_len))
+    layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    lens = [max_len, 200]
+    kw = dict(anchors=(0, 2), min_k=8, tile_size=tile, kernels=kernels)
+    split = make_strategy("kascade", num_layers, kvh, topk_frac=0.1, decode_topk_frac=0.25, **kw)
+    same_decode = make_strategy("kascade", num_layers, kvh, topk_frac=0.25, **kw)
+    same_prefill = make_strategy("kascade", num_layers, kvh, topk_frac=0.1, **kw)
+    for other, inputs in ((same_decode, [decode_inputs(lay, lens) for lay in layers]),
+                          (same_prefill, [prefill_inputs(lay, 0, max_len, lens) for lay in layers])):
+        (oa, sa), (ob, sb) = run_layers(split, inputs), run_layers(other, inputs)
+        for x, y in zip(oa, ob):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert _sets(sa[-1]["idx"]) == _sets(sb[-1]["idx"])
+    for bad in (dict(decode_topk_frac=0.0), dict(decode_topk_frac=1.5), dict(decode_topk_frac=True)):
+        with pytest.raises(ValueError, match="decode_topk_frac"):
+            KascadeConfig(num_layers=2, kv_heads=1, **bad)

@@ -75,7 +75,10 @@ def test_per_row_limits_equal_separate_runs(tiny_model, rng):
     """One batch with a generation limit per row gives each row exactly what a run at that limit alone gives."""
     prompts = [rng.integers(5, 128, n).tolist() for n in (20, 45, 31)]
     limits = [3, 9, 1]
-    batched = gen.generate(tiny_model, ToyTokenizer(), prompts, S, max_new_tokens=limits)
+    timings = {"prefill_s": 1.0}
+    batched = gen.generate(tiny_model, ToyTokenizer(), prompts, S, max_new_tokens=limits, timings=timings)
+    assert timings["prefill_s"] > 1.0 and timings["decode_s"] > 0  # added to what the dict held
+    assert timings["decode_steps"] == max(r.new_tokens for r in batched) <= 9  # the loop ends with its last row
     for p, lim, r in zip(prompts, limits, batched):
         (single,) = gen.generate(tiny_model, ToyTokenizer(), [p], S, max_new_tokens=lim)
         assert r.token_ids == single.token_ids and r.finish_reason == single.finish_reason
