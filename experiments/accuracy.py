@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -34,6 +35,12 @@ flags.DEFINE_float("within_dense", 1.0, "--mode=choose: the fastest candidate at
                    "dev wins (issue 21's rule); < 0: issue 17's rule (best dev score within --max_slowdown)")
 flags.DEFINE_list("also_for", [], "--mode=choose: MODEL:LAYERS entries that get the same recipe fields")
 flags.DEFINE_string("out", "", "--mode=choose: recipe file to write")
+flags.DEFINE_string("frontier", "", "--mode=choose: also plot the accuracy-speed frontier of every candidate "
+                    "(dev score vs estimated weighted attention speedup) to this PNG")
+flags.DEFINE_string("bench_decode", "", "--mode=choose: experiments.bench decode json at the model's shape "
+                    "(results/accuracy/bench_shapes.sh): its per-layer ratios replace the 8B-shape constants")
+flags.DEFINE_string("bench_prefill", "", "--mode=choose: the matching experiments.bench prefill json")
+flags.DEFINE_integer("bench_batch", 32, "--mode=choose: the decode batch of --bench_decode to use")
 flags.DEFINE_string("out_dir", "results/accuracy", "--mode=report: where summary.json / summary.md / plots go")
 
 
@@ -65,7 +72,25 @@ def main(argv):
     if FLAGS.mode == "choose":
         if not (FLAGS.model and FLAGS.num_layers and FLAGS.out):
             raise app.UsageError("--mode=choose needs --model, --num_layers and --out")
-        doc = accuracy.choose_recipe(rows, CANDIDATES, model=FLAGS.model, context=FLAGS.context,
+        from kascade_jax.recipes import load_recipe  # noqa: PLC0415
+
+        candidates = dict(CANDIDATES)
+        shipped = load_recipe(FLAGS.model, "default")
+        cells = {r["config"] for r in rows if r["model"] == FLAGS.model and r["context"] == FLAGS.context
+                 and r["split"] == "dev" and r["recipe"] == "default" and r["task"] == "ruler_avg"}
+        if cells and all(shipped.describe() in c for c in cells):  # a dev cell of today's shipped default
+            candidates["default"] = {k: v for k, v in dataclasses.asdict(shipped).items()
+                                     if k not in ("name", "note", "calib_dtype") and v is not None}
+        elif cells:
+            print(f"the dev 'default' cells ran another recipe than today's shipped default "
+                  f"({shipped.describe()}): left out of the choice")
+        ratios = None
+        if bool(FLAGS.bench_decode) != bool(FLAGS.bench_prefill):
+            raise app.UsageError("--bench_decode and --bench_prefill go together")
+        if FLAGS.bench_decode:
+            ratios = accuracy.bench_ratios(FLAGS.bench_decode, FLAGS.bench_prefill, context=FLAGS.context,
+                                           decode_batch=FLAGS.bench_batch)
+        doc = accuracy.choose_recipe(rows, candidates, ratios=ratios, model=FLAGS.model, context=FLAGS.context,
                                      num_layers=FLAGS.num_layers, max_slowdown=FLAGS.max_slowdown,
                                      within_dense=FLAGS.within_dense if FLAGS.within_dense >= 0 else None)
         from kascade_jax.recipes import RECIPE_DIR  # noqa: PLC0415
@@ -77,6 +102,8 @@ def main(argv):
         out = Path(FLAGS.out).expanduser()
         _write_json(out, doc)
         print(json.dumps({k: doc[k] for k in ("chosen_from", "default")}, indent=1))
+        if FLAGS.frontier:
+            print("frontier plot:", accuracy.plot_frontier(doc, FLAGS.frontier))
         miss = (f"more than {FLAGS.within_dense:g} below dense" if FLAGS.within_dense >= 0 else
                 f"over {FLAGS.max_slowdown:.0%} slower than paper")
         for r in doc["measured"]:

@@ -184,6 +184,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "imp_none_ds512s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=512,
                             calib_importance="none"),
     "ds1024s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=1024),
+    "dec20_ds1024s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=1024, decode_topk_frac=0.2),
 }
 
 

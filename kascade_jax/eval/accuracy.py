@@ -9,9 +9,10 @@ included with score 0). Cells are (model, context length, split, strategy, confi
   draw of prompt indices per task, applied to both the strategy and dense), so prompt difficulty cancels.
 A cell without its dense twin (same model, length, split, task and prompt indices) gets no difference.
 
-Also here: the recipe choice on the development split (`choose_recipe`): among candidate recipes whose
-estimated weighted attention speed stays within `max_slowdown` of the paper recipe, the best dev `ruler_avg`,
-kept only if it beats the paper recipe. The speed model is `attention_cost` (measured per-layer ratios to cuDNN).
+Also here: the recipe choice on the development split (`choose_recipe`): the fastest candidate within
+`within_dense` points of dense (issue 21's rule), or issue 17's rule (the best dev score within `max_slowdown` of the
+paper recipe's speed). The speed model is `attention_cost`: per-layer kernel ratios to cuDNN, the constants below or
+those measured at the model's own shape (`bench_ratios`).
 
 Deliberately not here: running evaluations (`suite`), plotting beyond the two report figures.
 """
@@ -134,9 +135,27 @@ def _anchors(config: str) -> str:
 # ---- speed model and the recipe choice ---------------------------------------------------------------------------
 
 
+def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int = 32) -> dict:
+    """Per-layer times relative to cuDNN dense measured by `experiments.bench` (its decode/prefill json: rows with
+    dense, A0, A, R milliseconds) at one context and decode batch: {"decode" | "prefill": {topk_frac: {a0, anchor,
+    reuse}}}, the `ratios` argument of `attention_cost`. A missing shape is an error naming what the files have."""
+    out = {}
+    for phase, path, want in (("decode", decode_json, dict(context=context, batch=decode_batch)),
+                              ("prefill", prefill_json, dict(context=context))):
+        rows = json.loads(Path(path).read_text())["rows"]
+        got = {float(r["topk_frac"]): dict(a0=r["A0"] / r["dense"], anchor=r["A"] / r["dense"],
+                                           reuse=r["R"] / r["dense"])
+               for r in rows if all(r.get(k) == v for k, v in want.items()) and r.get("dense") and r.get("R")}
+        if 0.1 not in got:
+            have = sorted({(r.get("context"), r.get("batch")) for r in rows})
+            raise ValueError(f"{path}: no {phase} row at {want} with Top-k 0.1 (have context, batch: {have})")
+        out[phase] = got
+    return out
+
+
 def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suffix: int = 0, oracle: bool = False,
                    dense_prefill: bool = False, topk_frac: float = 0.1, prefill_topk_frac: float | None = None,
-                   decode_topk_frac: float | None = None, local_window: int = 0) -> dict:
+                   decode_topk_frac: float | None = None, local_window: int = 0, ratios: dict | None = None) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
@@ -145,13 +164,22 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     of the same budget and kernels. A reuse layer's time scales with the keys it gathers: decode topk_frac / 0.1 of
     the measured ratio (decode_topk_frac, else topk_frac); prefill (prefill_topk_frac + 2 * local_window / context)
     / 0.1 (a rolling tile attends f * position + W keys, on average f * L / 2 + W against the dense L / 2).
+    `ratios` (`bench_ratios`): per-layer ratios measured at the model's own shape instead of the constants above;
+    a budget measured there is used as it is, others are scaled from the 10% row as described.
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
     df = topk_frac if decode_topk_frac is None else decode_topk_frac
+    frac = dict(decode=df, prefill=pf)
     scale = dict(decode=df / 0.1, prefill=(pf + 2.0 * local_window / context) / 0.1)
     out = {}
     for phase, r in (("decode", DECODE_RATIOS), ("prefill", PREFILL_RATIOS)):
+        if ratios is not None:
+            measured = ratios[phase]
+            exact = frac[phase] in measured and not (phase == "prefill" and local_window)
+            r = measured[frac[phase]] if exact else measured[0.1]
+            if exact:
+                scale[phase] = 1.0
         reuse = r["reuse"] * scale[phase]
         cost = (r["a0"] + (m - 1) * r["anchor"] + (num_layers - m) * reuse) / num_layers
         if phase == "prefill":
@@ -164,15 +192,17 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     return out
 
 
-def recipe_cost(fields: dict, *, num_layers: int, context: int) -> dict:
+def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | None = None) -> dict:
     """attention_cost of one candidate recipe's fields."""
     return attention_cost(num_layers, fields["num_anchors"], context=context,
                           dense_suffix=fields.get("dense_suffix", 0), prefill_topk_frac=fields.get("prefill_topk_frac"),
-                          decode_topk_frac=fields.get("decode_topk_frac"), local_window=fields.get("local_window", 0))
+                          decode_topk_frac=fields.get("decode_topk_frac"), local_window=fields.get("local_window", 0),
+                          ratios=ratios)
 
 
 def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, num_layers: int,
-                  max_slowdown: float = 0.15, baseline: str = "paper", within_dense: float | None = None) -> dict:
+                  max_slowdown: float = 0.15, baseline: str = "paper", within_dense: float | None = None,
+                  ratios: dict | None = None) -> dict:
     """The default recipe from dev-split results.
 
     candidates: {name: recipe fields (kascade_jax.recipes.Recipe)}; each name must be the `recipe=` of one dev cell
@@ -190,11 +220,11 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
     if not any(name in dev for name in candidates):
         raise ValueError(f"no dev ruler_avg for any candidate recipe of {model} at {context}; have {sorted(dev)}")
     table = []
-    base_speed = recipe_cost(candidates[baseline], num_layers=num_layers, context=context)
+    base_speed = recipe_cost(candidates[baseline], num_layers=num_layers, context=context, ratios=ratios)
     for name, fields in candidates.items():
         if name not in dev:
             continue
-        speed = recipe_cost(fields, num_layers=num_layers, context=context)
+        speed = recipe_cost(fields, num_layers=num_layers, context=context, ratios=ratios)
         if within_dense is not None:
             diff = dev[name]["diff_vs_dense"]
             ok = diff is not None and finite(diff) and diff >= -within_dense
@@ -203,7 +233,8 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
                      for p in ("decode", "prefill"))
         table.append(dict(recipe=name, dev_score=dev[name]["score"], dev_n=dev[name]["n"],
                           dev_ci=[dev[name]["ci_low"], dev[name]["ci_high"]],
-                          dev_diff_vs_dense=dev[name]["diff_vs_dense"], qualifies=ok, **speed))
+                          dev_diff_vs_dense=dev[name]["diff_vs_dense"],
+                          dev_diff_ci=[dev[name]["diff_ci_low"], dev[name]["diff_ci_high"]], qualifies=ok, **speed))
     if within_dense is not None:
         table.sort(key=lambda r: (not r["qualifies"], r["prefill_cost"] + r["decode_cost"] if r["qualifies"] else 0,
                                   -r["dev_score"]))
@@ -212,12 +243,13 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
         d = dev[pick["recipe"]]
         how = (f"the fastest candidate within {within_dense:g} point(s) of dense" if pick["qualifies"] else
                f"no candidate within {within_dense:g} point(s) of dense: the best dev score")
+        src = "measured per-layer kernels at this shape" if ratios is not None else "estimated"
         fields["note"] = (f"chosen on the dev split of real RULER at {context} tokens ({d['n']} prompts): {how}; dev "
-                          f"ruler_avg {d['score']:.1f}, {d['diff_vs_dense']:+.1f} vs dense; estimated weighted "
-                          f"speedup decode {pick['decode_speedup']:.2f}x, prefill {pick['prefill_speedup']:.2f}x")
+                          f"ruler_avg {d['score']:.1f}, {d['diff_vs_dense']:+.1f} vs dense; weighted attention "
+                          f"speedup ({src}) decode {pick['decode_speedup']:.2f}x, prefill {pick['prefill_speedup']:.2f}x")
         fields["name"] = "default"
         return {"default": fields, "chosen_from": pick["recipe"], "measured": table, "model": model,
-                "context": context, "rule": f"fastest within {within_dense:g} of dense"}
+                "context": context, "rule": f"fastest within {within_dense:g} of dense", "speed": src}
     table.sort(key=lambda r: (-r["dev_score"], r["prefill_cost"] + r["decode_cost"]))
     best = next((r for r in table if r["qualifies"]), None)
     base_score = dev[baseline]["score"]
@@ -246,6 +278,41 @@ def markdown_table(rows, *, task: str = "ruler_avg") -> str:
 
 def finite(x) -> bool:
     return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def plot_frontier(doc: dict, path, *, speed: str | None = None) -> str:
+    """The accuracy-speed frontier of a `choose_recipe` result: dev ruler_avg minus dense (paired 95% interval)
+    against the weighted decode and prefill attention speedups, one point per candidate, the chosen one ringed."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    speed = speed or doc.get("speed", "estimated")
+    table = [r for r in doc["measured"] if r.get("dev_diff_vs_dense") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, phase in zip(axes, ("decode", "prefill")):
+        for i, r in enumerate(table):
+            x, y = r[f"{phase}_speedup"], r["dev_diff_vs_dense"]
+            ci = r.get("dev_diff_ci")
+            yerr = None if not ci else [[y - ci[0]], [ci[1] - y]]
+            ax.errorbar(x, y, yerr=yerr, fmt="o", capsize=3, color=f"C{i % 10}", alpha=0.8)
+            ax.annotate(r["recipe"], (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+            if r["recipe"] == doc.get("chosen_from"):
+                ax.plot(x, y, "o", ms=14, mfc="none", mec="k")
+        ax.axhline(0, color="k", lw=0.8)
+        ax.axhline(-1, color="r", lw=0.8, ls="--")
+        ax.set_xlabel(f"{phase} weighted attention speedup over cuDNN ({speed})")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("dev ruler_avg - dense (points)")
+    fig.suptitle(f"{doc.get('model', '')} at {doc.get('context', '')} tokens: every candidate on the dev split "
+                 f"(ringed: chosen; red: 1 point below dense)", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
 
 
 def plot_summary(rows, out_dir) -> list[str]:

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Kernel speed at the Qwen attention shapes (issue 17 item 3), CUPTI vs cuDNN in the same run, on an otherwise idle
-# H200: decode at batch 8 and 32, prefill at batch 1, 16K and 32K, Top-k 10%. Output: OUTDIR/{decode,prefill}_qwen*.
+# H200: decode at batch 8 and 32 (Top-k 10, 15, 20%: the decode_topk_frac candidates), prefill at batch 1 (10%), 16K
+# and 32K. Output: OUTDIR/{decode,prefill}_qwen*.
 set -u
 OUTDIR=${1:?output dir}
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
 for shape in "qwen05 14,2,64 24" "qwen15 12,2,128 28"; do
   read -r tag heads layers <<< "$shape"
   python3 -m experiments.bench --phase=decode --heads=$heads --num_layers=$layers --num_anchors=5 --bench_tag=$tag \
-    --decode_contexts=16384,32768 --decode_batches=8,32 --decode_topk_fracs=0.1 --decode_iterations=5 \
+    --decode_contexts=16384,32768 --decode_batches=8,32 --decode_topk_fracs=0.1,0.15,0.2 --decode_iterations=5 \
     --decode_check=false --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 12
   python3 -m experiments.bench --phase=prefill --heads=$heads --num_layers=$layers --num_anchors=5 --bench_tag=$tag \
     --prefill_contexts=16384,32768 --prefill_long_contexts= --prefill_topk_fracs=0.1 --prefill_iterations=3 \

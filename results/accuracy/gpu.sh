@@ -12,7 +12,7 @@
 #
 # Plan files (results/accuracy/plan_*.txt): one job per line, "NAME COMMAND-ARGS" where the command is
 # `calibrate ...` (experiments.calibrate), `eval ...` (experiments.eval, output_dir = $HOME/acc/NAME) or `gputest
-# PYTEST-ARGS` (the GPU tier, pytest -m gpu); lines after
+# PYTEST-ARGS` (the GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench); lines after
 # a line "barrier" start only when every job before it has ended. Each eval writes its results after every block,
 # so a job stopped early keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into
 # 56 MiB chunks into .stage/<model>/ (git-ignored); one call per chunk carries .stage/<model>/part.NN.
@@ -82,6 +82,7 @@ case "$cmd" in
                 --output_dir="$ACC/$name" $again --noprogress > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         py) JAX_PLATFORMS=cpu python3 -m "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         gputest) python3 -m pytest -q -p no:cacheprovider -m gpu "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
+        sh) bash "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         *) echo "unknown job kind $kind" > "$ACC/logs/$name.log"; rc=2 ;;
       esac
       echo "$name exit $rc after $(( $(date +%s) - t )) s at $(date +%T)" >> "$ACC/logs/_jobs.txt"

@@ -111,7 +111,26 @@ def test_attention_cost_of_the_prefill_levers():
     assert accuracy.recipe_cost(dict(num_anchors=5, decode_topk_frac=0.2), num_layers=24, context=16384) == dc
 
 
-def test_choose_fastest_within_one_point_of_dense(rng):
+def test_measured_ratios_from_the_committed_benchmarks():
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    ratios = accuracy.bench_ratios(bench / "decode.json", bench / "prefill.json", context=32768, decode_batch=64)
+    assert set(ratios["decode"]) == {0.1, 0.2, 0.3} and set(ratios["prefill"]) == {0.1}
+    dec = json.loads((bench / "decode.json").read_text())["rows"]
+    row = next(r for r in dec if (r["context"], r["batch"], r["topk_frac"]) == (32768, 64, 0.2))
+    assert ratios["decode"][0.2]["reuse"] == pytest.approx(row["R"] / row["dense"])
+    c10 = accuracy.attention_cost(24, 5, context=32768, ratios=ratios)
+    c20 = accuracy.attention_cost(24, 5, context=32768, decode_topk_frac=0.2, ratios=ratios)  # the measured 20% row
+    want = (ratios["decode"][0.2]["a0"] + 4 * ratios["decode"][0.2]["anchor"] + 19 * ratios["decode"][0.2]["reuse"]) / 24
+    assert c20["decode_cost"] == pytest.approx(want, abs=1e-4) and c20["prefill_cost"] == c10["prefill_cost"]
+    pf = accuracy.attention_cost(24, 5, context=32768, prefill_topk_frac=0.2, ratios=ratios)  # no 20% row: scaled
+    assert pf["prefill_cost"] == pytest.approx(c10["prefill_cost"] + 19 / 24 * ratios["prefill"][0.1]["reuse"], abs=1e-4)
+    with pytest.raises(ValueError, match="no decode row at"):
+        accuracy.bench_ratios(bench / "decode.json", bench / "prefill.json", context=32768, decode_batch=32)
+
+
+def test_choose_fastest_within_one_point_of_dense(rng, tmp_path):
     base = _base(rng)
     recs = _records(rng, "dense", "", base, split="dev")
     recs += _records(rng, "kascade", "k=0.1 recipe=paper", base, shift=-0.3, split="dev")  # far below dense
@@ -123,6 +142,9 @@ def test_choose_fastest_within_one_point_of_dense(rng):
     assert doc["chosen_from"] == "sw_ds128" and "fastest candidate within 1" in doc["default"]["note"]
     table = {r["recipe"]: r for r in doc["measured"]}
     assert table["m8"]["qualifies"] and not table["paper"]["qualifies"]
+    assert table["m8"]["dev_diff_ci"] == [0.0, 0.0] and table["paper"]["dev_diff_ci"][1] < 0
+    png = accuracy.plot_frontier(doc, tmp_path / "frontier.png")
+    assert (tmp_path / "frontier.png").stat().st_size > 10_000 and png.endswith("frontier.png")
     # nobody within the tolerance: the best dev score, and the note says so
     rows = accuracy.summarize([r for r in recs if "m8" not in r["config"] and "sw_ds128" not in r["config"]],
                               ruler_tasks=TASKS, reps=100)
