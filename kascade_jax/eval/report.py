@@ -329,8 +329,11 @@ def pivot_markdown(rows, *, baseline: str = "dense") -> str:
 
 
 def plot_fidelity(fid: dict, output_dir: str) -> list[str]:
-    """Per-layer attention mass recovered vs the oracle Top-k (one line per strategy) and, per strategy, a
-    (layer x KV head) heatmap: where a strategy loses mass. Returns the PNG paths."""
+    """Per-layer attention mass recovered vs the oracle Top-k, prefill (solid) and decode (dashed), one colour per
+    strategy, its anchor layers marked (the distance from the anchor reads off the x axis); and, per strategy, a
+    (layer x KV head) heatmap of the prefill ratio: where a strategy loses mass. Returns the PNG paths."""
+    import re  # noqa: PLC0415
+
     entries = [(k, f) for k, f in fid.items() if f.get("mass_ratio")]
     if not entries:
         return []
@@ -339,15 +342,22 @@ def plot_fidelity(fid: dict, output_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, axes = plt.subplots(1 + len(entries), 1, figsize=(8, 2.6 * (1 + len(entries))), squeeze=False)
+    fig, axes = plt.subplots(1 + len(entries), 1, figsize=(9, 2.8 * (1 + len(entries))), squeeze=False)
     ax = axes[0, 0]
-    for key, f in entries:
-        ratio = f["mass_ratio"]
-        ax.plot(range(len(ratio)), ratio, marker="o", ms=3, label=f"{f['strategy']} {f['config']} ({f['documents']} docs)")
-    ax.set_xlabel("layer")
+    for j, (key, f) in enumerate(entries):
+        ratio, color = f["mass_ratio"], f"C{j % 10}"
+        label = f"{f['strategy']} {f['config']} ({f['documents'] - f.get('failures', 0)} docs)"
+        ax.plot(range(len(ratio)), ratio, marker="o", ms=3, color=color, label=f"prefill: {label}")
+        if f.get("decode_mass_ratio"):
+            ax.plot(range(len(f["decode_mass_ratio"])), f["decode_mass_ratio"], marker="s", ms=3, ls="--",
+                    color=color, label=f"decode: {label}")
+        m = re.search(r"anchors=([0-9,]+)", f.get("config", ""))
+        for a in (int(x) for x in m.group(1).split(",") if x) if m else ():
+            ax.axvline(a, color=color, lw=0.8, alpha=0.35)
+    ax.set_xlabel("layer (vertical lines: anchors)")
     ax.set_ylabel("mass / oracle Top-k mass")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=5)
     for i, (key, f) in enumerate(entries, start=1):
         heads = np.asarray(f.get("mass_ratio_heads") or [f["mass_ratio"]], np.float64).reshape(len(f["mass_ratio"]), -1)
         ax = axes[i, 0]

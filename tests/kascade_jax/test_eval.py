@@ -225,6 +225,10 @@ def test_fidelity_plot(tmp_path):
                            mass_ratio_heads=rng.uniform(0.8, 1, (6, 3)).tolist())}
     paths = report.plot_fidelity(fid, str(tmp_path))
     assert len(paths) == 1 and os.path.getsize(paths[0]) > 5000
+    fid["k @ 256"].update(config="k=0.1 anchors=0,2,4", failures=1, decode_mass_ratio=list(rng.uniform(0.7, 1, 6)))
+    plain = os.path.getsize(paths[0])
+    paths = report.plot_fidelity(fid, str(tmp_path))  # decode mass dashed, anchors marked
+    assert len(paths) == 1 and os.path.getsize(paths[0]) != plain
     assert report.plot_fidelity({"d": dict(strategy="dense", mass_ratio=None)}, str(tmp_path)) == []
 
 
