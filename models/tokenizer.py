@@ -123,6 +123,15 @@ class Tokenizer:
                 ids = ids + [self.eos_token_id]
         return ids
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """`encode` of every text, in the backend's threads (a 16K-token prompt takes ~35 ms on one core)."""
+        bad = [type(t).__name__ for t in texts if not isinstance(t, str)]
+        if bad:
+            raise ValueError(f"encode_batch expects strs, got {bad[0]}")
+        if add_special_tokens:
+            return [self.encode(t, add_special_tokens=True) for t in texts]
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         n = self.vocab_size

@@ -98,7 +98,7 @@ def run_samples(model, tokenizer, samples: list[dict], strategy, *, batch_size: 
             return _generate(*args, chunk_size=prefill_chunk, timings=timings)
     t_start = time.perf_counter()
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    ids = [prompt_lib.encode(tokenizer, s["input"]) for s in samples]
+    ids = prompt_lib.encode_many(tokenizer, (s["input"] for s in samples))
     groups: dict = {}
     for i, s in enumerate(samples):
         groups.setdefault(_group_key(s), []).append(i)

@@ -18,6 +18,15 @@ def encode(tokenizer, text: str) -> list[int]:
     return [int(i) for i in ids]
 
 
+def encode_many(tokenizer, texts) -> list[list[int]]:
+    """`encode` of every text; through the tokenizer's threaded `encode_batch` when it has one."""
+    texts = list(texts)
+    batch = getattr(tokenizer, "encode_batch", None)
+    if batch is None or not texts:
+        return [encode(tokenizer, t) for t in texts]
+    return [[int(i) for i in getattr(ids, "ids", ids)] for ids in batch(texts)]
+
+
 def uses_chat_template(tokenizer, chat: bool = True) -> bool:
     """Whether `chat_text` wraps the user text in chat markup (False for base models and `chat=False`)."""
     return (bool(chat) and hasattr(tokenizer, "apply_chat_template")

@@ -81,6 +81,17 @@ def test_random_text_roundtrip(smol, request):
         assert smol.decode(smol.encode(text)) == text
 
 
+def test_encode_batch_equals_encode(smol):
+    from kascade_jax.tasks import prompt as prompt_lib
+
+    texts = ["Hello world", "<|im_start|>user\nhi<|im_end|>", "", "日本😀 " * 50]
+    assert smol.encode_batch(texts) == [smol.encode(t) for t in texts]
+    assert smol.encode_batch(texts, add_special_tokens=True) == [smol.encode(t, add_special_tokens=True) for t in texts]
+    assert prompt_lib.encode_many(smol, texts) == [prompt_lib.encode(smol, t) for t in texts]
+    with pytest.raises(ValueError, match="expects strs"):
+        smol.encode_batch(["a", 3])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # HF directory layout (tokenizer.json + tokenizer_config.json + generation_config.json)
 
