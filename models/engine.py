@@ -42,8 +42,12 @@ Design:
 
 Tokens follow `models.generate.generate`'s rules (greedy is bit-for-bit the same rule; temperature sampling uses one
 key per slot and step, so it is reproducible per request but not the same stream as `generate`'s batched draw).
-Not here: top-p / top-k in the engine, stop strings, preemption or swapping, prefix sharing, chunked prefill
-interleaved with decode (a long prompt's prefill runs whole, between decode steps).
+top-p / top-k filter each slot's logits with its own values, as `generate.sample` does for a batch; the decode step
+has two compiled forms, without and with the filter (its sort over the vocabulary), chosen per step by whether an
+active slot filters. Stop strings end a request once its decoded text contains one (finish_reason "stop"; `text`
+is cut before it, `tokens` keep what was streamed).
+Not here: preemption or swapping, prefix sharing, chunked prefill interleaved with decode (a long prompt's prefill
+runs whole, between decode steps).
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import check_supports_paged
-from models.generate import CHUNK_MULTIPLE, _meta, prefill
+from models.generate import CHUNK_MULTIPLE, _meta, check_sampling, prefill
 from models.paged import PageAllocator, PagedKVCache, check_page_size, pages_for
 
 _FIRST_STEP = 1 << 30  # sampling-key step index of the token sampled from the prefill logits (as generate)
@@ -73,6 +77,9 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    top_p: float = 1.0  # nucleus sampling (1 = off); with temperature > 0
+    top_k: int = 0  # keep the k most likely tokens (0 = off); with temperature > 0
+    stop: tuple[str, ...] = ()  # end the request once its text contains one of these
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -81,6 +88,16 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
             raise ValueError(f"seed must be an int in [0, 2**31), got {self.seed!r}")
+        check_sampling(self.temperature, self.top_p, self.top_k)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def filters(self) -> bool:
+        """Whether sampling filters the logits (top-p / top-k with temperature > 0)."""
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
 
 
 class RequestHandle:
@@ -94,7 +111,7 @@ class RequestHandle:
         self.tokens: list[int] = []  # generated token ids, EOS excluded
         self.new_tokens = 0  # generated tokens, counting the EOS if one was emitted
         self.finished = False
-        self.finish_reason: str | None = None  # "eos" | "length" | "error"
+        self.finish_reason: str | None = None  # "eos" | "length" | "stop" | "error"
         self.error: BaseException | None = None  # the exception that ended it (finish_reason "error")
         self.slot: int | None = None
         self.arrival = arrival
@@ -118,7 +135,10 @@ class RequestHandle:
 
     @property
     def text(self) -> str:
-        return self._engine.tokenizer.decode(self.tokens)
+        """The generated text; with finish_reason "stop", cut before the stop string."""
+        text = self._engine.tokenizer.decode(self.tokens)
+        cut = _first_stop(text, self.params.stop)
+        return text if cut is None else text[:cut]
 
     def __iter__(self) -> Iterator[int]:
         i = 0
@@ -152,27 +172,53 @@ class RequestHandle:
         self.tokens.append(tok)
         if self._on_token is not None:
             self._on_token(tok)
-        if self.new_tokens >= self.params.max_new_tokens:
+        if self.params.stop and _first_stop(self._engine.tokenizer.decode(self.tokens), self.params.stop) is not None:
+            self.finished, self.finish_reason = True, "stop"
+        elif self.new_tokens >= self.params.max_new_tokens:
             self.finished, self.finish_reason = True, "length"
 
 
-def _sample_slots(logits, temps, seeds, steps):
-    """logits [batch, vocab] -> tokens [batch]: greedy where temps == 0, else one categorical draw per slot."""
+def _filter_slots(scaled, top_ps, top_ks):
+    """Temperature-scaled logits [batch, vocab] with each row's top-k then top-p filter (-inf outside), as
+    `generate.sample` filters a batch with one (top_p, top_k): ties with the k-th value stay, and the nucleus is
+    taken over the top-k survivors."""
+    vocab = scaled.shape[-1]
+    srt = jnp.sort(scaled, axis=-1)[:, ::-1]
+    kth = jnp.take_along_axis(srt, jnp.clip(top_ks - 1, 0, vocab - 1)[:, None], axis=1)
+    scaled = jnp.where((top_ks[:, None] > 0) & (scaled < kth), -jnp.inf, scaled)
+    srt = jnp.sort(scaled, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(srt, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None]
+    cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where((top_ps[:, None] < 1.0) & (scaled < cutoff), -jnp.inf, scaled)
+
+
+def _first_stop(text: str, stop) -> int | None:
+    hits = [text.find(x) for x in stop if x in text]
+    return min(hits) if hits else None
+
+
+def _sample_slots(logits, temps, seeds, steps, top_ps=None, top_ks=None):
+    """logits [batch, vocab] -> tokens [batch]: greedy where temps == 0, else one categorical draw per slot (after
+    its top-p / top-k filter when those are given)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
     scaled = logits / jnp.where(temps > 0, temps, 1.0)[:, None]
+    if top_ps is not None:
+        scaled = _filter_slots(scaled, top_ps, top_ks)
     drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, scaled).astype(jnp.int32)
     return jnp.where(temps > 0, drawn, greedy)
 
 
-def _decode_step(graphdef, strategy, params, cache: PagedKVCache, tokens, active, temps, seeds, steps):
+def _decode_step(graphdef, strategy, params, cache: PagedKVCache, tokens, active, temps, seeds, steps, top_ps=None,
+                 top_ks=None):
     """One decode step over every slot: tokens [max_batch] at each slot's length -> (next tokens, cache)."""
     model = nnx.merge(graphdef, params)
     q_start = cache.lengths
     kv_len = q_start + 1
     meta = _meta("decode", None, q_start, kv_len, kv_len, jnp.where(active, kv_len, q_start))
     logits, cache, _ = model(tokens[:, None], cache, strategy, meta, last_only=jnp.zeros_like(q_start))
-    return _sample_slots(logits, temps, seeds, steps), cache
+    return _sample_slots(logits, temps, seeds, steps, top_ps, top_ks), cache
 
 
 _sample_one = jax.jit(_sample_slots)
@@ -249,6 +295,12 @@ class Engine:
         vocab = self.model.config.vocab
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}), got min {min(ids)} max {max(ids)}")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k} is larger than the vocabulary ({vocab} tokens)")
+        window = self.model.config.max_position_embeddings
+        if len(ids) >= window:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context window of {window} "
+                             "tokens (with room for one generated token)")
         need = len(ids) + params.max_new_tokens
         if need > self.max_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} exceeds "
@@ -337,8 +389,9 @@ class Engine:
                 raise
             self.cache = dataclasses.replace(self.cache, k=view.k, v=view.v)
             p = h.params
+            filt = (jnp.asarray([p.top_p], jnp.float32), jnp.asarray([p.top_k], jnp.int32)) if p.filters else ()
             tok = int(_sample_one(logits, jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.seed], jnp.int32),
-                                  jnp.asarray([_FIRST_STEP], jnp.int32))[0])
+                                  jnp.asarray([_FIRST_STEP], jnp.int32), *filt)[0])
             self._lengths[slot] = plen
             self._next[slot] = tok
             h._emit(tok, self._clock(), self.eos)
@@ -362,14 +415,19 @@ class Engine:
         temps = np.zeros(self.max_batch, np.float32)
         seeds = np.zeros(self.max_batch, np.int32)
         steps = np.zeros(self.max_batch, np.int32)
+        top_ps = np.ones(self.max_batch, np.float32)
+        top_ks = np.zeros(self.max_batch, np.int32)
         for b, h in enumerate(self._slots):
             if h is not None:
                 self._grow(b)
                 temps[b], seeds[b], steps[b] = h.params.temperature, h.params.seed, h.new_tokens - 1
+                if h.params.filters:
+                    top_ps[b], top_ks[b] = h.params.top_p, h.params.top_k
+        filt = (jnp.asarray(top_ps), jnp.asarray(top_ks)) if (top_ps < 1).any() or (top_ks > 0).any() else ()
         cache = self.cache.with_table(self._table, self._lengths)
         try:
             nxt, cache = self._decode(self._params, cache, jnp.asarray(self._next), jnp.asarray(active),
-                                      jnp.asarray(temps), jnp.asarray(seeds), jnp.asarray(steps))
+                                      jnp.asarray(temps), jnp.asarray(seeds), jnp.asarray(steps), *filt)
             nxt = np.asarray(nxt)
         except Exception as err:  # fail the running requests, give their slots and pages back, stay usable
             for b, h in enumerate(self._slots):

@@ -327,3 +327,57 @@ def test_runtime_failure_after_donation_marks_the_engine_unusable(model, rng):
         eng.step()
     with pytest.raises(RuntimeError, match="this engine is unusable"):
         eng.submit([5, 6])
+
+
+# --- issue 23 item 5: top-p / top-k per slot, stop strings, a prompt beyond the model's window --------------------
+
+
+def test_filter_slots_keeps_each_rows_top_k_and_nucleus(rng):
+    from models.engine import _filter_slots
+
+    logits = jnp.asarray(rng.normal(size=(4, 50)) * 2, jnp.float32)
+    top_ps = jnp.asarray([1.0, 0.5, 0.9, 0.3], jnp.float32)
+    top_ks = jnp.asarray([5, 0, 10, 0], jnp.int32)
+    out = np.asarray(_filter_slots(logits, top_ps, top_ks))
+    x = np.asarray(logits)
+    for b in range(4):
+        order = np.argsort(-x[b])
+        allowed = order[:int(top_ks[b])] if int(top_ks[b]) else order
+        p = np.exp(x[b, allowed] - x[b, allowed].max())
+        p /= p.sum()
+        # the nucleus: the smallest prefix whose mass reaches top_p (a token is kept while the mass before it < top_p)
+        n = int(np.sum(np.cumsum(p) - p < float(top_ps[b]))) if float(top_ps[b]) < 1 else len(allowed)
+        kept = set(allowed[:n].tolist())
+        assert set(np.flatnonzero(np.isfinite(out[b])).tolist()) == kept, b
+        np.testing.assert_array_equal(out[b, sorted(kept)], x[b, sorted(kept)])
+
+
+def test_engine_top_k_top_p_and_stop_strings(model, rng):
+    p, other = rng.integers(5, 128, 33).tolist(), rng.integers(5, 128, 50).tolist()
+    eng = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256)
+    greedy = eng.submit(p, SamplingParams(max_new_tokens=10)).result()
+    plain = SamplingParams(max_new_tokens=10, temperature=1.0, seed=4)
+    want_other = eng.submit(other, plain).result()
+    # top_k=1 and a tiny nucleus leave only the argmax: greedy, also next to an unfiltered slot that keeps its draw
+    h1 = eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.9, seed=1, top_k=1))
+    h2 = eng.submit(other, plain)
+    eng.run()
+    assert h1.tokens == greedy and h2.tokens == want_other and want_other != eng.submit(
+        other, SamplingParams(max_new_tokens=10)).result()
+    assert eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.9, top_p=1e-6)).result() == greedy
+    assert eng.decode_compilations == 2  # one program without the filter, one with it
+    # stop strings: the request ends once its text holds one; text is cut before it
+    text = Tok().decode(greedy)
+    stop = text[3:5]
+    h = eng.submit(p, SamplingParams(max_new_tokens=10, stop=(stop,)))
+    h.result()
+    cut = text.find(stop)
+    assert h.finish_reason == "stop" and h.text == text[:cut] and h.tokens == greedy[:cut + len(stop)]
+    for bad, match in ((dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k"), (dict(stop=("",)), "stop must be")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="larger than the vocabulary"):
+        eng.submit(p, SamplingParams(top_k=10 ** 6, temperature=1.0))
+    big = Engine(model, Tok(), S, max_batch=1, page_size=64)  # max_len = the model's 512-token window
+    with pytest.raises(ValueError, match="does not fit the model's context window of 512 tokens"):
+        big.submit([5] * 512)
