@@ -65,7 +65,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import check_supports_paged
-from models.generate import CHUNK_MULTIPLE, _meta, check_sampling, prefill
+from models.generate import CHUNK_MULTIPLE, _first_stop, _meta, check_sampling, prefill
 from models.paged import PageAllocator, PagedKVCache, check_page_size, pages_for
 
 _FIRST_STEP = 1 << 30  # sampling-key step index of the token sampled from the prefill logits (as generate)
@@ -191,11 +191,6 @@ def _filter_slots(scaled, top_ps, top_ks):
     keep = (jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None]
     cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
     return jnp.where((top_ps[:, None] < 1.0) & (scaled < cutoff), -jnp.inf, scaled)
-
-
-def _first_stop(text: str, stop) -> int | None:
-    hits = [text.find(x) for x in stop if x in text]
-    return min(hits) if hits else None
 
 
 def _sample_slots(logits, temps, seeds, steps, top_ps=None, top_ks=None):
