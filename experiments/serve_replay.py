@@ -65,6 +65,8 @@ DTYPE = flags.DEFINE_enum("replay_dtype", None, ["float32", "bfloat16", "float16
                           "Weights and KV dtype (default: bfloat16 on a GPU, float32 elsewhere).")
 CHUNK = flags.DEFINE_integer("replay_chunk_size", None, "Prefill chunk (multiple of 64; default: the whole prompt "
                              "on a GPU).")
+PREFILL_BUDGET = flags.DEFINE_integer("max_prefill_tokens_per_step", None, "Engine: prefill tokens per step between "
+                                      "decode steps (multiple of 64; default: each admission's prefill runs whole)")
 
 RANDOM_SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -243,12 +245,13 @@ def main(argv):
     for name in STRATEGIES.value:
         strategy = build_strategy(name, model, tok, REPLAY_MODEL.value, dtype)
         engine = Engine(model, tok, strategy, max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages,
-                        max_len=max_len, chunk_size=CHUNK.value)
+                        max_len=max_len, chunk_size=CHUNK.value,
+                        max_prefill_tokens_per_step=PREFILL_BUDGET.value)
         t = time.perf_counter()
         warm_up(engine, MIN_PROMPT.value, MAX_PROMPT.value, cfg.vocab)
         print(f"{name}: warm-up (compilation) {time.perf_counter() - t:.1f} s", flush=True)
         steps0 = engine.decode_steps
-        row = dict(strategy=name, **replay(engine, trace))
+        row = dict(strategy=name, max_prefill_tokens_per_step=PREFILL_BUDGET.value, **replay(engine, trace))
         row["decode_steps"] -= steps0
         rows.append(row)
         print(f"{name}: {row['tokens_per_s']:.1f} generated tok/s, makespan {row['makespan_s']:.2f} s, TTFT p50 "
@@ -267,7 +270,8 @@ def main(argv):
                     num_requests=NUM_REQUESTS.value, arrival_rate=ARRIVAL_RATE.value, min_prompt=MIN_PROMPT.value,
                     max_prompt=MAX_PROMPT.value, min_new=MIN_NEW.value, max_new=MAX_NEW.value,
                     max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages, seed=REPLAY_SEED.value,
-                    topk_frac=TOPK_FRAC.value, min_k=MIN_K.value, anchors=ANCHORS.value)
+                    topk_frac=TOPK_FRAC.value, min_k=MIN_K.value, anchors=ANCHORS.value,
+                    max_prefill_tokens_per_step=PREFILL_BUDGET.value)
         print("wrote", paged_report.update(REPLAY_OUT.value, "replay", dict(meta=meta, rows=rows)))
 
 

@@ -14,7 +14,7 @@ Design:
   count only: pages are taken from the free list as the sequence grows (the prompt's pages at admission, one more
   page whenever decode crosses a page boundary), so a running sequence never runs out, and a request that does not
   fit now waits in the queue (one that could never fit is refused at `submit`). Each admitted request is prefilled
-  alone into its slot's pages (`models.generate.prefill` on the pools seen through that slot's page-table row;
+  alone into its slot's pages (`models.generate.prefill`'s chunks on the pools seen through that slot's page-table row;
   prompts are padded to a power of two >= 64 tokens so a trace of ragged prompts compiles a handful of shapes), and
   its first token is sampled from the prefill logits (time to first token). Then one decode step runs over all
   `max_batch` slots. The step is one jitted function of fixed shapes (tokens [max_batch], the page table, lengths,
@@ -46,8 +46,13 @@ top-p / top-k filter each slot's logits with its own values, as `generate.sample
 has two compiled forms, without and with the filter (its sort over the vocabulary), chosen per step by whether an
 active slot filters. Stop strings end a request once its decoded text contains one (finish_reason "stop"; `text`
 is cut before it, `tokens` keep what was streamed).
-Not here: preemption or swapping, prefix sharing, chunked prefill interleaved with decode (a long prompt's prefill
-runs whole, between decode steps).
+Chunked prefill between decode steps (`max_prefill_tokens_per_step=B`): an admitted request's prefill runs in the
+chunks of `models.generate.prefill_plan` (width `chunk_size`, else B), at most B prompt tokens a step (at least
+one chunk), FIFO, with one decode step of the running requests after them, so a 64K admission no longer stalls
+every running request for its whole prefill. A prefilling slot sits out the decode step (its page-table row is
+hidden, so the step cannot write into its pages). The chunks are the ones `prefill` runs, so the tokens are the
+same; B=None (default) prefills each admission whole, as before.
+Not here: preemption or swapping, prefix sharing.
 """
 
 from __future__ import annotations
@@ -65,7 +70,9 @@ import numpy as np
 from flax import nnx
 
 from models.attention import check_supports_paged
-from models.generate import CHUNK_MULTIPLE, _first_stop, _meta, check_sampling, prefill
+from models.generate import (CHUNK_MULTIPLE, _check_pages as check_pages, _check_room as check_room,
+                             _first_stop, _meta, check_sampling, prefill_chunk,
+                             prefill_plan, trace_prefill_chunks)
 from models.paged import PageAllocator, PagedKVCache, check_page_size, pages_for
 
 _FIRST_STEP = 1 << 30  # sampling-key step index of the token sampled from the prefill logits (as generate)
@@ -121,6 +128,8 @@ class RequestHandle:
         self._on_token = on_token
         self._pages: list[int] = []
         self._reserve = 0  # pages still reserved for this request's growth
+        self._plan: list[tuple[int, int]] = []  # prefill chunks not yet run; [] once decoding
+        self._toks: np.ndarray | None = None  # the padded prompt [1, width] while prefilling
 
     @property
     def ttft(self) -> float | None:
@@ -227,7 +236,8 @@ def _prefill_width(n: int, max_len: int) -> int:
 class Engine:
     def __init__(self, model, tokenizer, strategy, *, max_batch: int = 8, page_size: int = 64,
                  num_pages: int | None = None, max_len: int | None = None, chunk_size: int | None = None,
-                 chat: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 chat: bool = False, clock: Callable[[], float] = time.perf_counter,
+                 max_prefill_tokens_per_step: int | None = None):
         cfg = model.config
         page_size = check_page_size(page_size)
         if getattr(model, "mesh", None) is not None:
@@ -239,6 +249,14 @@ class Engine:
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                        or chunk_size <= 0 or chunk_size % CHUNK_MULTIPLE):
             raise ValueError(f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE}, got {chunk_size!r}")
+        budget = max_prefill_tokens_per_step
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
+                                   or budget % CHUNK_MULTIPLE):
+            raise ValueError(f"max_prefill_tokens_per_step must be a positive multiple of {CHUNK_MULTIPLE}, "
+                             f"got {budget!r}")
+        if budget is not None and chunk_size is not None and chunk_size > budget:
+            raise ValueError(f"chunk_size ({chunk_size}) must not exceed max_prefill_tokens_per_step ({budget}): a "
+                             "step runs whole chunks")
         if max_len is None:  # the model's context, in whole pages (rounded down)
             max_len = max(page_size, cfg.max_position_embeddings // page_size * page_size)
         if (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
@@ -252,6 +270,7 @@ class Engine:
             num_pages = max_batch * (max_len // page_size)
         self.model, self.tokenizer, self.strategy = model, tokenizer, strategy
         self.max_batch, self.page_size, self.chunk_size, self.chat = max_batch, page_size, chunk_size, chat
+        self.max_prefill_tokens_per_step = budget
         self.cache = PagedKVCache.init(cfg, max_batch, num_pages, page_size, max_len, dtype=model.dtype)
         self.max_len = self.cache.max_len
         self.num_pages = num_pages
@@ -318,6 +337,11 @@ class Engine:
         return sum(s is not None for s in self._slots)
 
     @property
+    def prefilling(self) -> int:
+        """Admitted requests whose prefill has chunks left (they join decode after their last chunk)."""
+        return sum(s is not None and bool(s._plan) for s in self._slots)
+
+    @property
     def idle(self) -> bool:
         return not self._queue and not self.active
 
@@ -326,12 +350,14 @@ class Engine:
         return self._decode._cache_size()
 
     def step(self) -> list[tuple[RequestHandle, int]]:
-        """Admit what fits (prefill + first token each), then one decode step over all slots.
+        """Admit what fits, run prefill chunks (all of each admission's, or up to max_prefill_tokens_per_step; a
+        finished prefill samples its first token), then one decode step over the decoding slots.
         Returns the (request, token) pairs generated in this step (EOS included)."""
         self._check_usable()
         events: list[tuple[RequestHandle, int]] = []
         self._admit(events)
-        if self.active:
+        self._prefill_work(events)
+        if any(h is not None and not h._plan for h in self._slots):
             self._decode_all(events)
         return events
 
@@ -352,6 +378,10 @@ class Engine:
             for h in self._queue:
                 h._fail(err)
             self._queue.clear()
+            for b, h in enumerate(self._slots):  # e.g. requests still prefilling: their pages are gone too
+                if h is not None:
+                    h._fail(err)
+                    self._release(b)
 
     def _admit(self, events) -> None:
         while self._queue and None in self._slots:
@@ -371,28 +401,68 @@ class Engine:
             self._table[slot] = -1
             self._table[slot, :n] = h._pages
             width = _prefill_width(plen, self.max_len)
-            toks = np.zeros((1, width), np.int32)
-            toks[0, :plen] = h.prompt_ids
+            h._toks = np.zeros((1, width), np.int32)
+            h._toks[0, :plen] = h.prompt_ids
+            # prefill's chunks of the padded width (few compiled shapes), less those of padding only: the last one
+            # left holds the last prompt token and gives the logits of the first token
+            h._plan = [(o, w) for o, w in prefill_plan(width, self.max_len,
+                                                       self.chunk_size or self.max_prefill_tokens_per_step) if o < plen]
             view = self.cache.with_table(self._table[slot:slot + 1], np.zeros(1, np.int32))
-            try:
-                logits, view = prefill(self.model, toks, np.array([plen], np.int32), view, self.strategy,
-                                       chunk_size=self.chunk_size)
-            except Exception as err:  # e.g. a kernel bundle without paged decode: leave the engine consistent
+            try:  # trace-time refusals of a later chunk surface now, before any pool is donated
+                check_room(view, plen, "the prompt", self.model.config.max_position_embeddings)
+                check_pages(view, np.array([plen]), "prefill")
+                trace_prefill_chunks(self.model, 1, h._plan, view, np.array([plen], np.int32), self.strategy)
+            except Exception as err:
                 h._fail(err)
                 self._release(slot)
-                self._after_failure(err)
                 raise
-            self.cache = dataclasses.replace(self.cache, k=view.k, v=view.v)
-            p = h.params
-            filt = (jnp.asarray([p.top_p], jnp.float32), jnp.asarray([p.top_k], jnp.int32)) if p.filters else ()
-            tok = int(_sample_one(logits, jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.seed], jnp.int32),
-                                  jnp.asarray([_FIRST_STEP], jnp.int32), *filt)[0])
-            self._lengths[slot] = plen
-            self._next[slot] = tok
-            h._emit(tok, self._clock(), self.eos)
-            events.append((h, tok))
-            if h.finished:
-                self._release(slot)
+            if self.max_prefill_tokens_per_step is None:  # the whole prefill now, as one admission
+                while h._plan:
+                    self._prefill_chunk(slot, events)
+
+    def _prefill_work(self, events) -> None:
+        """Chunks of the prefilling requests (FIFO by admission), at most max_prefill_tokens_per_step tokens."""
+        budget, spent = self.max_prefill_tokens_per_step, 0
+        if budget is None:
+            return
+        for slot in sorted((b for b, h in enumerate(self._slots) if h is not None and h._plan),
+                           key=lambda b: self._slots[b].id):
+            h = self._slots[slot]
+            while h._plan and (spent == 0 or spent + h._plan[0][1] <= budget):
+                spent += h._plan[0][1]
+                self._prefill_chunk(slot, events)
+            if spent >= budget:
+                return
+
+    def _prefill_chunk(self, slot: int, events) -> None:
+        """Run the next prefill chunk of the request in `slot`; after its last, sample the first token."""
+        h = self._slots[slot]
+        offset, width = h._plan[0]
+        plen = len(h.prompt_ids)
+        view = self.cache.with_table(self._table[slot:slot + 1], np.zeros(1, np.int32))
+        try:
+            logits, view = prefill_chunk(self.model, h._toks[:, offset:offset + width], np.array([plen], np.int32),
+                                         view, self.strategy, offset)
+        except Exception as err:  # e.g. a kernel bundle without paged decode: leave the engine consistent
+            h._fail(err)
+            self._release(slot)
+            self._after_failure(err)
+            raise
+        self.cache = dataclasses.replace(self.cache, k=view.k, v=view.v)
+        h._plan = h._plan[1:]
+        if h._plan:
+            return
+        h._toks = None
+        p = h.params
+        filt = (jnp.asarray([p.top_p], jnp.float32), jnp.asarray([p.top_k], jnp.int32)) if p.filters else ()
+        tok = int(_sample_one(logits, jnp.asarray([p.temperature], jnp.float32), jnp.asarray([p.seed], jnp.int32),
+                              jnp.asarray([_FIRST_STEP], jnp.int32), *filt)[0])
+        self._lengths[slot] = plen
+        self._next[slot] = tok
+        h._emit(tok, self._clock(), self.eos)
+        events.append((h, tok))
+        if h.finished:
+            self._release(slot)
 
     def _grow(self, slot: int) -> None:
         pos = int(self._lengths[slot])
@@ -406,27 +476,28 @@ class Engine:
             self._table[slot, j] = page
 
     def _decode_all(self, events) -> None:
-        active = np.array([s is not None for s in self._slots])
+        active = np.array([s is not None and not s._plan for s in self._slots])
         temps = np.zeros(self.max_batch, np.float32)
         seeds = np.zeros(self.max_batch, np.int32)
         steps = np.zeros(self.max_batch, np.int32)
         top_ps = np.ones(self.max_batch, np.float32)
         top_ks = np.zeros(self.max_batch, np.int32)
         for b, h in enumerate(self._slots):
-            if h is not None:
+            if h is not None and not h._plan:
                 self._grow(b)
                 temps[b], seeds[b], steps[b] = h.params.temperature, h.params.seed, h.new_tokens - 1
                 if h.params.filters:
                     top_ps[b], top_ks[b] = h.params.top_p, h.params.top_k
         filt = (jnp.asarray(top_ps), jnp.asarray(top_ks)) if (top_ps < 1).any() or (top_ks > 0).any() else ()
-        cache = self.cache.with_table(self._table, self._lengths)
+        table = np.where(active[:, None], self._table, -1)  # a prefilling slot's pages stay out of the step
+        cache = self.cache.with_table(table, np.where(active, self._lengths, 0))
         try:
             nxt, cache = self._decode(self._params, cache, jnp.asarray(self._next), jnp.asarray(active),
                                       jnp.asarray(temps), jnp.asarray(seeds), jnp.asarray(steps), *filt)
             nxt = np.asarray(nxt)
         except Exception as err:  # fail the running requests, give their slots and pages back, stay usable
             for b, h in enumerate(self._slots):
-                if h is not None:
+                if h is not None and not h._plan:
                     h._fail(err)
                     self._release(b)
             self._after_failure(err)
@@ -435,7 +506,7 @@ class Engine:
         self.decode_steps += 1
         now = self._clock()
         for b, h in enumerate(self._slots):
-            if h is None:
+            if h is None or h._plan:
                 continue
             self._lengths[b] += 1
             tok = int(nxt[b])
@@ -455,3 +526,4 @@ class Engine:
         self._lengths[slot] = 0
         self._next[slot] = 0
         self._slots[slot] = None
+        h._plan, h._toks = [], None

@@ -122,6 +122,38 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def prefill_plan(width: int, max_len: int, chunk_size: int | None = None) -> list[tuple[int, int]]:
+    """The (offset, width) chunks `prefill` runs over a right-padded batch of `width` token columns in a cache of
+    `max_len` positions: chunks of `chunk_size` (default: the whole prompt on GPU, 1024 elsewhere) over the columns
+    rounded up to a multiple of CHUNK_MULTIPLE. The chunk holding a row's last prompt token gives its logits."""
+    if chunk_size is not None and (chunk_size <= 0 or chunk_size % CHUNK_MULTIPLE):
+        raise ValueError(f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE}, got {chunk_size}")
+    if chunk_size is None:
+        chunk_size = _round_up(width, CHUNK_MULTIPLE) if jax.default_backend() == "gpu" else 1024
+    total = min(_round_up(width, CHUNK_MULTIPLE), max_len)
+    return [(o, min(chunk_size, total - o)) for o in range(0, total, chunk_size)]
+
+
+def trace_prefill_chunks(model, batch: int, plan, cache, prompt_lens, strategy, all_logits=False) -> None:
+    """Trace the programs of every chunk after the first, so that a strategy refusing one (a trace-time ValueError)
+    fails before any buffer has been donated."""
+    graphdef, params = nnx.split(model)
+    plens = jnp.asarray(prompt_lens)
+    for width, offset in {w: o for o, w in plan[1:]}.items():
+        _prefill_chunk.eval_shape(graphdef, params, jax.ShapeDtypeStruct((batch, width), jnp.int32), cache, plens,
+                                  offset, strategy, False, all_logits)
+
+
+def prefill_chunk(model, chunk_tokens, prompt_lens, cache, strategy, offset: int, all_logits=False):
+    """One chunk of `prefill` (`prefill_plan`'s (offset, width), tokens [batch, width]): (logits, cache) with the
+    logits of each row's last prompt token when it lies in this chunk (else of a clipped position), or
+    [batch, width, vocab] with all_logits; cache donated. The serving engine interleaves these with decode steps."""
+    graphdef, params = nnx.split(model)
+    logits, cache, _ = _prefill_chunk(graphdef, params, jnp.asarray(chunk_tokens, jnp.int32), cache,
+                                      jnp.asarray(prompt_lens), offset, strategy, offset == 0, all_logits)
+    return logits, cache
+
+
 def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size: int | None = None, all_logits=False,
             join_logits: bool = True):
     """Chunked prefill of a right-padded batch. Returns (logits [batch, vocab] at each last prompt token, or
@@ -135,36 +167,26 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
         raise ValueError(f"prompt_lens must be [batch] in [1, {p}], got {prompt_lens.tolist()}")
     _check_room(cache, int(prompt_lens.max()), "the prompt", model.config.max_position_embeddings)
     _check_pages(cache, prompt_lens, "prefill")
-    if chunk_size is not None and (chunk_size <= 0 or chunk_size % CHUNK_MULTIPLE):
-        raise ValueError(f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE}, got {chunk_size}")
-    if chunk_size is None:
-        chunk_size = _round_up(p, CHUNK_MULTIPLE) if jax.default_backend() == "gpu" else 1024
-    graphdef, params = nnx.split(model)
-    total = min(_round_up(p, CHUNK_MULTIPLE), cache.max_len)
+    plan = prefill_plan(p, cache.max_len, chunk_size)
+    total = plan[-1][0] + plan[-1][1]
     toks = np.zeros((b, total), np.int32)
     toks[:, :min(p, total)] = tokens[:, :total]
     plens = jnp.asarray(prompt_lens)
-    offsets = list(range(0, total, chunk_size))
     # The cache is donated chunk by chunk: trace every later chunk's program (its distinct width) before the first
     # runs, so a strategy that refuses one (a trace-time ValueError) fails before any buffer was donated.
-    later = {min(chunk_size, total - o): o for o in offsets[1:]}
-    for width, offset in later.items():
-        _prefill_chunk.eval_shape(graphdef, params, jax.ShapeDtypeStruct((b, width), jnp.int32), cache, plens, offset,
-                                  strategy, False, all_logits)
+    trace_prefill_chunks(model, b, plan, cache, prompt_lens, strategy, all_logits)
     outs, last = [], None
-    for offset in offsets:
-        chunk = toks[:, offset:offset + chunk_size]
-        logits, cache, _ = _prefill_chunk(graphdef, params, jnp.asarray(chunk), cache, plens, offset, strategy,
-                                          offset == 0, all_logits)
+    for offset, width in plan:
+        logits, cache = prefill_chunk(model, toks[:, offset:offset + width], plens, cache, strategy, offset,
+                                      all_logits)
         if all_logits:
             outs.append(logits)
         else:
-            here = (prompt_lens - 1 >= offset) & (prompt_lens - 1 < offset + chunk.shape[1])
+            here = (prompt_lens - 1 >= offset) & (prompt_lens - 1 < offset + width)
             last = logits if last is None else jnp.where(jnp.asarray(here)[:, None], logits, last)
     cache = dataclasses.replace(cache, lengths=plens)
     if all_logits and not join_logits:
-        ends = [min(o + chunk_size, total) for o in offsets]
-        return [lg[:, :max(0, min(e, p) - o)] for lg, o, e in zip(outs, offsets, ends) if o < p], cache
+        return [lg[:, :max(0, min(o + w, p) - o)] for lg, (o, w) in zip(outs, plan) if o < p], cache
     if all_logits:
         return jnp.concatenate(outs, axis=1)[:, :p], cache
     return last, cache

@@ -33,6 +33,9 @@ def test_replay_and_report(tmp_path):
     assert row["requests"] == 5 and row["generated_tokens"] == sum(t[2] for t in trace)
     assert row["tokens_per_s"] > 0 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
     assert row["decode_compilations"] == 1 and eng.idle
+    chunked = Engine(model, tok, DenseStrategy(), max_batch=2, page_size=16, max_len=256, max_prefill_tokens_per_step=64)
+    crow = serve_replay.replay(chunked, trace)  # prefill in 64-token chunks between decode steps: the same tokens
+    assert crow["generated_tokens"] == row["generated_tokens"] and crow["decode_compilations"] == 1 and chunked.idle
     meta = dict(gpu="cpu", date="d", jax="j", command="c", model=desc, num_requests=5, arrival_rate=50.0,
                 min_prompt=40, max_prompt=200, min_new=3, max_new=8, max_batch=2, page_size=16, num_pages=32, seed=1)
     rows = [dict(strategy="dense", **row), dict(strategy="kascade", **dict(row, tokens_per_s=2 * row["tokens_per_s"]))]

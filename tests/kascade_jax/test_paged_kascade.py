@@ -58,12 +58,14 @@ def _kascade(kernels="reference"):
     return KascadeStrategy(cfg, kernels=kernels)
 
 
-@pytest.mark.parametrize("ps,kernels", [(16, "reference"), (64, "interpret")])
-def test_paged_kascade_equals_contiguous(model, rng, ps, kernels):
+@pytest.mark.parametrize("ps,kernels,budget", [(16, "reference", None), (64, "interpret", None), (16, "reference", 64)])
+def test_paged_kascade_equals_contiguous(model, rng, ps, kernels, budget):
+    """budget: prefill in 64-token chunks between decode steps (max_prefill_tokens_per_step): the same tokens."""
     paged_strategy = _kascade(_interpret_bundle() if kernels == "interpret" else "reference")
     contiguous = _kascade()
     prompts = [rng.integers(5, 128, n).tolist() for n in (70, 127, 97)]  # ragged, one prefill width (128)
-    eng = Engine(model, Tok(), paged_strategy, max_batch=2, page_size=ps, max_len=256)
+    eng = Engine(model, Tok(), paged_strategy, max_batch=2, page_size=ps, max_len=256,
+                 max_prefill_tokens_per_step=budget)
     hs = [eng.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]
     eng.run()
     want = gen.generate(model, Tok(), prompts, contiguous, max_new_tokens=6, max_len=eng.max_len)

@@ -381,3 +381,32 @@ def test_engine_top_k_top_p_and_stop_strings(model, rng):
     big = Engine(model, Tok(), S, max_batch=1, page_size=64)  # max_len = the model's 512-token window
     with pytest.raises(ValueError, match="does not fit the model's context window of 512 tokens"):
         big.submit([5] * 512)
+
+
+# --- issue 23 item 1: chunked prefill interleaved with decode ---------------------------------------------------------
+
+
+def test_interleaved_prefill_same_tokens_and_decode_keeps_running(model, rng):
+    prompts = [rng.integers(5, 128, n).tolist() for n in (20, 300, 97, 33)]
+    whole = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=512)
+    want = [whole.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, (40, 6, 9, 12))]
+    whole.run()
+    eng = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=512, max_prefill_tokens_per_step=128)
+    short = eng.submit(prompts[0], SamplingParams(max_new_tokens=40))
+    eng.step()  # the short prompt: one chunk, its first token, one decode step
+    long = eng.submit(prompts[1], SamplingParams(max_new_tokens=6))  # 300 tokens: 3 chunks of 128 (of 512 padded)
+    during = []
+    while not long.tokens and not long.finished:
+        events = eng.step()
+        during.append(([h.id for h, _ in events], eng.prefilling))
+    # the running request decoded in every step of the long prefill; the long one joined after its 3rd chunk
+    assert len(during) == 3 and all(short.id in ids for ids, _ in during)
+    assert [n for _, n in during] == [1, 1, 0]
+    rest = [eng.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[2:], (9, 12))]
+    eng.run()
+    assert [h.tokens for h in (short, long, *rest)] == [h.tokens for h in want]
+    assert eng.decode_compilations == 1
+    with pytest.raises(ValueError, match="max_prefill_tokens_per_step must be a positive multiple of 64"):
+        Engine(model, Tok(), S, max_batch=1, page_size=16, max_len=256, max_prefill_tokens_per_step=100)
+    with pytest.raises(ValueError, match="must not exceed max_prefill_tokens_per_step"):
+        Engine(model, Tok(), S, max_batch=1, page_size=16, max_len=256, chunk_size=256, max_prefill_tokens_per_step=128)
