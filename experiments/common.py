@@ -11,6 +11,7 @@ import sys
 from absl import flags
 
 from experiments import recipe_flags
+from kascade_jax.registry import BUDGETED_BASELINES, KASCADE_FAMILY
 
 MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model: alias (smollm2-135m), HF safetensors dir, .gguf file or hub id.")
 DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Model and KV-cache dtype.")
@@ -54,10 +55,6 @@ def _check_tile_size(values):
 def recipe():
     """The --recipe for --model, with the explicitly given recipe flags applied on top."""
     return recipe_flags.resolve_recipe(MODEL.value)
-
-
-KASCADE_FAMILY = ("kascade", "no_remap", "all_heads_pooled", "pre_softmax_pooling", "oracle_topk", "decode_only")
-BUDGETED_BASELINES = ("quest", "omnikv", "less_is_more")
 
 
 def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = None):

@@ -48,6 +48,8 @@ _BASELINES = {
     "less_is_more": LessIsMoreStrategy,
 }
 STRATEGY_NAMES = tuple(_KASCADE_VARIANTS) + tuple(_BASELINES)
+KASCADE_FAMILY = tuple(_KASCADE_VARIANTS)  # the names that take anchors, a head map and a recipe
+BUDGETED_BASELINES = ("quest", "omnikv", "less_is_more")  # the baselines that take topk_frac / min_k
 
 
 def default_anchors(num_layers: int) -> tuple[int, ...]:

@@ -27,10 +27,8 @@ import time
 
 from kascade_jax.eval import fidelity as fidelity_lib
 from kascade_jax.eval import harness, report
+from kascade_jax.registry import BUDGETED_BASELINES, KASCADE_FAMILY
 from kascade_jax.tasks import aa_lcr, aime, longbench, metrics, ruler, synthetic
-
-KASCADE_FAMILY = ("kascade", "no_remap", "all_heads_pooled", "pre_softmax_pooling", "oracle_topk", "decode_only")
-BUDGET_BASELINES = ("quest", "omnikv", "less_is_more")  # budget_frac plays the role of topk_frac
 
 
 def expand_tasks(names) -> list[str]:
@@ -225,7 +223,7 @@ def build_strategies(spec: EvalSpec, num_layers: int, kv_heads: int) -> list[Str
                     cfg = f"k={frac:g}" + (f" anchors={anchors} head_map={hm}" if anchors else "")
                     cfg += f" {var.recipe}" if var.recipe else ""
                     runs.append(StrategyRun(name, cfg, frac, anchors, st))
-        elif name in BUDGET_BASELINES:
+        elif name in BUDGETED_BASELINES:
             for frac in spec.topk_fracs:
                 st = make_strategy(name, num_layers, kv_heads, budget_frac=frac)
                 runs.append(StrategyRun(name, f"budget={frac:g}", frac, "", st))
