@@ -120,8 +120,11 @@ def test_cli_keyboard_interrupt_exits_130():
     res = _run("-c", SCRIPT, "interrupt")
     assert res.returncode == 130 and res.stderr.strip() == "interrupted", res.stderr[-2000:]
     # a real Ctrl-C (SIGINT) while main runs
+    # SIGINT back to its default in the child: a suite started from a background shell job (`./launch.sh test &`)
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "sleep"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+                            stderr=subprocess.PIPE, text=True, env=ENV,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(0.1)
