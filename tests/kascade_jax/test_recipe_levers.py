@@ -254,3 +254,29 @@ def test_strategy_decode_frac(rng, kernels):
     for bad in (dict(decode_topk_frac=0.0), dict(decode_topk_frac=1.5), dict(decode_topk_frac=True)):
         with pytest.raises(ValueError, match="decode_topk_frac"):
             KascadeConfig(num_layers=2, kv_heads=1, **bad)
+
+
+def test_dense_suffix_across_prefill_chunks(tiny_model, rng):
+    """The suffix rows before a chunk boundary are dense too: a 70-token prompt with a 20-token suffix prefilled in
+    64-token chunks (suffix rows 50..69 cross the boundary) equals its one-chunk prefill, batched with a 40-token
+    prompt whose suffix does not cross."""
+    from models import generate as gen
+    from models.cache import KVCache
+
+    cfg = tiny_model.config
+    st = make_strategy("kascade", cfg.num_layers, cfg.kv_heads, anchors=(0,), topk_frac=0.1, min_k=4, tile_size=16,
+                       dense_suffix=20)
+    plain = make_strategy("kascade", cfg.num_layers, cfg.kv_heads, anchors=(0,), topk_frac=0.1, min_k=4, tile_size=16)
+    toks = rng.integers(5, 128, (2, 128))
+    lens = np.array([70, 40], np.int32)
+
+    def logits(strategy, chunk):
+        cache = KVCache.init(cfg, 2, 128, jnp.float32)
+        out, _ = gen.prefill(tiny_model, toks, lens, cache, strategy, chunk_size=chunk, all_logits=True)
+        return np.asarray(out)
+
+    whole, chunked = logits(st, None), logits(st, 64)
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(chunked[b, :n], whole[b, :n], atol=1e-4, rtol=1e-4)
+    sparse = logits(plain, None)  # and the suffix changes those rows: the check above can see a missing suffix
+    assert np.abs(sparse[0, 50:64] - whole[0, 50:64]).max() > 1e-3

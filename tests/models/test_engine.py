@@ -410,3 +410,19 @@ def test_interleaved_prefill_same_tokens_and_decode_keeps_running(model, rng):
         Engine(model, Tok(), S, max_batch=1, page_size=16, max_len=256, max_prefill_tokens_per_step=100)
     with pytest.raises(ValueError, match="must not exceed max_prefill_tokens_per_step"):
         Engine(model, Tok(), S, max_batch=1, page_size=16, max_len=256, chunk_size=256, max_prefill_tokens_per_step=128)
+
+
+def test_reservations_decide_admission(model, rng):
+    """Only the page reservations keep B out: both prompts fit one page each, but A's growth (5 pages of 6) leaves
+    B's 4 no room. An engine that admitted B on its prompt's pages would run out of pages mid-decode."""
+    a, b = rng.integers(5, 128, 16).tolist(), rng.integers(5, 128, 16).tolist()
+    eng = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256, num_pages=6)
+    ha = eng.submit(a, SamplingParams(max_new_tokens=64))  # 80 tokens: 5 pages (the toy tokenizer has no EOS)
+    hb = eng.submit(b, SamplingParams(max_new_tokens=48))  # 64 tokens: 4 pages
+    eng.step()
+    assert eng.active == 1 and eng.queued == 1 and hb.slot is None  # B waits for A's reserved pages
+    eng.run()
+    for h, p, n in ((ha, a, 64), (hb, b, 48)):
+        (want,) = gen.generate(model, Tok(), [p], S, max_new_tokens=n, max_len=256)
+        assert h.finish_reason == "length" and h.tokens == want.token_ids and len(h.tokens) == n
+    assert eng.allocator.free == 6 and eng._reserved == 0
