@@ -86,6 +86,21 @@ class IdTokenizer:
         return " ".join(map(str, ids))
 
 
+CPU_MAX_GB = 8.0  # a CPU replay is a functional check: refuse one whose weights and KV pool would exceed this
+
+
+def random_model_gb(shape: str, layers: int, dtype: str, num_pages: int, page_size: int) -> float:
+    """GB of a random:<shape> model's weights plus its engine's paged KV pool (K and V, every layer)."""
+    c = RANDOM_SHAPES[shape]
+    h, ffn, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = c.get("head_dim", h // c["num_attention_heads"])
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * ffn
+    params = layers * per_layer + vocab * h * (1 if c["tie_word_embeddings"] else 2)
+    pool = 2 * layers * num_pages * page_size * kv
+    return (params + pool) * (4 if dtype == "float32" else 2) / 1e9
+
+
 def build_model(spec: str, layers: int, dtype: str):
     import jax.numpy as jnp
 
@@ -229,7 +244,16 @@ def main(argv):
     if REPLAY_OUT.value and not on_gpu:
         raise ValueError("--replay_out writes benchmark files: run on a GPU (CPU timings would mean nothing)")
     dtype = DTYPE.value or ("bfloat16" if on_gpu else "float32")
-    model, tok, desc = build_model(REPLAY_MODEL.value, REPLAY_LAYERS.value, dtype)
+    spec = REPLAY_MODEL.value
+    if not on_gpu and spec.startswith("random:") and spec.split(":", 1)[1] in RANDOM_SHAPES:
+        ps0 = PAGE_SIZE.value
+        pool_pages = NUM_PAGES.value or MAX_BATCH.value * pages_for(MAX_PROMPT.value + MAX_NEW.value, ps0)
+        gb = random_model_gb(spec.split(":", 1)[1], REPLAY_LAYERS.value, dtype, pool_pages, ps0)
+        if gb > CPU_MAX_GB:
+            raise ValueError(f"serve_replay on a CPU: --replay_model={spec} with {REPLAY_LAYERS.value} layers and "
+                             f"{pool_pages} KV pages of {ps0} needs about {gb:.0f} GB; run it on a GPU, or check the "
+                             "loop on CPU with --replay_model=random:tiny")
+    model, tok, desc = build_model(spec, REPLAY_LAYERS.value, dtype)
     cfg = model.config
     max_len = MAX_PROMPT.value + MAX_NEW.value
     if max_len > cfg.max_position_embeddings:

@@ -146,3 +146,17 @@ def test_replay_kascade_on_a_real_alias_uses_its_recipe_at_bfloat16():
     assert tuple(s.config.anchors) == tuple(art.anchors_for(5))
     assert np.array_equal(np.asarray(s.config.head_map), art.head_map(s.config.anchors))
     assert (s.config.sink_tokens, s.config.recent_window, s.config.dense_suffix) == (4, 60, 128)
+
+
+def test_replay_with_its_gpu_defaults_is_refused_on_a_cpu():
+    """The default replay (8 layers of the 8B shape, 16K prompts) would need ~20 GB of host memory: refused by
+    name before any model is built; the tiny shape stays allowed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-m", "experiments.serve_replay"], cwd=root, capture_output=True, text=True,
+                         timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+    assert res.returncode != 0 and "serve_replay on a CPU" in res.stderr and "about 20 GB" in res.stderr, res.stderr
+    assert serve_replay.random_model_gb("tiny", 2, "float32", 100, 16) < 0.01
