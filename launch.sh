@@ -47,7 +47,20 @@ case "${1:-}" in
   test)
     shift
     export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
-    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    # Two pytest-xdist workers (the test extra installs it), whole files per worker (--dist loadfile: a file's tests
+    # run in order in one process, module fixtures load once). The suite is bound by single-threaded XLA compiles,
+    # so the second core of the 2-core CI box takes the other half. KASCADE_TEST_WORKERS=0 runs in this process;
+    # a later -n N on the command line overrides.
+    WORKERS=${KASCADE_TEST_WORKERS:-2}
+    XDIST=()
+    if [ "$WORKERS" != 0 ]; then
+      if "$VENV/bin/python" -c 'import xdist' 2>/dev/null; then
+        XDIST=(-n "$WORKERS" --dist loadfile)
+      else
+        echo "note: pytest-xdist not installed in $VENV (./launch.sh setup installs it): running in one process" >&2
+      fi
+    fi
+    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} "$@"
     ;;
   gpu-test)
     # On a GPU VM: ./launch.sh setup; .venv/bin/python -m pip install -e ".[cuda12,test]" (or cuda13); then this.

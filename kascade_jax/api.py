@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+
 def strategy_for(model, name: str = "kascade", *, recipe: Any = "default", model_name: str | None = None,
                  tokenizer=None, topk_frac: float = 0.1, min_k: int = 128, kernels: str | None = None,
                  calibrate: bool = True, verbose: bool = True):

@@ -276,8 +276,19 @@ def test_generate_and_speed_show_what_runs():
     (from the SmolLM2 calibration shipped in the package); speed also shows tqdm progress."""
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
            "KASCADE_JAX_CALIBRATION_DIR": "/nonexistent/empty-cache"}  # only the shipped calibration can match
-    res = subprocess.run([sys.executable, "-m", "experiments.generate", "--strategy=kascade", "--prompt=Hi",
-                          "--max_new_tokens=2"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    # the two commands are independent: both start at once (each loads the model and compiles on its own core)
+    procs = [subprocess.Popen([sys.executable, "-m", *cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+             for cmd in (["experiments.generate", "--strategy=kascade", "--prompt=Hi", "--max_new_tokens=2"],
+                         ["experiments.speed", "--prompt_len=64", "--new_tokens=2", "--repeats=1"])]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+        done = [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    res = done[0]
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stderr.splitlines()
     assert "strategy: kascade, kernels: reference (kascade_jax kernels)" in lines, res.stderr[-3000:]
@@ -285,8 +296,7 @@ def test_generate_and_speed_show_what_runs():
     assert anchors and "recipe: recipe=default" in anchors[0]
     assert any(l.startswith("head_map (auto; rows not listed are the identity): L") for l in lines)
     assert "calibrating" not in res.stderr  # the shipped artifact matched its key
-    res = subprocess.run([sys.executable, "-m", "experiments.speed", "--prompt_len=64", "--new_tokens=2",
-                          "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    res = done[1]
     assert res.returncode == 0, res.stderr[-3000:]
     assert "strategy: dense, kernels: jnp attention (XLA)" in res.stderr
     assert "compile (prefill, generate): 100%" in res.stderr and "timed repeats: 100%" in res.stderr

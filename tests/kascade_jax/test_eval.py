@@ -252,11 +252,10 @@ def test_pivot_and_merge(tmp_path):
 
 # ----------------------------------------------------------------------------- real model
 @pytest.mark.slow
-def test_end_to_end_real_smollm2(tmp_path):
-    """1 sample, ~300-token prompt, dense vs kascade, 8 new tokens, through the CLI's library path."""
-    from models import load_model
-
-    model, tok = load_model("smollm2-135m")
+def test_end_to_end_real_smollm2(tmp_path, smollm2):
+    """1 sample, ~300-token prompt, dense vs kascade, 8 new tokens, through the CLI's library path (the model as the
+    CLI loads it: load_model("smollm2-135m"), float32, shared with the other real-model tests by the session fixture)."""
+    model, tok = smollm2
     spec = suite.EvalSpec(tasks=("synthetic:niah_single_1",), context_lengths=(320,), num_samples=1, batch_size=1,
                           strategies=("dense", "kascade"), max_new_tokens=8, strategy_kwargs=(("min_k", 16),))
     rows, records, _ = suite.run(spec, model, tok, progress=False)
