@@ -231,3 +231,16 @@ def test_eval_on_a_mesh_checks_the_batch_of_every_context_before_loading(tmp_pat
                           "--context_lengths=4096", f"--output_dir={tmp_path / 'b'}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     _one_line_error(res, "fidelity runs one document at a time")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--context_lengths=1024,abc"], "--context_lengths takes positive integers"),
+    (["--context_lengths=0"], "--context_lengths takes positive integers"),
+    (["--topk_frac=0.1,x"], "--topk_frac takes numbers in (0, 1]"),
+    (["--dense_suffix=4096", "--context_lengths=1024,2048"], "--dense_suffix: default*: dense_suffix=4096 covers the "
+                                                            "whole prompt at --context_lengths=1024"),
+])
+def test_eval_names_the_bad_flag_before_loading(tmp_path, flags, message):
+    res = _run("-m", "experiments.eval", "--model=/nonexistent/model", "--tasks=synthetic:vt",
+               f"--output_dir={tmp_path / 'out'}", *flags)
+    _one_line_error(res, message)
