@@ -93,12 +93,8 @@ def main(argv):
         doc = accuracy.choose_recipe(rows, candidates, ratios=ratios, model=FLAGS.model, context=FLAGS.context,
                                      num_layers=FLAGS.num_layers, max_slowdown=FLAGS.max_slowdown,
                                      within_dense=FLAGS.within_dense if FLAGS.within_dense >= 0 else None)
-        from kascade_jax.recipes import RECIPE_DIR  # noqa: PLC0415
-
-        shipped = RECIPE_DIR / f"{FLAGS.model}.json"  # candidates calibrate in the shipped recipe's dtype
-        dt = json.loads(shipped.read_text()).get("default", {}).get("calib_dtype") if shipped.is_file() else None
-        if dt and not doc["default"].get("calib_dtype"):
-            doc["default"]["calib_dtype"] = dt
+        if shipped.calib_dtype and not doc["default"].get("calib_dtype"):  # candidates calibrate in the shipped dtype
+            doc["default"]["calib_dtype"] = shipped.calib_dtype
         out = Path(FLAGS.out).expanduser()
         _write_json(out, doc)
         print(json.dumps({k: doc[k] for k in ("chosen_from", "default")}, indent=1))

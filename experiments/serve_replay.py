@@ -245,22 +245,20 @@ def main(argv):
         raise ValueError("--replay_out writes benchmark files: run on a GPU (CPU timings would mean nothing)")
     dtype = DTYPE.value or ("bfloat16" if on_gpu else "float32")
     spec = REPLAY_MODEL.value
+    ps = PAGE_SIZE.value
+    max_len = MAX_PROMPT.value + MAX_NEW.value
+    num_pages = NUM_PAGES.value or MAX_BATCH.value * pages_for(max_len, ps)
     if not on_gpu and spec.startswith("random:") and spec.split(":", 1)[1] in RANDOM_SHAPES:
-        ps0 = PAGE_SIZE.value
-        pool_pages = NUM_PAGES.value or MAX_BATCH.value * pages_for(MAX_PROMPT.value + MAX_NEW.value, ps0)
-        gb = random_model_gb(spec.split(":", 1)[1], REPLAY_LAYERS.value, dtype, pool_pages, ps0)
+        gb = random_model_gb(spec.split(":", 1)[1], REPLAY_LAYERS.value, dtype, num_pages, ps)
         if gb > CPU_MAX_GB:
             raise ValueError(f"serve_replay on a CPU: --replay_model={spec} with {REPLAY_LAYERS.value} layers and "
-                             f"{pool_pages} KV pages of {ps0} needs about {gb:.0f} GB; run it on a GPU, or check the "
+                             f"{num_pages} KV pages of {ps} needs about {gb:.0f} GB; run it on a GPU, or check the "
                              "loop on CPU with --replay_model=random:tiny")
     model, tok, desc = build_model(spec, REPLAY_LAYERS.value, dtype)
     cfg = model.config
-    max_len = MAX_PROMPT.value + MAX_NEW.value
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"--max_prompt + --max_new = {max_len} exceeds the model's context {cfg.max_position_embeddings}")
-    ps = PAGE_SIZE.value
     max_len = pages_for(max_len, ps) * ps
-    num_pages = NUM_PAGES.value or MAX_BATCH.value * (max_len // ps)
     trace = make_trace(NUM_REQUESTS.value, ARRIVAL_RATE.value, MIN_PROMPT.value, MAX_PROMPT.value, MIN_NEW.value,
                        MAX_NEW.value, cfg.vocab, REPLAY_SEED.value)
     print(f"{desc}; {len(trace)} requests over {trace[-1][0]:.1f} s, prompts {MIN_PROMPT.value}-{MAX_PROMPT.value}, "
