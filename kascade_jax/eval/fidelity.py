@@ -1,24 +1,24 @@
 """Label-free fidelity of a sparse strategy against dense attention, on long natural text.
 
-1. Teacher forcing: the same document runs through the model with dense attention and with the strategy
-   (`models.generate.prefill(..., all_logits=True)`); per token we take KL(dense || strategy) of the next-token
-   distributions and whether their argmax agrees.
-2. Attention mass (Kascade-family strategies only): the document's prefix is prefilled with the strategy, then
-   its last chunk runs through `MassProbe`, a wrapper that calls the strategy and, per layer, measures on the
-   chunk's query rows (a) the dense attention mass that lands on the keys the strategy attends (its selected set
-   through the head map, plus the causal diagonal tile it always attends) and (b) the same for the oracle: the
-   per-query-head Top-k of the dense probabilities over the same prefix with the same budget k. The ratio a/b
-   is the "recovered mass vs oracle Top-k"; dense layers (layer 0, decode-only prefill) score 1.
-   The probe reads the strategy's own state (`idx [batch, idx_heads, tiles, k_max]`, `counts [batch, tiles]`)
-   and recomputes dense probabilities from q and the cache with plain jnp, so it sees exactly what ran.
+A document is P prefill tokens (P a multiple of PROBE_CHUNK) and DECODE_STEPS more. It runs once through dense
+attention and every strategy in lockstep, chunk by chunk (`_document_pass`):
+1. Teacher forcing: per prefill token, KL(dense || strategy) of the next-token distributions and whether their
+   argmax agrees.
+2. Prefill attention mass (Kascade-family strategies only): the last prefill chunk (PROBE_CHUNK rows) runs through
+   `MassProbe`, a wrapper that calls the strategy and, per layer, measures on those rows (a) the dense attention
+   mass that lands on the keys the strategy attends (its selected set through the head map, plus the causal
+   diagonal tile it always attends) and (b) the same for the oracle: each query head's own Top-k of the dense
+   probabilities over the same prefix with the same budget k. a/b is the "recovered mass vs oracle Top-k"; dense
+   layers (layer 0, decode-only prefill) score 1. The probe reads the strategy's own state and recomputes dense
+   probabilities from q and the cache with plain jnp, so it sees exactly what ran.
+3. Decode-phase mass: the DECODE_STEPS tokens then run as teacher-forced decode steps on the same cache through
+   the same probe: per layer, the dense mass on the keys the strategy attends against each query head's own
+   Top-count. Prefill and decode numbers side by side say which phase loses the mass.
 
-3. Decode-phase mass: after a prefill with the strategy, `DECODE_STEPS` teacher-forced decode steps (the
-   document's last tokens) run through the same probe in the decode phase: per layer, the dense mass on the keys
-   the strategy attends (its decode indices through the head map) against each query head's own Top-count.
-   Prefill and decode numbers side by side say which phase loses the mass.
-
-Documents are stdlib prose (`tasks.prose`) from seeded offsets of the "test" split stream, or any texts passed in.
-There are ~70K tokens of prose, so many 8K documents overlap; pass LongBench contexts for fully distinct ones.
+Each strategy prefills a document once, and at most one [chunk, vocab] logits array per strategy exists at a time
+(the first version held every chunk's logits of dense and the strategy, 2 x 10 GB at 16K x 152K, and ran three
+prefills per strategy). Documents are stdlib prose (`tasks.prose`) from seeded offsets of the "test" split
+stream, or any token lists passed in. There are ~70K tokens of prose, so many 8K documents overlap.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ DECODE_STEPS = 8  # teacher-forced decode steps probed at the end of each docume
 
 
 def prose_documents(tokenizer, num_docs: int, length: int, *, seed: int = 0, split: str = "test") -> list[list[int]]:
-    """`num_docs` token lists of exactly `length` tokens of prose, each from a seeded starting sentence."""
+    """`num_docs` token lists of prose, each from a seeded starting sentence: `length` prefill tokens (a multiple of
+    PROBE_CHUNK) and DECODE_STEPS more for the decode-phase probe."""
     if length < 2 * PROBE_CHUNK or length % PROBE_CHUNK:
         raise ValueError(f"length must be a multiple of {PROBE_CHUNK} and >= {2 * PROBE_CHUNK}, got {length}")
     sents = prose.prose_sentences()
@@ -47,34 +48,18 @@ def prose_documents(tokenizer, num_docs: int, length: int, *, seed: int = 0, spl
     for i in range(num_docs):
         rng = np.random.default_rng(synthetic.sample_seed("fidelity", length, i, seed=seed, split=split))
         start, ids, n = int(rng.integers(len(sents))), [], 0
-        while len(ids) < length:
+        while len(ids) < length + DECODE_STEPS:
             chunk = " ".join(sents[(start + n + j) % len(sents)] for j in range(64))
             n += 64
             ids += prompt_lib.encode(tokenizer, (" " if ids else "") + chunk)
             if n > 4 * len(sents):
                 raise ValueError(f"length {length} is too long for the prose source")
-        docs.append(ids[:length])
+        docs.append(ids[:length + DECODE_STEPS])
     return docs
 
 
 # ----------------------------------------------------------------------------- teacher forcing
-_LOGIT_CHUNK = 4096  # teacher-forced prefill chunk: the logits stay as per-chunk [chunk, vocab] fp32 arrays
-
-
-def _logprobs(model, tokens, strategy) -> list:
-    """The document's next-token logits as a list of [rows, vocab] chunks (never one [T, vocab] array: 16K x 152K
-    fp32 is 10 GB, and joining the chunks would copy it)."""
-    from models import generate as gen  # noqa: PLC0415
-    from models.cache import KVCache  # noqa: PLC0415
-
-    tokens = np.asarray(tokens, np.int32)[None]
-    t = tokens.shape[1]
-    cache = KVCache.init(model.config, 1, -(-t // 64) * 64, dtype=model.dtype)
-    chunks, _ = gen.prefill(model, tokens, np.array([t], np.int32), cache, strategy, all_logits=True,
-                            join_logits=False, chunk_size=min(_LOGIT_CHUNK, -(-t // 64) * 64))
-    return [c[0] for c in chunks]
-
-
+_LOGIT_CHUNK = 2048  # teacher-forced prefill chunk: one [chunk, vocab] fp32 logits array per strategy at a time
 _KL_ROWS = 1024  # rows per block of the KL: bounds the fp32 log-softmax copies
 
 
@@ -86,20 +71,16 @@ def _kl_top1_block(ld, lo):
     return kl, jnp.argmax(lp_dense, -1) == jnp.argmax(lp_other, -1)
 
 
-def _kl_top1(logits_dense, logits_other):
-    """KL(dense || other) and argmax agreement per token, in blocks of _KL_ROWS rows. Each argument is a [T, vocab]
-    array or a list of [rows, vocab] chunks (`_logprobs`); both sides must be split alike."""
-    dense = logits_dense if isinstance(logits_dense, (list, tuple)) else [logits_dense]
-    other = logits_other if isinstance(logits_other, (list, tuple)) else [logits_other]
-    if [c.shape for c in dense] != [c.shape for c in other]:
-        raise ValueError(f"logit chunks differ: {[c.shape for c in dense]} vs {[c.shape for c in other]}")
+def _kl_top1(logits_dense, logits_other) -> tuple[np.ndarray, np.ndarray]:
+    """KL(dense || other) and argmax agreement per row of two [rows, vocab] arrays, in blocks of _KL_ROWS rows."""
+    if logits_dense.shape != logits_other.shape:
+        raise ValueError(f"logits differ in shape: {logits_dense.shape} vs {logits_other.shape}")
     kls, agrees = [], []
-    for ld, lo in zip(dense, other):
-        for i in range(0, ld.shape[0], _KL_ROWS):
-            kl, agree = _kl_top1_block(ld[i:i + _KL_ROWS], lo[i:i + _KL_ROWS])
-            kls.append(kl)
-            agrees.append(agree)
-    return jnp.concatenate(kls), jnp.concatenate(agrees)
+    for i in range(0, logits_dense.shape[0], _KL_ROWS):
+        kl, agree = _kl_top1_block(logits_dense[i:i + _KL_ROWS], logits_other[i:i + _KL_ROWS])
+        kls.append(np.asarray(kl))
+        agrees.append(np.asarray(agree))
+    return np.concatenate(kls), np.concatenate(agrees)
 
 
 # ----------------------------------------------------------------------------- attention mass probe
@@ -193,47 +174,71 @@ def supports_mass(strategy) -> bool:
     return cfg is not None and hasattr(cfg, "head_map_row") and hasattr(cfg, "tile_size")
 
 
-def attention_mass(model, tokens, strategy) -> np.ndarray:
-    """[num_layers, 2, kv_heads] (selected mass, oracle mass) on the last PROBE_CHUNK rows of one document."""
+def _document_pass(model, doc, dense, strategies: dict[str, Any], *, mass: bool) -> dict[str, Any]:
+    """One document through dense and every strategy in lockstep, chunk by chunk, so that at most one chunk's
+    [rows, vocab] logits per strategy exist at once (never a [T, vocab] array per strategy: 16K x 152K fp32 is
+    10 GB). The first P tokens (P = a multiple of PROBE_CHUNK) are teacher-forced as prefill; the last prefill chunk
+    is the PROBE_CHUNK rows that the mass probe measures, so the probe sees exactly the prefix the strategy built;
+    then the next DECODE_STEPS tokens run as probed decode steps on the same cache. One prefill per strategy.
+
+    Returns {name: dict(kl [P], agree [P], mass [layers, 2, kv_heads] | None, dmass | None) or the exception}."""
     from models import generate as gen  # noqa: PLC0415
     from models.cache import KVCache  # noqa: PLC0415
 
-    tokens = np.asarray(tokens, np.int32)[None]
-    t = tokens.shape[1]
-    if t % PROBE_CHUNK or t < 2 * PROBE_CHUNK:
-        raise ValueError(f"document length must be a multiple of {PROBE_CHUNK} and >= {2 * PROBE_CHUNK}, got {t}")
-    cut = t - PROBE_CHUNK
-    cache = KVCache.init(model.config, 1, t, dtype=model.dtype)
-    seq = np.array([t], np.int32)
-    _, cache = gen.prefill(model, tokens[:, :cut], np.array([cut], np.int32), cache, strategy)
-    _, _, state = gen.forward(model, tokens[:, cut:], cache, MassProbe(strategy), q_start=cut, seq_len=seq)
-    return np.asarray(jnp.stack(state["mass"]))
-
-
-def decode_attention_mass(model, tokens, strategy, steps: int = DECODE_STEPS) -> np.ndarray:
-    """[num_layers, 2, kv_heads] (selected, oracle) decode mass, mean over `steps` teacher-forced decode steps that
-    feed the document's last `steps` tokens after a prefill of the rest with the strategy."""
-    from models import generate as gen  # noqa: PLC0415
-    from models.cache import KVCache  # noqa: PLC0415
-
-    tokens = np.asarray(tokens, np.int32)[None]
-    t = tokens.shape[1]
-    if steps < 1 or t <= steps:
-        raise ValueError(f"decode mass needs 1 <= steps < document length, got steps={steps}, length {t}")
-    cut = t - steps
-    cache = KVCache.init(model.config, 1, -(-t // 64) * 64, dtype=model.dtype)
-    _, cache = gen.prefill(model, tokens[:, :cut], np.array([cut], np.int32), cache, strategy)
-    probe, out = MassProbe(strategy), []
-    for j in range(cut, t):
-        _, cache, state = gen.decode_step(model, tokens[:, j], cache, probe, with_state=True)
-        out.append(jnp.stack(state["mass"]))
-    return np.asarray(jnp.mean(jnp.stack(out), axis=0))
+    p = (len(doc) - DECODE_STEPS) // PROBE_CHUNK * PROBE_CHUNK
+    if p < 2 * PROBE_CHUNK:
+        raise ValueError(f"a fidelity document needs >= {2 * PROBE_CHUNK + DECODE_STEPS} tokens, got {len(doc)}")
+    tokens = np.asarray(doc, np.int32)[None]
+    plens = np.array([p], np.int32)
+    max_len = -(-len(doc) // gen.CHUNK_MULTIPLE) * gen.CHUNK_MULTIPLE
+    plan = gen.prefill_plan(p - PROBE_CHUNK, max_len, _LOGIT_CHUNK) + [(p - PROBE_CHUNK, PROBE_CHUNK)]
+    new_cache = lambda: KVCache.init(model.config, 1, max_len, dtype=model.dtype)  # noqa: E731
+    dense_cache = new_cache()
+    live = {name: dict(cache=new_cache(), kl=[], agree=[], mass=None, dmass=None) for name in strategies}
+    out: dict[str, Any] = {}
+    for i, (off, width) in enumerate(plan):
+        chunk = tokens[:, off:off + width]
+        probe = mass and i == len(plan) - 1
+        ld, dense_cache = gen.prefill_chunk(model, chunk, plens, dense_cache, dense, off, all_logits=True)
+        for name in list(live):
+            st, a = strategies[name], live[name]
+            try:
+                if probe and supports_mass(st):
+                    lo, a["cache"], state = gen.forward(model, chunk, a["cache"], MassProbe(st), q_start=off,
+                                                        seq_len=plens)
+                    a["mass"] = np.asarray(jnp.stack(state["mass"]))
+                else:
+                    lo, a["cache"] = gen.prefill_chunk(model, chunk, plens, a["cache"], st, off, all_logits=True)
+                kl, agree = _kl_top1(ld[0], lo[0])
+                a["kl"].append(kl)
+                a["agree"].append(agree)
+            except Exception as e:  # noqa: BLE001 - the caller counts it
+                out[name] = e
+                del live[name]
+        del ld
+    for name, a in live.items():
+        st = strategies[name]
+        try:
+            if mass and supports_mass(st):
+                cache, steps, probe = dataclasses.replace(a["cache"], lengths=jnp.asarray(plens)), [], MassProbe(st)
+                for j in range(p, p + DECODE_STEPS):
+                    _, cache, state = gen.decode_step(model, tokens[:, j], cache, probe, with_state=True)
+                    steps.append(jnp.stack(state["mass"]))
+                a["dmass"] = np.asarray(jnp.mean(jnp.stack(steps), axis=0))
+            out[name] = dict(kl=np.concatenate(a["kl"]), agree=np.concatenate(a["agree"]).astype(np.float64),
+                             mass=a["mass"], dmass=a["dmass"])
+        except Exception as e:  # noqa: BLE001
+            out[name] = e
+    return out
 
 
 # ----------------------------------------------------------------------------- driver
 def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, Any], *, dense=None,
-                      mass: bool = True, progress: bool = True) -> dict[str, dict]:
-    """Per strategy name: mean KL, top-1 agreement (all tokens and the second half), per-layer mass; failures."""
+                      mass: bool = True, progress: bool = True, log=None) -> dict[str, dict]:
+    """Per strategy name: mean KL, top-1 agreement (all prefill tokens and their second half), per-layer prefill
+    and decode mass; failures counted with their first errors. `log(str)`: one line per document (its time)."""
+    import time  # noqa: PLC0415
+
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     if dense is None:
@@ -241,24 +246,32 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
         dense = DenseStrategy()
     acc = {name: dict(kl=[], top1=[], kl_late=[], top1_late=[], mass=[], dmass=[], failures=0, errors=[])
            for name in strategies}
-    for doc in tqdm(documents, desc="fidelity", disable=not progress, leave=False):
-        lp_dense = _logprobs(model, doc, dense)
-        half = len(doc) // 2
-        for name, strategy in strategies.items():
+    t_all = time.perf_counter()
+    for n, doc in enumerate(tqdm(documents, desc="fidelity", disable=not progress, leave=False)):
+        t0 = time.perf_counter()
+        try:
+            res = _document_pass(model, doc, dense, strategies, mass=mass)
+        except Exception as e:  # noqa: BLE001 - the dense pass (or the document) failed: every strategy fails it
+            res = {name: e for name in strategies}
+        for name, r in res.items():
             a = acc[name]
-            try:
-                kl, agree = _kl_top1(lp_dense, _logprobs(model, doc, strategy))
-                kl, agree = np.asarray(kl), np.asarray(agree, np.float64)
-                a["kl"].append(kl.mean())
-                a["top1"].append(agree.mean())
-                a["kl_late"].append(kl[half:].mean())
-                a["top1_late"].append(agree[half:].mean())
-                if mass and supports_mass(strategy):
-                    a["mass"].append(attention_mass(model, doc, strategy))
-                    a["dmass"].append(decode_attention_mass(model, doc, strategy))
-            except Exception as e:  # noqa: BLE001 - counted, reported, not dropped silently
+            if isinstance(r, Exception):
                 a["failures"] += 1
-                a["errors"].append(f"{type(e).__name__}: {e}")
+                a["errors"].append(f"{type(r).__name__}: {r}")
+                continue
+            half = len(r["kl"]) // 2
+            a["kl"].append(r["kl"].mean())
+            a["top1"].append(r["agree"].mean())
+            a["kl_late"].append(r["kl"][half:].mean())
+            a["top1_late"].append(r["agree"][half:].mean())
+            if r["mass"] is not None:
+                a["mass"].append(r["mass"])
+            if r["dmass"] is not None:
+                a["dmass"].append(r["dmass"])
+        if log is not None:
+            failed = sum(isinstance(r, Exception) for r in res.values())
+            log(f"fidelity: document {n + 1}/{len(documents)} ({len(doc)} tokens) in {time.perf_counter() - t0:.1f} s"
+                f" ({time.perf_counter() - t_all:.0f} s in all), {failed} of {len(res)} strategies failed")
     out = {}
     for name, a in acc.items():
         mh = np.mean(a["mass"], axis=0) if a["mass"] else None  # [layers, 2, kv_heads]

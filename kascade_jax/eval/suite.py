@@ -379,7 +379,7 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
             docs = fidelity_lib.prose_documents(tokenizer, n_docs, length, seed=spec.seed, split=spec.split)
             t0 = time.perf_counter()
             res = fidelity_lib.evaluate_fidelity(model, docs, {r.label + " " + r.config: r.strategy for r in todo},
-                                                 progress=progress)
+                                                 progress=progress, log=log)
             wall = time.perf_counter() - t0
             for r in todo:
                 key = r.label + " " + r.config

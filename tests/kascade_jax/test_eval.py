@@ -321,7 +321,7 @@ def test_fidelity_on_tiny_model(tiny_model, rng):
     from kascade_jax.registry import make_strategy
 
     cfg = tiny_model.config
-    doc = rng.integers(0, cfg.vocab, size=128).tolist()
+    doc = rng.integers(0, cfg.vocab, size=200).tolist()  # 192 prefill tokens (the last 64 probed), 8 decode steps
     kw = dict(tile_size=16, min_k=4)
     strategies = {
         "full": make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=1.0, anchors=(0, 2), **kw),
@@ -346,11 +346,58 @@ def test_fidelity_on_tiny_model(tiny_model, rng):
     assert not fidelity.supports_mass(make_strategy("streaming_llm", cfg.num_layers, cfg.kv_heads))
 
 
+def test_fidelity_one_pass_equals_whole_prefill_and_counts_failures(tiny_model, rng):
+    """The chunked lockstep pass gives the KL of two whole teacher-forced prefills; a strategy that fails is counted
+    and the others go on; one log line per document."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from kascade_jax.eval import fidelity
+    from kascade_jax.registry import make_strategy
+    from models import generate as gen
+    from models.attention import DenseStrategy
+    from models.cache import KVCache
+
+    @dataclasses.dataclass(frozen=True)
+    class Broken:
+        name: str = "broken"
+
+        def attend(self, layer, inputs, state):
+            raise RuntimeError("planted failure")
+
+        def post_attention(self, layer, x, attn_out, state):
+            return state
+
+    cfg = tiny_model.config
+    docs = [rng.integers(0, cfg.vocab, size=264).tolist() for _ in range(2)]  # 256 prefill tokens + 8
+    sparse = make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=0.05, anchors=(0, 2), tile_size=16,
+                           min_k=4)
+    lines = []
+    res = fidelity.evaluate_fidelity(tiny_model, docs, {"kascade": sparse, "broken": Broken()}, progress=False,
+                                     log=lines.append)
+    assert res["broken"]["failures"] == 2 and "planted failure" in res["broken"]["errors"][0]
+    assert res["kascade"]["failures"] == 0 and len(lines) == 2 and "1 of 2 strategies failed" in lines[0]
+
+    def logits(doc, strategy):
+        cache = KVCache.init(cfg, 1, 320, dtype=tiny_model.dtype)
+        out, _ = gen.prefill(tiny_model, np.asarray(doc[:256])[None], np.array([256]), cache, strategy,
+                             all_logits=True)
+        return jax.nn.log_softmax(out[0].astype(jnp.float32), -1)
+
+    want = []
+    for doc in docs:
+        ld, lo = logits(doc, DenseStrategy()), logits(doc, sparse)
+        want.append(float(jnp.mean(jnp.sum(jnp.exp(ld) * (ld - lo), -1))))
+    np.testing.assert_allclose(res["kascade"]["kl_per_doc"], want, rtol=1e-4, atol=1e-7)
+
+
 def test_prose_documents_and_errors():
     from kascade_jax.eval import fidelity
 
     docs = fidelity.prose_documents(TOK, 3, 256)
-    assert [len(d) for d in docs] == [256] * 3 and docs[0] != docs[1]
+    assert [len(d) for d in docs] == [256 + fidelity.DECODE_STEPS] * 3 and docs[0] != docs[1]
     assert docs == fidelity.prose_documents(TOK, 3, 256)
     assert fidelity.prose_documents(TOK, 1, 256, split="dev")[0] != docs[0]
     with pytest.raises(ValueError, match="multiple of 64"):
