@@ -151,7 +151,7 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
     row["speedup"] = row["dense"] / row["weighted"]
     kv_bytes = _cache_bytes(b, s, shape, dt.itemsize)
     row["dense_TBps"] = kv_bytes / row["dense"] / 1e9
-    log(f"b={b:3d} s={s:7d} k={frac:.1f} {dtype}: dense {row['dense']:.4f}  A0 {row['A0']:.4f} ({row['A0/dense']:.3f})  "
+    log(f"b={b:3d} s={s:7d} k={frac:g} {dtype}: dense {row['dense']:.4f}  A0 {row['A0']:.4f} ({row['A0/dense']:.3f})  "
         f"A {row['A']:.4f} ({row['A/dense']:.3f})  R {row['R']:.4f} ({row['R/dense']:.3f})  "
         f"weighted {row['weighted']:.4f}  speedup {row['speedup']:.2f}x")
     log("   A kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_kernels"].items()))

@@ -161,7 +161,7 @@ def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print, shape=
     row["weighted"] = shape.weighted(row["A0"], row["A"], row["R"])
     row["speedup"] = row["dense"] / row["weighted"]
     row["dense_TFLOPs"] = 4 * s * s * shape.head_dim * shape.q_heads / 2 / row["dense"] / 1e9
-    log(f"s={s:7d} k={frac:.1f} {dtype}: dense {row['dense']:.3f}  A0 {row['A0']:.3f} ({row['A0/dense']:.3f})  "
+    log(f"s={s:7d} k={frac:g} {dtype}: dense {row['dense']:.3f}  A0 {row['A0']:.3f} ({row['A0/dense']:.3f})  "
         f"A {row['A']:.3f} ({row['A/dense']:.3f})  R {row['R']:.3f} ({row['R/dense']:.3f})  "
         f"weighted {row['weighted']:.3f}  speedup {row['speedup']:.2f}x  A extra {row['A_extra_bytes'] / 1e9:.2f} GB")
     for name in ("A0", "A", "R"):

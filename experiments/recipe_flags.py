@@ -2,7 +2,8 @@
 
 A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`,
-`--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`; each defaults to None,
+`--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`, `--decode_topk_frac`,
+`--prefill_dense_anchors`, `--decode_only`; each defaults to None,
 "the recipe's", and an explicitly given value wins over the `--recipe`. `--anchors` is defined here too, so it
 parses and means the same everywhere
 (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
@@ -44,6 +45,10 @@ PREFILL_FRAC = flags.DEFINE_float("prefill_topk_frac", None, "recipe lever: pref
                                   "--topk_frac; decode keeps --topk_frac)")
 DECODE_FRAC = flags.DEFINE_float("decode_topk_frac", None, "recipe lever: decode budget fraction (default: "
                                  "--topk_frac; prefill keeps --topk_frac)")
+DENSE_ANCHORS = flags.DEFINE_boolean("prefill_dense_anchors", None, "recipe lever (prefill): anchor layers output "
+                                     "dense attention (they still select the Top-k for the reuse layers)")
+DECODE_ONLY = flags.DEFINE_boolean("decode_only", None, "recipe lever: dense prefill, Kascade decode (as the "
+                                   "decode_only strategy)")
 CALIB_K = flags.DEFINE_integer("calib_k", None, "--anchors/--head_map=auto: similarity budget k of the calibration "
                                "(recipe: 64)")
 CALIB_REDUCE = flags.DEFINE_enum("calib_reduce", None, ["min", "mean"], "--anchors/--head_map=auto: reduction over "
@@ -74,6 +79,7 @@ def _apply_flags(recipe):
     return recipe.replace(
         num_anchors=NUM_ANCHORS.value, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
         local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
+        prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value,
         calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value, calib_importance=CALIB_IMPORTANCE.value,
         calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
         calib_dtype=CALIB_DTYPE.value)

@@ -31,6 +31,10 @@ Recipe levers (all off by default, i.e. the paper's method; see results/accuracy
   quality can be bought without slowing decode.
 - `decode_topk_frac`: the decode budget fraction (None = `topk_frac`), the converse: decode quality bought without
   slowing prefill. With both set, `topk_frac` is only the run's nominal budget.
+- `prefill_dense_anchors`: in prefill, every anchor layer outputs dense causal attention (as layer 0 does) and still
+  selects its Top-k for the reuse layers. The paper's anchors attend sparsely over their own selection; they
+  compute the full softmax anyway, so the dense output costs one P.V product (or comes with cuDNN's LSE).
+- `decode_only` doubles as a lever: dense prefill, Kascade decode (a recipe may set it).
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
@@ -77,6 +81,7 @@ class KascadeConfig:
     local_window: int = 0  # prefill: keys before each tile forced into the selection on top of the budget
     prefill_topk_frac: float | None = None  # prefill budget fraction (None: topk_frac)
     decode_topk_frac: float | None = None  # decode budget fraction (None: topk_frac)
+    prefill_dense_anchors: bool = False  # prefill: anchor layers output dense attention (they still select)
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size"):
@@ -105,7 +110,7 @@ class KascadeConfig:
         if self.sink_tokens + self.recent_window > self.min_k:
             raise ValueError(f"sink_tokens + recent_window ({self.sink_tokens} + {self.recent_window}) must not exceed "
                              f"min_k ({self.min_k}): forced keys count against the budget and must always fit")
-        for name in ("rolling_prefill", "layer0_dense", "oracle_topk", "decode_only"):
+        for name in ("rolling_prefill", "layer0_dense", "oracle_topk", "decode_only", "prefill_dense_anchors"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

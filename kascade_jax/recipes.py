@@ -2,7 +2,8 @@
 
 A recipe fixes everything the user does not pass explicitly: the calibration that chooses anchors and head maps
 (k, reduction over tiles, DP importance weighting, development prompts), the anchor count M, and the
-`KascadeConfig` levers (`sink_tokens`, `recent_window`, `dense_suffix`). Two names exist for every model:
+`KascadeConfig` levers (`recipes.LEVERS`: forced keys, dense suffix, budgets, dense anchor outputs, dense prefill).
+Two names exist for every model:
 - `paper`: the paper's method exactly (DP over k = 64 similarity, min over tiles, importance-weighted, M = 5, no
   levers);
 - `default`: the recipe chosen for this model on the development split (never on test prompts) and shipped in
@@ -23,7 +24,8 @@ from typing import Any
 
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
-          "tile_size")
+          "tile_size", "prefill_dense_anchors", "decode_only")
+BOOL_LEVERS = ("prefill_dense_anchors", "decode_only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,8 @@ class Recipe:
     prefill_topk_frac: float | None = None  # prefill budget fraction (None: the run's topk_frac)
     decode_topk_frac: float | None = None  # decode budget fraction (None: the run's topk_frac)
     tile_size: int | None = None  # prefill query tile (None: KascadeConfig's 32)
+    prefill_dense_anchors: bool = False  # prefill: anchor layers output dense attention (they still select)
+    decode_only: bool = False  # dense prefill, Kascade decode
     note: str = ""  # why this recipe (what it measured on the dev split)
 
     def __post_init__(self):
@@ -60,6 +64,9 @@ class Recipe:
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
                 raise ValueError(f"recipe {self.name!r}: {f} must be null or in (0, 1], got {v!r}")
+        for f in BOOL_LEVERS:
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"recipe {self.name!r}: {f} must be true or false, got {getattr(self, f)!r}")
         ts = self.tile_size
         if ts is not None and (isinstance(ts, bool) or ts not in (16, 32, 64)):
             raise ValueError(f"recipe {self.name!r}: tile_size must be null, 16, 32 or 64, got {ts!r}")
@@ -74,8 +81,10 @@ class Recipe:
 
     def levers(self) -> dict[str, Any]:
         """The KascadeConfig fields this recipe sets (the optional ones, the two budget fractions and tile_size, only
-        when the recipe names them)."""
-        return {f: getattr(self, f) for f in LEVERS if getattr(self, f) is not None}
+        when the recipe names them; the switches only when on, so a recipe never turns off what a strategy variant
+        such as `decode_only` sets)."""
+        return {f: getattr(self, f) for f in LEVERS
+                if getattr(self, f) is not None and not (f in BOOL_LEVERS and not getattr(self, f))}
 
     def calibration_kwargs(self, dtype: str = "float32") -> dict[str, Any]:
         """`calibration.load_or_calibrate` keywords of this recipe: its calibration fields, and its `calib_dtype`
@@ -85,8 +94,8 @@ class Recipe:
                     dtype=self.calib_dtype or dtype)
 
     def describe(self) -> str:
-        on = [f"{f}={getattr(self, f):g}" if isinstance(getattr(self, f), float) else f"{f}={getattr(self, f)}"
-              for f in LEVERS if getattr(self, f)]
+        on = [f"{f}={getattr(self, f):g}" if isinstance(getattr(self, f), float) else
+              f if isinstance(getattr(self, f), bool) else f"{f}={getattr(self, f)}" for f in LEVERS if getattr(self, f)]
         calib = f"k{self.calib_k}/{self.calib_reduce}/w={self.calib_importance}"
         return f"recipe={self.name} M={self.num_anchors} calib={calib}" + (" " + " ".join(on) if on else "")
 
@@ -185,6 +194,13 @@ CANDIDATES: dict[str, dict[str, Any]] = {
                             calib_importance="none"),
     "ds1024s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=1024),
     "dec20_ds1024s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=1024, decode_topk_frac=0.2),
+    # issue 21 session 4: on the 1.5B the whole loss is in the sparse prefill (dense prefill + Kascade decode -0.2,
+    # every layer its own exact Top-k -4.2): dense prefill as a recipe, dense anchor outputs, a larger prefill budget
+    "dps": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True),
+    "pda_s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, prefill_dense_anchors=True),
+    "pda_pf20_s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, prefill_dense_anchors=True,
+                       prefill_topk_frac=0.2),
+    "pf30": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, prefill_topk_frac=0.3),
 }
 
 
@@ -203,7 +219,10 @@ def shipped_defaults() -> list[str]:
         elif m is not None and m.get("dev_diff_vs_dense") is not None and not borrowed:
             how = f"; dev {m['dev_diff_vs_dense']:+.1f} vs dense on {m['dev_n']} prompts"
         if m is not None and m.get("decode_speedup"):
-            how += f", est. attention speedup decode {m['decode_speedup']:.2f}x, prefill {m['prefill_speedup']:.2f}x"
+            src = ("attention speedup from kernels measured at its shape" if doc.get("speed", "").startswith(
+                "measured") else "est. attention speedup")
+            how += (f", {src} at {doc.get('context', '?')} tokens: decode {m['decode_speedup']:.2f}x, prefill "
+                    f"{m['prefill_speedup']:.2f}x")
         if borrowed:
             how += "; chosen on another model's dev split, not tuned on this one"
         lines.append(f"{path.stem}: {doc.get('chosen_from', 'default')} ({on}{how})")

@@ -4,7 +4,8 @@ Per layer (see models/README.md for layouts), with `cfg = strategy.config`:
 - anchor layers (`cfg.is_anchor(layer)`) compute exact pooled post-softmax scores of their own q, k, take the
   exact Top-k per (sequence, index head[, query tile]) with the budgets of `kernels_pallas.reference`
   (`decode_counts` / `prefill_counts`, optionally rounded up to `cfg.k_multiple`), and attend sparsely over their
-  own indices; layer 0 with `layer0_dense` attends densely and still emits indices;
+  own indices; layer 0 with `layer0_dense` (every anchor in prefill with `prefill_dense_anchors`) attends densely
+  and still emits indices;
 - reuse layers attend sparsely over the most recent anchor's indices, KV head h reading index head
   `cfg.head_map_row(layer)[h]`.
 The attended set is the indices plus the causal diagonal tile in prefill, the indices alone in decode; softmax
@@ -411,6 +412,7 @@ class KascadeStrategy:
         q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
         q_len, ts = q.shape[1], cfg.tile_size
         anchor = cfg.is_anchor(layer)
+        dense = anchor and ((layer == 0 and cfg.layer0_dense) or cfg.prefill_dense_anchors)
         if anchor:
             row = tuple(range(k.shape[2])) if cfg.pool != "all" else cfg.head_map_row(layer)
         else:
@@ -425,8 +427,8 @@ class KascadeStrategy:
             t0, t1 = b0 // ts, -(-b1 // ts)
             if anchor:
                 out, idx, counts = kern.anchor_prefill(qb, k, v, q_start, inputs.kv_len, inputs.seq_len, cfg=cfg,
-                                                       k_max=k_max, dense=layer == 0 and cfg.layer0_dense,
-                                                       head_map_row=row, chunk_at_zero=inputs.chunk_at_zero and b0 == 0)
+                                                       k_max=k_max, dense=dense, head_map_row=row,
+                                                       chunk_at_zero=inputs.chunk_at_zero and b0 == 0)
                 idxs.append(idx)
                 counts_all.append(counts)
             else:
@@ -434,7 +436,7 @@ class KascadeStrategy:
                                          state["counts"][:, t0:t1], row, ts)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-        if cfg.dense_suffix and not (layer == 0 and cfg.layer0_dense):
+        if cfg.dense_suffix and not dense:
             out = _dense_suffix(inputs, out, cfg.dense_suffix)
         if anchor:
             idx = jnp.concatenate(idxs, axis=2)

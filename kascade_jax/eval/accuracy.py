@@ -19,6 +19,7 @@ Deliberately not here: running evaluations (`suite`), plotting beyond the two re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -132,6 +133,50 @@ def _anchors(config: str) -> str:
     return m.group(1) if m else ""
 
 
+def config_fields(config: str) -> dict:
+    """The recipe fields an eval row's config string states (`Recipe.describe()`: M=, calib=k<k>/<reduce>/w=<w>,
+    then the levers that are on)."""
+    from kascade_jax.recipes import BOOL_LEVERS, LEVERS  # noqa: PLC0415
+
+    out = {}
+    for tok in (config or "").split():
+        key, eq, val = tok.partition("=")
+        if key == "M" and val.isdigit():
+            out["num_anchors"] = int(val)
+        elif key == "calib" and (m := re.fullmatch(r"k(\d+)/(\w+)/w=(\w+)", val)):
+            out.update(calib_k=int(m.group(1)), calib_reduce=m.group(2), calib_importance=m.group(3))
+        elif key in BOOL_LEVERS and not eq:
+            out[key] = True
+        elif key in LEVERS and eq:
+            out[key] = float(val) if "." in val else int(val)
+    return out
+
+
+_PREFILL_ONLY = ("dense_suffix", "local_window", "prefill_topk_frac", "tile_size", "prefill_dense_anchors")
+
+
+def _decode_side(fields: dict) -> dict:
+    """What a dense-prefill (decode_only) run depends on: the fields minus the prefill-only levers."""
+    from kascade_jax.recipes import Recipe  # noqa: PLC0415
+
+    full = dataclasses.asdict(Recipe(**{k: v for k, v in fields.items() if k in Recipe.__dataclass_fields__}))
+    return {k: v for k, v in full.items()
+            if k not in _PREFILL_ONLY + ("decode_only", "name", "note", "calib_dtype", "calib_num_prompts",
+                                         "calib_max_tokens")}
+
+
+def _decode_only_cell(summary_rows, fields: dict, *, model: str, context: int):
+    """The dev ruler_avg row of a `--strategies=decode_only` run whose recipe equals the dense-prefill candidate
+    `fields` on every field a dense prefill leaves in play (Top-k 10%), or None."""
+    want = _decode_side(fields)
+    for r in summary_rows:
+        if (r["task"] == "ruler_avg" and r["split"] == "dev" and r["model"] == model and r["context"] == context
+                and r["strategy"] == "decode_only" and _frac(r["config"]) == 0.1
+                and _decode_side(config_fields(r["config"])) == want):
+            return r
+    return None
+
+
 # ---- speed model and the recipe choice ---------------------------------------------------------------------------
 
 
@@ -155,7 +200,8 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
 
 def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suffix: int = 0, oracle: bool = False,
                    dense_prefill: bool = False, topk_frac: float = 0.1, prefill_topk_frac: float | None = None,
-                   decode_topk_frac: float | None = None, local_window: int = 0, ratios: dict | None = None) -> dict:
+                   decode_topk_frac: float | None = None, local_window: int = 0, prefill_dense_anchors: bool = False,
+                   ratios: dict | None = None) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
@@ -166,6 +212,8 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     / 0.1 (a rolling tile attends f * position + W keys, on average f * L / 2 + W against the dense L / 2).
     `ratios` (`bench_ratios`): per-layer ratios measured at the model's own shape instead of the constants above;
     a budget measured there is used as it is, others are scaled from the 10% row as described.
+    `prefill_dense_anchors`: every prefill anchor costs what anchor 0 costs (dense output + scores + select,
+    measured with a prompt in one chunk: cuDNN's output and LSE); `dense_prefill` (decode_only): prefill cost 1.
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
@@ -181,12 +229,15 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
             if exact:
                 scale[phase] = 1.0
         reuse = r["reuse"] * scale[phase]
-        cost = (r["a0"] + (m - 1) * r["anchor"] + (num_layers - m) * reuse) / num_layers
+        dense_anchors = phase == "prefill" and prefill_dense_anchors
+        anchor = r["a0"] if dense_anchors else r["anchor"]
+        cost = (r["a0"] + (m - 1) * anchor + (num_layers - m) * reuse) / num_layers
         if phase == "prefill":
             if dense_prefill:
                 cost = 1.0
-            elif dense_suffix:
-                cost += (num_layers - 1) / num_layers * min(1.0, 2.0 * dense_suffix / context)
+            elif dense_suffix:  # every layer whose prefill output is not dense already
+                sparse_layers = num_layers - (m if dense_anchors else 1)
+                cost += sparse_layers / num_layers * min(1.0, 2.0 * dense_suffix / context)
         out[f"{phase}_cost"] = round(cost, 4)
         out[f"{phase}_speedup"] = round(1.0 / cost, 3)
     return out
@@ -197,7 +248,8 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | N
     return attention_cost(num_layers, fields["num_anchors"], context=context,
                           dense_suffix=fields.get("dense_suffix", 0), prefill_topk_frac=fields.get("prefill_topk_frac"),
                           decode_topk_frac=fields.get("decode_topk_frac"), local_window=fields.get("local_window", 0),
-                          ratios=ratios)
+                          dense_prefill=bool(fields.get("decode_only")),
+                          prefill_dense_anchors=bool(fields.get("prefill_dense_anchors")), ratios=ratios)
 
 
 def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, num_layers: int,
@@ -206,7 +258,8 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
     """The default recipe from dev-split results.
 
     candidates: {name: recipe fields (kascade_jax.recipes.Recipe)}; each name must be the `recipe=` of one dev cell
-    (`ruler_avg`). With `within_dense` (issue 21's rule): the FASTEST candidate (lowest estimated decode + prefill
+    (`ruler_avg`), or, for a dense-prefill candidate (`decode_only`), a `decode_only` strategy cell whose recipe
+    matches it on every field a dense prefill leaves in play (`measured_as` says which). With `within_dense` (issue 21's rule): the FASTEST candidate (lowest estimated decode + prefill
     cost) whose dev score is at most `within_dense` points below dense on the same prompts wins; when none is, the
     best dev score (and the note says the target was missed). Without it (issue 17's rule): a candidate qualifies
     when both its decode and prefill weighted speedups are at least (1 - max_slowdown) x the baseline's, and the best
@@ -215,6 +268,11 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
     """
     dev = {r["recipe"]: r for r in summary_rows if r["task"] == "ruler_avg" and r["split"] == "dev"
            and r["model"] == model and r["context"] == context and r["strategy"] == "kascade" and r["recipe"]}
+    for name, fields in candidates.items():  # a dense-prefill candidate: also measured as the decode_only strategy
+        if name not in dev and fields.get("decode_only"):
+            cell = _decode_only_cell(summary_rows, fields, model=model, context=context)
+            if cell is not None:
+                dev[name] = dict(cell, measured_as=f"strategy decode_only, {cell['config']}")
     if within_dense is None and baseline not in dev:  # issue 17's rule compares with the baseline
         raise ValueError(f"no dev ruler_avg for the {baseline!r} recipe of {model} at {context}; have {sorted(dev)}")
     if not any(name in dev for name in candidates):
@@ -234,7 +292,8 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
         table.append(dict(recipe=name, dev_score=dev[name]["score"], dev_n=dev[name]["n"],
                           dev_ci=[dev[name]["ci_low"], dev[name]["ci_high"]],
                           dev_diff_vs_dense=dev[name]["diff_vs_dense"],
-                          dev_diff_ci=[dev[name]["diff_ci_low"], dev[name]["diff_ci_high"]], qualifies=ok, **speed))
+                          dev_diff_ci=[dev[name]["diff_ci_low"], dev[name]["diff_ci_high"]], qualifies=ok, **speed,
+                          **({"measured_as": dev[name]["measured_as"]} if "measured_as" in dev[name] else {})))
     if within_dense is not None:
         table.sort(key=lambda r: (not r["qualifies"], r["prefill_cost"] + r["decode_cost"] if r["qualifies"] else 0,
                                   -r["dev_score"]))
@@ -302,11 +361,11 @@ def plot_frontier(doc: dict, path, *, speed: str | None = None) -> str:
                 ax.plot(x, y, "o", ms=14, mfc="none", mec="k")
         ax.axhline(0, color="k", lw=0.8)
         ax.axhline(-1, color="r", lw=0.8, ls="--")
-        ax.set_xlabel(f"{phase} weighted attention speedup over cuDNN ({speed})")
+        ax.set_xlabel(f"{phase}: weighted attention speedup over cuDNN", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("dev ruler_avg - dense (points)")
     fig.suptitle(f"{doc.get('model', '')} at {doc.get('context', '')} tokens: every candidate on the dev split "
-                 f"(ringed: chosen; red: 1 point below dense)", fontsize=9)
+                 f"(ringed: chosen; red: 1 point below dense); speed {speed}", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

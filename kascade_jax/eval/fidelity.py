@@ -104,7 +104,8 @@ def _layer_mass(cfg, layer: int, inputs, prev_state, new_state):
     row_ok = pos < inputs.seq_len[:, None]  # [b, tq]
     if inputs.phase == "decode":
         return _layer_mass_decode(cfg, layer, probs, prev_state, new_state)
-    dense_layer = cfg.decode_only or (layer == 0 and cfg.layer0_dense)
+    dense_layer = cfg.decode_only or (cfg.is_anchor(layer) and (
+        (layer == 0 and cfg.layer0_dense) or getattr(cfg, "prefill_dense_anchors", False)))
     if dense_layer:
         return jnp.ones((2, kvh), jnp.float32)
     st = new_state if cfg.is_anchor(layer) else prev_state

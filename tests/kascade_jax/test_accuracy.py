@@ -159,7 +159,8 @@ def test_shipped_defaults_help_lines():
     assert len(lines) == len(list(RECIPE_DIR.glob("*.json"))) >= 3
     by = {line.split(":", 1)[0]: line for line in lines}
     assert "dense_suffix=512" in by["qwen2.5-coder-0.5b"] and "vs dense on 260 prompts" in by["qwen2.5-coder-0.5b"]
-    assert "not tuned on this one" in by["qwen2.5-coder-1.5b"] and "of this model" in by["qwen2.5-coder-1.5b"]
+    assert "decode_only" in by["qwen2.5-coder-1.5b"] and "vs dense on 260 prompts" in by["qwen2.5-coder-1.5b"]
+    assert "not tuned on this one" in by["smollm2-135m"]
 
 
 def test_recipes(tmp_path):
@@ -191,3 +192,41 @@ def test_recipes(tmp_path):
         load_recipe("m", "candidate:nope")
     with pytest.raises(ValueError, match="no recipe file"):
         load_recipe("m", str(tmp_path / "missing.json"))
+
+
+def test_attention_cost_of_dense_anchors_and_dense_prefill():
+    r = accuracy.PREFILL_RATIOS
+    c = accuracy.attention_cost(24, 5, context=16384)
+    pda = accuracy.recipe_cost(dict(num_anchors=5, prefill_dense_anchors=True), num_layers=24, context=16384)
+    assert pda["decode_cost"] == c["decode_cost"]
+    assert pda["prefill_cost"] == pytest.approx(c["prefill_cost"] + 4 / 24 * (r["a0"] - r["anchor"]), abs=1e-4)
+    ds = accuracy.recipe_cost(dict(num_anchors=5, prefill_dense_anchors=True, dense_suffix=512), num_layers=24,
+                              context=16384)  # the suffix adds to the 19 sparse layers only
+    assert ds["prefill_cost"] == pytest.approx(pda["prefill_cost"] + 19 / 24 * 2 * 512 / 16384, abs=1e-4)
+    dps = accuracy.recipe_cost(dict(num_anchors=5, decode_only=True), num_layers=24, context=16384)
+    assert dps["prefill_cost"] == 1.0 and dps["decode_cost"] == c["decode_cost"]
+
+
+def test_choose_takes_a_decode_only_cell_for_the_dense_prefill_candidate(rng):
+    """A `--strategies=decode_only` cell stands for the dense-prefill candidate whose decode side it ran (prefill-only
+    levers such as the dense suffix do not matter there); one with another decode side does not."""
+    assert accuracy.config_fields("k=0.1 recipe=x M=7 calib=k64/min/w=none sink_tokens=4 dense_suffix=128 "
+                                  "decode_topk_frac=0.2 decode_only") == dict(
+        num_anchors=7, calib_k=64, calib_reduce="min", calib_importance="none", sink_tokens=4, dense_suffix=128,
+        decode_topk_frac=0.2, decode_only=True)
+    base = _base(rng)
+    recs = _records(rng, "dense", "", base, split="dev")
+    recs += _records(rng, "kascade", "k=0.1 recipe=paper M=5 calib=k64/min/w=paper", base, shift=-0.3, split="dev")
+    dense = [r for r in recs if r["strategy"] == "dense"]
+    sw = "M=5 calib=k64/min/w=paper sink_tokens=4 recent_window=60"
+    recs += [dict(r, strategy="decode_only", config=f"k=0.1 recipe=default {sw} dense_suffix=128") for r in dense]
+    rows = accuracy.summarize(recs, ruler_tasks=TASKS, reps=100)
+    doc = accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, within_dense=1.0)
+    assert doc["chosen_from"] == "dps" and doc["default"]["decode_only"] is True
+    row = next(r for r in doc["measured"] if r["recipe"] == "dps")
+    assert row["prefill_speedup"] == 1.0 and "strategy decode_only" in row["measured_as"]
+    other = [dict(r, config=r["config"].replace("recent_window=60", "recent_window=30")) if
+             r["strategy"] == "decode_only" else r for r in recs]  # another decode side: not the candidate
+    doc = accuracy.choose_recipe(accuracy.summarize(other, ruler_tasks=TASKS, reps=100), CANDIDATES, model="m",
+                                 context=4096, num_layers=24, within_dense=1.0)
+    assert doc["chosen_from"] == "paper" and "dps" not in {r["recipe"] for r in doc["measured"]}

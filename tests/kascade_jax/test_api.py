@@ -62,7 +62,8 @@ def test_api_strategy_equals_the_cli_strategy():
             got = dict(name=s.name, kernels=s.kernels, config=_jsonable(dataclasses.asdict(s.config)))
             assert got == from_cli[m + "|" + recipe], (m, recipe)
             if recipe != "paper":  # the recipe's levers reach the strategy (the notebook used to lose them)
-                assert s.config.sink_tokens == 4 and s.config.dense_suffix in (128, 512)
+                assert s.config.sink_tokens == 4
+                assert s.config.dense_suffix in (128, 512) or (s.config.decode_only and m == "qwen2.5-coder-1.5b")
     assert len(from_cli) == len(SHIPPED) * len(RECIPES) >= 9
 
 

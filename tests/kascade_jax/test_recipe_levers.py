@@ -280,3 +280,50 @@ def test_dense_suffix_across_prefill_chunks(tiny_model, rng):
         np.testing.assert_allclose(chunked[b, :n], whole[b, :n], atol=1e-4, rtol=1e-4)
     sparse = logits(plain, None)  # and the suffix changes those rows: the check above can see a missing suffix
     assert np.abs(sparse[0, 50:64] - whole[0, 50:64]).max() > 1e-3
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+@pytest.mark.parametrize("q_start", [0, 64])
+def test_strategy_prefill_dense_anchors(rng, kernels, q_start):
+    """prefill_dense_anchors: every anchor's prefill output is dense causal attention (layer 0's rule, also in a
+    chunk that does not start at 0), the anchors select the same keys, reuse layers and decode are unchanged."""
+    num_layers, kvh, group, d, max_len, tile = 4, 2, 3, 16, 192, 16
+    layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    lens = [max_len, 150]
+    kw = dict(anchors=(0, 2), topk_frac=0.1, min_k=8, tile_size=tile, kernels=kernels, sink_tokens=2,
+              recent_window=4, dense_suffix=24)
+    dense_anchors = make_strategy("kascade", num_layers, kvh, prefill_dense_anchors=True, **kw)
+    plain = make_strategy("kascade", num_layers, kvh, **kw)
+    pre_in = [prefill_inputs(lay, q_start, max_len - q_start, lens) for lay in layers]
+    (oa, sa), (ob, sb) = run_layers(dense_anchors, pre_in), run_layers(plain, pre_in)
+    for layer in range(num_layers):
+        got, want = valid_rows(oa[layer], q_start, lens), valid_rows(ob[layer], q_start, lens)
+        if layer in (0, 2):
+            dense = valid_rows(dense_reference(pre_in[layer]), q_start, lens)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(dense), atol=2e-5, rtol=2e-5)
+            if layer == 2:  # the plain anchor attends sparsely: it differs from dense
+                assert float(jnp.max(jnp.abs(want - dense))) > 1e-3
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert _sets(sa[layer]["idx"]) == _sets(sb[layer]["idx"])
+    dec_in = [decode_inputs(lay, lens) for lay in layers]
+    for x, y in zip(run_layers(dense_anchors, dec_in)[0], run_layers(plain, dec_in)[0]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="prefill_dense_anchors must be a bool"):
+        KascadeConfig(num_layers=2, kv_heads=1, prefill_dense_anchors=1)
+
+
+def test_recipe_switches_dense_prefill_and_dense_anchors():
+    """The recipe switches reach the strategy; off, they never override a variant (decode_only stays dense)."""
+    from kascade_jax.recipes import Recipe, candidate
+
+    dps = candidate("dps")
+    assert dps.levers()["decode_only"] is True and "decode_only" in dps.describe()
+    st = make_strategy("kascade", 4, 2, anchors=(0, 2), **dps.levers())
+    assert st.config.decode_only and not st.config.prefill_dense_anchors
+    assert make_strategy("decode_only", 4, 2, anchors=(0, 2), **Recipe().levers()).config.decode_only
+    assert "decode_only" not in Recipe().levers() and "prefill_dense_anchors" not in Recipe().levers()
+    pda = candidate("pda_s")
+    assert make_strategy("kascade", 4, 2, anchors=(0, 2), **pda.levers()).config.prefill_dense_anchors
+    with pytest.raises(ValueError, match="decode_only must be true or false"):
+        Recipe(decode_only="yes")
