@@ -5,6 +5,9 @@
 #   bash results/accuracy/gpu.sh stage NAME           copy the carried chunk(s) .stage/NAME/* to $HOME/wcache/NAME/
 #   bash results/accuracy/gpu.sh setup [MODEL...]     assemble + sha-check staged models (q05 q15 smol), install wheels;
 #                                                     a plan's "barrier stage_q15" waits for the 1.5B's setup
+#   bash results/accuracy/gpu.sh restore DIR...       copy committed eval folders (results/accuracy/h200_*/NAME) to
+#                                                     $HOME/acc/NAME, so that a plan's job NAME resumes them (--resume
+#                                                     skips every finished block) instead of starting over
 #   bash results/accuracy/gpu.sh launch PLAN [P]      start PLAN detached (in a copy of the tree), at most P jobs at once
 #   bash results/accuracy/gpu.sh stop                 end the launched runner and its jobs
 #   bash results/accuracy/gpu.sh wait SECONDS         sleep, then print the job table (keeps the machine busy)
@@ -48,6 +51,13 @@ case "$cmd" in
     cp -r kascade_jax/data/calibration/. "$ACC/calib/" 2>/dev/null
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
     python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+    ;;
+  restore)
+    for d in "$@"; do
+      [ -f "$d/results.json" ] && [ -f "$d/examples.jsonl" ] || { echo "restore: $d is not an eval folder" >&2; exit 2; }
+      mkdir -p "$ACC/$(basename "$d")" && cp "$d"/results.json "$d"/examples.jsonl "$ACC/$(basename "$d")/" \
+        && echo "restored $(basename "$d")"
+    done
     ;;
   launch)
     # The runner works in a private copy of the tree ($HOME/code/<plan>): every later call re-syncs the checkout,
