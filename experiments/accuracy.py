@@ -6,7 +6,7 @@
       speed) within --within_dense points of dense, and writes the recipe file (`{"default": ..., "measured": ...}`)
       with the calibration dtype of the model's shipped recipe;
       --also_for=MODEL:LAYERS,... writes the same fields for other models (marked as chosen on this model).
-  --mode=report  --inputs=runs/*  --out_dir=results/accuracy
+  --mode=report  --inputs=runs/*  --out_dir=runs/accuracy
       writes summary.json (one row per cell and task, `ruler_avg` = the 13-task mean; paired bootstrap intervals of
       the difference to dense on the same prompts), summary.md and score-vs-context plots.
 """
@@ -34,14 +34,16 @@ flags.DEFINE_float("max_slowdown", 0.15, "--mode=choose with --within_dense<0: a
 flags.DEFINE_float("within_dense", 1.0, "--mode=choose: the fastest candidate at most this many points below dense on "
                    "dev wins (issue 21's rule); < 0: issue 17's rule (best dev score within --max_slowdown)")
 flags.DEFINE_list("also_for", [], "--mode=choose: MODEL:LAYERS entries that get the same recipe fields")
-flags.DEFINE_string("out", "", "--mode=choose: recipe file to write")
+flags.DEFINE_string("out", "", "--mode=choose: recipe file to write (an existing one needs --overwrite, e.g. to "
+                    "replace a shipped kascade_jax/data/recipes/<model>.json)")
 flags.DEFINE_string("frontier", "", "--mode=choose: also plot the accuracy-speed frontier of every candidate "
                     "(dev score vs estimated weighted attention speedup) to this PNG")
 flags.DEFINE_string("bench_decode", "", "--mode=choose: experiments.bench decode json at the model's shape "
                     "(results/accuracy/bench_shapes.sh): its per-layer ratios replace the 8B-shape constants")
 flags.DEFINE_string("bench_prefill", "", "--mode=choose: the matching experiments.bench prefill json")
 flags.DEFINE_integer("bench_batch", 32, "--mode=choose: the decode batch of --bench_decode to use")
-flags.DEFINE_string("out_dir", "results/accuracy", "--mode=report: where summary.json / summary.md / plots go")
+flags.DEFINE_string("out_dir", "runs/accuracy", "--mode=report: where summary.json / summary.md / plots go (a folder "
+                    "that holds a summary needs --overwrite)")
 
 
 def _dirs(patterns):
@@ -67,11 +69,19 @@ def main(argv):
     from kascade_jax.recipes import CANDIDATES  # noqa: PLC0415
     from kascade_jax.tasks import ruler  # noqa: PLC0415
 
-    examples = accuracy.load_examples(_dirs(FLAGS.inputs))
-    rows = accuracy.summarize(examples, ruler_tasks=list(ruler.TASKS))
     if FLAGS.mode == "choose":
         if not (FLAGS.model and FLAGS.num_layers and FLAGS.out):
             raise app.UsageError("--mode=choose needs --model, --num_layers and --out")
+        cli.check_output([FLAGS.out] + [p for p in [FLAGS.frontier] if p] + [
+            str(Path(FLAGS.out).with_name(f"{e.rsplit(':', 1)[0]}.json")) for e in FLAGS.also_for], "--out")
+    else:
+        cli.check_output([Path(FLAGS.out_dir) / "summary.json", Path(FLAGS.out_dir) / "summary.md"], "--out_dir")
+    examples = accuracy.load_examples(_dirs(FLAGS.inputs))
+    rows = accuracy.summarize(examples, ruler_tasks=list(ruler.TASKS))
+    if not rows:
+        raise ValueError(f"--inputs hold no real-RULER results ({len(examples)} example records; this report needs "
+                         "experiments.eval runs with --tasks=ruler): nothing to summarise")
+    if FLAGS.mode == "choose":
         from kascade_jax.recipes import load_recipe  # noqa: PLC0415
 
         candidates = dict(CANDIDATES)

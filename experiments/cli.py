@@ -20,12 +20,40 @@ import traceback
 from absl import app, flags
 
 VERBOSE = flags.DEFINE_boolean("verbose", False, "On bad input, print the full traceback instead of one line.")
+OVERWRITE = flags.DEFINE_boolean("overwrite", False, "Replace the results an earlier run left at this command's "
+                                 "output path (without it, such a path is refused before any work)")
 
 from kascade_jax.tasks.packages import MissingPackageError  # noqa: E402  (stdlib only: cheap)
 
 BAD_INPUT = (ValueError, FileNotFoundError, app.UsageError, MissingPackageError)
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def check_output(paths, flag: str) -> None:
+    """Refuse, before any work, to write over result files that exist unless --overwrite: no result is ever
+    replaced silently (default outputs live under the git-ignored runs/)."""
+    import os  # noqa: PLC0415
+
+    held = [str(p) for p in paths if os.path.exists(p)]
+    if held and not OVERWRITE.value:
+        raise ValueError(f"{flag} would replace {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}: pass "
+                         f"--overwrite to replace them, or choose another {flag}")
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """A UTF-8 text file given by `flag`, with one clear line for a missing, unreadable or binary file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{flag}: no file at {path!r}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{flag}: {path!r} is a directory, not a text file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag}: {path!r} is not UTF-8 text (a binary file?)") from None
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path!r}: {e.strerror or e}") from None
 
 
 def one_line(error: BaseException) -> str:

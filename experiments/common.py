@@ -57,6 +57,17 @@ def recipe():
     return recipe_flags.resolve_recipe(MODEL.value)
 
 
+def check_strategy_flags(name: str) -> None:
+    """What build_strategy will need that does not need the model (the strategy name, the --recipe and its file),
+    checked before the model loads."""
+    from kascade_jax.registry import STRATEGY_NAMES
+
+    if name not in STRATEGY_NAMES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {list(STRATEGY_NAMES)}")
+    if name in KASCADE_FAMILY:
+        recipe()
+
+
 def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = None):
     """The strategy `name` for this model from the shared flags. Only the Kascade family resolves anchors (and so
     may load or run a calibration); on a GPU it runs the Pallas kernels, elsewhere the pure-JAX references."""

@@ -68,7 +68,6 @@ flags.DEFINE_string("aime_path", None, "AIME-24 .jsonl/.parquet/.json (problem, 
 flags.DEFINE_integer("aime_runs", 8, "AIME sampling runs (seeds 0..N-1)")
 flags.DEFINE_string("output_dir", "runs/eval", "where results.csv/json, summary.md and plots go; refused if it "
                     "holds files, unless --overwrite or --resume")
-flags.DEFINE_bool("overwrite", False, "--output_dir holds files: delete its result files and run afresh")
 flags.DEFINE_bool("resume", False, "--output_dir holds an earlier run of the same spec: keep its finished (task, "
                   "context length, strategy) blocks, run the rest and append them")
 flags.DEFINE_string("cache_dir", None, "converted-checkpoint cache (orbax) for faster model loads")

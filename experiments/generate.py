@@ -43,6 +43,7 @@ def main(argv):
     mesh = devices.setup()
     devices.check_batch(1, mesh)  # one prompt: a mesh may split the heads, not the batch
     text = PROMPT.value if PROMPT.value is not None else _read_prompt(PROMPT_FILE.value)
+    common.check_strategy_flags(STRATEGY.value)
     model, tok = load_model(common.MODEL.value, common.DTYPE.value)
     strategy = common.build_strategy(STRATEGY.value, model, tok)
     model = devices.place(model, mesh)

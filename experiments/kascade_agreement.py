@@ -10,7 +10,8 @@ gives the reference continuation of --new_tokens tokens. For each --topk_fracs v
   share of steps whose Kascade argmax equals the dense token (the prefill's last logits count as step 0);
 - free-running: Kascade greedy-generates on its own; we report the length of the common prefix with the dense
   output and the positional match rate.
-Writes JSON and a Markdown table to --out (default results/kascade_agreement.{json,md}).
+Writes JSON and a Markdown table to --out (default runs/kascade_agreement.{json,md}; an existing one needs
+--overwrite). Every flag, the document included, is checked before the model loads.
 
 `--anchors=auto` takes the model's shipped default recipe (`calibration.resolve.recipe_kascade`, the path of
 `experiments.common.build_strategy`): the DP anchors of its calibration with their calibrated head map (unless
@@ -32,8 +33,8 @@ from absl import flags
 from experiments import cli
 
 DOC = flags.DEFINE_string("doc", None, "Text file with the long document (default: built-in stdlib prose).")
-DOC_TOKENS = flags.DEFINE_integer("doc_tokens", 4000, "Truncate the document to this many tokens.")
-NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens decoded after the prompt.")
+DOC_TOKENS = flags.DEFINE_integer("doc_tokens", 4000, "Truncate the document to this many tokens.", lower_bound=1)
+NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens decoded after the prompt.", lower_bound=1)
 MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model alias or path.")
 ANCHORS = flags.DEFINE_string("anchors", "0,4,12,20", "Kascade anchor layers, as everywhere: 'auto' (the DP's "
                               "choice on the model's calibration), 'even' (5 evenly spaced), '' (the paper's scaled "
@@ -46,7 +47,7 @@ FREE = flags.DEFINE_boolean("free_running", True, "Also measure free-running gre
 MIN_K = flags.DEFINE_integer("min_k", 128, "Minimum Top-k budget.")
 TILE = flags.DEFINE_integer("tile_size", 32, "Prefill query tile.")
 CHUNK = flags.DEFINE_integer("chunk_size", 1024, "Prefill chunk size (multiple of 64).")
-OUT = flags.DEFINE_string("out", "results/kascade_agreement", "Output path prefix (.json and .md are written).")
+OUT = flags.DEFINE_string("out", "runs/kascade_agreement", "Output path prefix (.json and .md are written).")
 
 
 def _teacher_forced(model, prompt, continuation, strategy, chunk_size):
@@ -95,25 +96,49 @@ def resolve_kascade(model, tok, anchors_flag: str, head_map_flag: str | None, mo
     return tuple(chosen), head_map, levers, f"{desc}; head_map {hm_flag}"
 
 
+def _fracs(values) -> list[float]:
+    """--topk_fracs as numbers in (0, 1], or one line naming the bad item."""
+    out = []
+    for v in values:
+        try:
+            f = float(v)
+        except ValueError:
+            raise ValueError(f"--topk_fracs: {v!r} is not a number") from None
+        if not 0 < f <= 1:
+            raise ValueError(f"--topk_fracs: {v!r} is outside (0, 1]")
+        out.append(f)
+    if not out:
+        raise ValueError("--topk_fracs is empty")
+    return out
+
+
 def main(argv):
     del argv
     import jax
 
     from kascade_jax.calibration.resolve import parse_anchors
-    from kascade_jax.registry import make_strategy
+    from kascade_jax.registry import KASCADE_FAMILY, make_strategy
     from models import generate as gen
     from models import load_model
     from models.attention import DenseStrategy
 
-    parse_anchors(ANCHORS.value, 1 << 20)  # the syntax, before the model loads (the layer range once it has)
-    model, tok = load_model(MODEL.value, "float32")
-    cfg = model.config
+    # Everything that can be checked without the model, before it loads (a dense pass takes minutes on a CPU).
+    parse_anchors(ANCHORS.value, 1 << 20)  # the syntax (the layer range once the model has loaded)
+    fracs = _fracs(FRACS.value)
+    bad = [n for n in STRATEGIES.value if n not in KASCADE_FAMILY]
+    if bad or not STRATEGIES.value:
+        raise ValueError(f"--strategies takes Kascade-family names {list(KASCADE_FAMILY)}, got {STRATEGIES.value}")
+    cli.check_output([OUT.value + ".json", OUT.value + ".md"], "--out")
     if DOC.value:
-        text = open(DOC.value, encoding="utf-8").read()
+        text = cli.read_text_file(DOC.value, "--doc")
+        if not text.strip():
+            raise ValueError(f"--doc {DOC.value!r} is empty: agreement on an empty document means nothing")
     else:
         from kascade_jax.tasks.prose import prose_sentences
 
         text = " ".join(prose_sentences())
+    model, tok = load_model(MODEL.value, "float32")
+    cfg = model.config
     doc_ids = tok.encode(text)[: DOC_TOKENS.value]
     question = "\n\nSummarize the document above in a few sentences."
     prompt = tok.encode_chat([{"role": "user", "content": tok.decode(doc_ids) + question}])
@@ -128,7 +153,7 @@ def main(argv):
                                                       TILE.value)
     print(f"kascade ({ANCHORS.value or 'registry default'}): {kdesc}", flush=True)
     rows = []
-    for name, frac in [(n, float(f)) for n in STRATEGIES.value for f in FRACS.value]:
+    for name, frac in [(n, f) for n in STRATEGIES.value for f in fracs]:
         anchors = tuple(chosen) if name != "oracle_topk" else None
         strategy = make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map,
                                  topk_frac=frac, min_k=MIN_K.value, tile_size=TILE.value, **levers)

@@ -18,7 +18,8 @@ from experiments import cli
 FLAGS = flags.FLAGS
 flags.DEFINE_list("inputs", [], "eval output directories (each holding results.json)")
 flags.DEFINE_list("labels", [], "input:strategy_label pairs that rename the strategy of that input's rows")
-flags.DEFINE_string("merged_dir", "results/merged", "where the merged report goes")
+flags.DEFINE_string("merged_dir", "runs/merged", "where the merged report goes (a folder that holds anything needs "
+                    "--overwrite; an eval run's folder is refused)")
 flags.DEFINE_string("title_note", "", "a line for the top of summary.md (how the inputs were produced)")
 
 
@@ -46,8 +47,8 @@ def merge(inputs, labels: dict[str, str]):
 
 
 def check_merged_dir(merged_dir: str, inputs) -> None:
-    """A merge is rebuilt from its inputs, so an earlier merge in `merged_dir` is replaced (its result files go
-    first, so no stale plot stays); eval results there, or a file, are refused: they could not be rebuilt."""
+    """An earlier merge in `merged_dir` is replaced only with --overwrite (its result files go first, so no stale
+    plot stays); eval results there, or a file, are refused always: they could not be rebuilt."""
     from kascade_jax.eval import report  # noqa: PLC0415
 
     if os.path.normpath(merged_dir) in {os.path.normpath(d) for d in inputs}:
@@ -58,6 +59,10 @@ def check_merged_dir(merged_dir: str, inputs) -> None:
     if data is not None and not str(data.get("environment", {}).get("command", "")).startswith("merged:"):
         raise ValueError(f"--merged_dir {merged_dir!r} holds the results of an eval run, not a merge: choose another "
                          f"--merged_dir")
+    if os.path.isdir(merged_dir) and os.listdir(merged_dir) and not cli.OVERWRITE.value:
+        held = sorted(os.listdir(merged_dir))
+        raise ValueError(f"--merged_dir {merged_dir!r} is not empty (it holds {', '.join(held[:5])}): pass --overwrite "
+                         f"to replace an earlier merge there, or choose another --merged_dir")
     report.check_output_dir(merged_dir, overwrite=True)
 
 

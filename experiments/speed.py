@@ -9,6 +9,7 @@ is complete); this times whole-model steps, not kernels — kernel timings use C
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -18,12 +19,12 @@ from absl import flags
 
 from experiments import cli, common, devices
 
-BATCH = flags.DEFINE_integer("batch", 1, "Sequences per batch.")
-PROMPT_LEN = flags.DEFINE_integer("prompt_len", 1024, "Prompt tokens per sequence (random ids).")
-NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Decode steps timed.")
+BATCH = flags.DEFINE_integer("batch", 1, "Sequences per batch.", lower_bound=1)
+PROMPT_LEN = flags.DEFINE_integer("prompt_len", 1024, "Prompt tokens per sequence (random ids).", lower_bound=1)
+NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Decode steps timed.", lower_bound=1)
 STRATEGY = flags.DEFINE_string("strategy", "dense", "Attention strategy name.")
-REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
-OUT = flags.DEFINE_string("out", None, "Optional JSON output path.")
+REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).", lower_bound=1)
+OUT = flags.DEFINE_string("out", None, "Optional JSON output file (an existing one needs --overwrite).")
 
 
 def main(argv):
@@ -32,8 +33,13 @@ def main(argv):
     from models import generate as gen
     from models.sharding import init_cache
 
+    if OUT.value:
+        if os.path.isdir(OUT.value):
+            raise ValueError(f"--out {OUT.value!r} is a directory: give a file path, e.g. {OUT.value.rstrip('/')}/speed.json")
+        cli.check_output([OUT.value], "--out")
     mesh = devices.setup()
     devices.check_batch(BATCH.value, mesh)
+    common.check_strategy_flags(STRATEGY.value)
     model, tok = load_model(common.MODEL.value, common.DTYPE.value)
     strategy = common.build_strategy(STRATEGY.value, model, tok)
     model = devices.place(model, mesh)
@@ -75,6 +81,7 @@ def main(argv):
                prefill_tok_per_s=b * p / pre, decode_s=dec, decode_tok_per_s=b * n / dec)
     print(json.dumps(res, indent=1))
     if OUT.value:
+        os.makedirs(os.path.dirname(OUT.value) or ".", exist_ok=True)
         with open(OUT.value, "w") as f:
             json.dump(res, f, indent=1)
 

@@ -142,8 +142,15 @@ def load_recipe(model_name: str, name: str = "default") -> Recipe:
         path = Path(name).expanduser()
         if not path.is_file():
             raise ValueError(f"--recipe: no recipe file at {path}")
-        doc = json.loads(path.read_text())
-        return Recipe.from_dict(doc.get("default", doc), path.stem)
+        try:
+            doc = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"--recipe: {path} is not valid JSON ({getattr(e, 'msg', e)})") from None
+        doc = doc.get("default", doc) if isinstance(doc, dict) else doc
+        if not isinstance(doc, dict):
+            raise ValueError(f"--recipe: {path} must hold a JSON object of recipe fields (or {{\"default\": {{...}}}}), "
+                             f"got a {type(doc).__name__}")
+        return Recipe.from_dict(doc, path.stem)
     if name != "default":
         raise ValueError(f"--recipe must be 'paper', 'default', 'candidate:<name>' ({sorted(CANDIDATES)}) or a path "
                          f"to a .json recipe, got {name!r}")

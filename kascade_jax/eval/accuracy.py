@@ -39,16 +39,21 @@ PREFILL_RATIOS = dict(a0=1.899, anchor=1.700, reuse=0.194)
 
 def load_examples(run_dirs) -> list[dict]:
     """Every example record of the runs (examples.jsonl), with the run's model and split attached."""
+    from kascade_jax.eval.report import read_json  # noqa: PLC0415
+
     out = []
     for d in run_dirs:
         d = Path(d)
-        res = json.loads((d / "results.json").read_text())
+        res = read_json(d / "results.json")
         env = res.get("environment", {})
         split = "dev" if "--split=dev" in env.get("command", "") else "test"
         models = {r["strategy"] + "|" + r["config"]: r["model"] for r in res.get("rows", [])}
         with open(d / "examples.jsonl") as f:
-            for line in f:
-                r = json.loads(line)
+            for n, line in enumerate(f, 1):
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{d / 'examples.jsonl'} line {n} is not valid JSON ({e.msg})") from None
                 r.setdefault("model", models.get(r["strategy"] + "|" + r["config"], ""))
                 r["split"] = split
                 r["source"] = str(d)

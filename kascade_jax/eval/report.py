@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import tempfile
+from typing import Any
 
 import numpy as np
 
@@ -57,16 +58,15 @@ def _result_files(output_dir: str) -> list[str]:
 
 
 def check_output_dir(output_dir: str, *, overwrite: bool = False, resume: bool = False) -> None:
-    """Refuse an `output_dir` that holds anything (or is a file) unless `overwrite` (its result files are removed
-    now, so no plot of an earlier run stays next to new numbers; other files are left alone) or `resume`."""
+    """Refuse an `output_dir` that holds anything unless `overwrite` (its result files are removed now, so no plot
+    of an earlier run stays next to new numbers; other files are left alone) or `resume`; refuse an ordinary file
+    always (no flag deletes a file that is not a result), and a folder that cannot be written, before any work."""
     if overwrite and resume:
         raise ValueError("--overwrite and --resume exclude each other: pass one of them")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        if overwrite:
-            os.remove(output_dir)
-            return
-        raise ValueError(f"--output_dir {output_dir!r} is an existing file, not an eval output directory: pass "
-                         f"--overwrite to replace it (--resume needs a directory written by an earlier run)")
+        raise ValueError(f"--output_dir {output_dir!r} is an existing file, not an output directory: choose another "
+                         f"--output_dir (no flag deletes it)")
+    _check_writable(output_dir, "--output_dir")
     if not os.path.isdir(output_dir) or not os.listdir(output_dir):
         return
     if overwrite:
@@ -80,19 +80,47 @@ def check_output_dir(output_dir: str, *, overwrite: bool = False, resume: bool =
                          f"--output_dir")
 
 
+def _check_writable(path: str, flag: str) -> None:
+    """Create `path` (a folder) if needed and check that a file can be written there, so a run fails now, not after
+    its first block."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_check_{os.getpid()}.tmp")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
+
+
 def read_results(output_dir: str) -> tuple[dict | None, list[dict]]:
     """(results.json as a dict, or None where there is none; the examples.jsonl records) of an output folder."""
     path = os.path.join(output_dir, "results.json")
     if not os.path.isfile(path):
         return None, []
-    with open(path) as f:
-        data = json.load(f)
+    data = read_json(path)
     records = []
     ex = os.path.join(output_dir, "examples.jsonl")
     if os.path.isfile(ex):
         with open(ex) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{ex} line {n} is not valid JSON ({e.msg}): the file is damaged") from None
     return data, records
+
+
+def read_json(path) -> Any:
+    """json.load of a file, with an error that names the file (a damaged or half-written results file)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text (JSON) file") from None
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -51,14 +51,14 @@ SHARED_HELP = {
               "--mesh", "--verbose"],
     "bench_decode": ["--heads", "--num_layers", "--num_anchors", "--decode_contexts", "--verbose"],
     "bench_prefill": ["--heads", "--num_layers", "--num_anchors", "--prefill_contexts", "--verbose"],
-    "accuracy": ["--mode", "--inputs", "--verbose"],
-    "merge_eval": ["--inputs", "--merged_dir", "--verbose"],
+    "accuracy": ["--mode", "--inputs", "--overwrite", "--verbose"],
+    "merge_eval": ["--inputs", "--merged_dir", "--overwrite", "--verbose"],
     "kascade_agreement": ["--model", "--anchors", "--head_map", "--topk_fracs", "--tile_size", "--chunk_size",
                           "--verbose"],
     "bench_e2e": ["--e2e_models", "--e2e_contexts", "--e2e_decode", "--e2e_strategies", "--mesh", "--verbose"],
     "bench_paged": ["--paged_contexts", "--paged_batches", "--paged_page_sizes", "--verbose"],
-    "serve_replay": ["--replay_model", "--replay_strategies", "--num_requests", "--max_batch", "--page_size",
-                     "--replay_anchors", "--replay_topk_frac", "--verbose"],
+    "serve_replay": ["--model", "--dtype", "--anchors", "--recipe", "--topk_frac", "--replay_strategies",
+                     "--num_requests", "--max_batch", "--page_size", "--verbose"],
 }
 
 

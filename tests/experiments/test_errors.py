@@ -244,3 +244,66 @@ def test_eval_names_the_bad_flag_before_loading(tmp_path, flags, message):
     res = _run("-m", "experiments.eval", "--model=/nonexistent/model", "--tasks=synthetic:vt",
                f"--output_dir={tmp_path / 'out'}", *flags)
     _one_line_error(res, message)
+
+
+def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
+    """Issue 24's probes: defaults write under runs/, existing results need --overwrite, damaged or wrong files are
+    named, nonsense values are refused, all before any model loads (the model given here cannot load)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    eval_dir = ROOT / "results/accuracy/h200_2026-12-02_i21s3/do15"
+    out = tmp_path / "acc"
+    out.mkdir()
+    (out / "summary.json").write_text("[]")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "results.json").write_text("{bad")
+    (corrupt / "examples.jsonl").write_text("")
+    synthetic = tmp_path / "synthetic"  # an eval folder without real-RULER rows
+    synthetic.mkdir()
+    (synthetic / "results.json").write_text('{"rows": [], "environment": {"command": "x"}}')
+    (synthetic / "examples.jsonl").write_text('{"strategy": "dense", "config": "", "task": "synthetic:vt", '
+                                               '"index": 0, "score": 1.0, "context_length": 512}\n')
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "agree.json").write_text("{}")
+    nomodel = "--model=/nonexistent/model"
+    cases = [
+        (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={out}"],
+         ["--out_dir would replace", "summary.json", "--overwrite"]),
+        (["-m", "experiments.accuracy", f"--inputs={synthetic}", f"--out_dir={tmp_path / 'a2'}"],
+         ["no real-RULER results"]),
+        (["-m", "experiments.accuracy", f"--inputs={corrupt}", f"--out_dir={tmp_path / 'a3'}"],
+         [f"{corrupt / 'results.json'} is not valid JSON"]),
+        (["-m", "experiments.accuracy", "--mode=choose", f"--inputs={eval_dir}", "--model=m", "--num_layers=2",
+          f"--out={tmp_path / 'bad.json'}"], ["--out would replace", "bad.json"]),
+        (["-m", "experiments.generate", "--prompt=hi", nomodel, "--strategy=kascade", f"--recipe={tmp_path / 'bad.json'}"],
+         ["bad.json is not valid JSON"]),
+        (["-m", "experiments.generate", "--prompt=hi", nomodel, "--strategy=kascade",
+          f"--recipe={tmp_path / 'list.json'}"],
+         ["list.json must hold a JSON object", "got a list"]),
+        (["-m", "experiments.speed", nomodel, "--repeats=0"], ["--repeats"]),
+        (["-m", "experiments.speed", nomodel, f"--out={tmp_path}"], ["is a directory"]),
+        (["-m", "experiments.speed", nomodel, f"--out={tmp_path / 'agree.json'}"], ["--out would replace"]),
+        (["-m", "experiments.kascade_agreement", nomodel, "--doc_tokens=0"], ["--doc_tokens"]),
+        (["-m", "experiments.kascade_agreement", nomodel, f"--doc={tmp_path / 'bin.txt'}",
+          f"--out={tmp_path / 'k'}"], ["--doc", "is not UTF-8 text"]),
+        (["-m", "experiments.kascade_agreement", nomodel, f"--doc={tmp_path / 'none.txt'}",
+          f"--out={tmp_path / 'k'}"], ["--doc: no file at"]),
+        (["-m", "experiments.kascade_agreement", nomodel, "--topk_fracs=0.1,2", f"--out={tmp_path / 'k'}"],
+         ["--topk_fracs: '2' is outside (0, 1]"]),
+        (["-m", "experiments.kascade_agreement", nomodel, "--strategies=quest", f"--out={tmp_path / 'k'}"],
+         ["--strategies takes Kascade-family names"]),
+        (["-m", "experiments.kascade_agreement", nomodel, f"--out={tmp_path / 'agree'}"],
+         ["--out would replace", "agree.json"]),
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda c: _run(*c[0]), cases))
+    for (args, needles), res in zip(cases, results):
+        _one_line_error(res, *needles)
+    assert (out / "summary.json").read_text() == "[]" and (tmp_path / "agree.json").read_text() == "{}"
+    for module, flag, default in (("accuracy", "out_dir", "runs/accuracy"), ("merge_eval", "merged_dir", "runs/merged"),
+                                  ("kascade_agreement", "out", "runs/kascade_agreement")):
+        res = _run("-c", f"import experiments.{module}; from absl import flags; print(flags.FLAGS['{flag}'].default)")
+        assert res.stdout.strip() == default, (module, res.stdout, res.stderr[-500:])

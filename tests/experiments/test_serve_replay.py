@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from experiments import bench_paged, paged_report, serve_replay
+from experiments import bench_paged, paged_report
 from experiments.timing import BenchShape
+from kascade_jax.bench import replay as serve_replay  # the replay's library (the front end's flags are shared ones)
 
 
 def test_bench_paged_check_interpret():
@@ -128,24 +129,41 @@ def test_replay_counts_a_request_whose_prefill_failed():
 
 
 def test_replay_kascade_on_a_real_alias_uses_its_recipe_at_bfloat16():
-    """--replay_model=smollm2-135m: the kascade strategy carries the shipped recipe's levers and the anchors and
-    head map of the shipped (float32) calibration, found although the replay runs in bfloat16 (no calibration)."""
+    """--model=smollm2-135m (the flag of every entry point): the kascade strategy carries the shipped recipe's levers
+    and the anchors and head map of the shipped (float32) calibration, found although the replay runs in bfloat16
+    (no calibration); without --model the front end replays its random Llama-3.1-8B-shape model. A subprocess: the
+    front end shares experiments.common's flags, which experiments.eval defines differently."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from kascade_jax.calibration.artifact import CalibrationArtifact
     from kascade_jax.calibration.resolve import PACKAGED_DIR
-    from models import load_model
 
-    from absl import flags
-    from absl.testing import flagsaver
-
-    model, tok = load_model("smollm2-135m", "bfloat16")
-    with flagsaver.flagsaver():
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["serve_replay", "--replay_model=smollm2-135m"])
-        s = serve_replay.build_strategy("kascade", model, tok, "smollm2-135m", "bfloat16")
+    script = """
+import json, sys
+from absl import flags
+from experiments import serve_replay as sr
+from models import load_model
+flags.FLAGS(["serve_replay"])
+default = sr.model_spec()
+flags.FLAGS.unparse_flags()
+flags.FLAGS(["serve_replay", "--model=smollm2-135m", "--dtype=bfloat16"])
+model, tok = load_model("smollm2-135m", "bfloat16")
+c = sr.build_strategy("kascade", model, tok, sr.model_spec()).config
+print(json.dumps([default, sr.model_spec(), list(c.anchors), [list(r) for r in c.head_map],
+                  [c.sink_tokens, c.recent_window, c.dense_suffix]]))
+"""
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    default, spec, anchors, head_map, levers = json.loads(res.stdout.splitlines()[-1])
+    assert default == "random:llama3-8b" and spec == "smollm2-135m"
     art = CalibrationArtifact.load(PACKAGED_DIR / "smollm2-135m-builtin-64-k64-ts32.json")
-    assert tuple(s.config.anchors) == tuple(art.anchors_for(5))
-    assert np.array_equal(np.asarray(s.config.head_map), art.head_map(s.config.anchors))
-    assert (s.config.sink_tokens, s.config.recent_window, s.config.dense_suffix) == (4, 60, 128)
+    assert tuple(anchors) == tuple(art.anchors_for(5))
+    assert np.array_equal(np.asarray(head_map), art.head_map(tuple(anchors)))
+    assert levers == [4, 60, 128]
 
 
 def test_replay_with_its_gpu_defaults_is_refused_on_a_cpu():

@@ -79,7 +79,7 @@ def test_existing_output_is_refused_before_the_model_loads(monkeypatch, tmp_path
         run_cli(full)
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    with pytest.raises(ValueError, match=r"--output_dir '.*a_file' is an existing file.*--overwrite.*--resume"):
+    with pytest.raises(ValueError, match=r"--output_dir '.*a_file' is an existing file.*no flag deletes it"):
         run_cli(a_file)
     with pytest.raises(ValueError, match=r"--overwrite and --resume exclude each other"):
         run_cli(full, "--overwrite", "--resume")
@@ -88,8 +88,19 @@ def test_existing_output_is_refused_before_the_model_loads(monkeypatch, tmp_path
     (tmp_path / "empty").mkdir()
     run_cli(tmp_path / "empty")
     assert stubs.loads == 2
-    run_cli(a_file, "--overwrite")  # a file is replaced by the output directory
-    assert (a_file / "results.json").is_file()
+    with pytest.raises(ValueError, match=r"is an existing file"):  # no flag deletes an ordinary file
+        run_cli(a_file, "--overwrite")
+    assert a_file.read_text() == "x" and stubs.loads == 2
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if not os.access(ro, os.W_OK):  # (root can write anywhere: nothing to check then)
+            with pytest.raises(ValueError, match=r"--output_dir '.*ro/x' cannot be written"):
+                run_cli(ro / "x")
+            assert stubs.loads == 2  # refused before the model loads, not after the first block
+    finally:
+        ro.chmod(0o755)
 
 
 def test_overwrite_clears_old_results_and_keeps_other_files(monkeypatch, tmp_path):
@@ -237,11 +248,15 @@ def test_merge_replaces_only_an_earlier_merge_and_stays_partial(tmp_path):
     merged.mkdir()
     (merged / "fidelity_mass_by_layer.png").write_text("stale")
     with flagsaver.flagsaver(inputs=[str(a), str(b)], merged_dir=str(merged)):
+        with pytest.raises(ValueError, match=r"--merged_dir '.*m' is not empty .*--overwrite"):
+            merge_eval.main([])  # a folder that holds anything is replaced only when asked
+        assert (merged / "fidelity_mass_by_layer.png").exists()
+    with flagsaver.flagsaver(inputs=[str(a), str(b)], merged_dir=str(merged), overwrite=True):
         merge_eval.main([])
         assert _json(merged)["environment"]["partial"] and _csv_status(merged) == {"partial"}
-        assert not (merged / "fidelity_mass_by_layer.png").exists()
+        assert not (merged / "fidelity_mass_by_layer.png").exists()  # no stale plot beside the new numbers
         merge_eval.main([])  # an earlier merge is rebuilt
-    with flagsaver.flagsaver(inputs=[str(a)], merged_dir=str(b)):
+    with flagsaver.flagsaver(inputs=[str(a)], merged_dir=str(b), overwrite=True):
         with pytest.raises(ValueError, match=r"--merged_dir '.*b' holds the results of an eval run"):
             merge_eval.main([])
     with flagsaver.flagsaver(inputs=[str(a)], merged_dir=str(a)):
