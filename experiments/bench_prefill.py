@@ -381,7 +381,7 @@ def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=
     # Both stems first: an untagged run at another shape is refused before anything is timed.
     stem, sweep_stem = output_stem("prefill", tag, shape), output_stem("prefill_sweep", tag, shape)
     if jax.default_backend() != "gpu":
-        raise SystemExit("bench_prefill needs a GPU (CPU timings would mean nothing)")
+        raise ValueError("bench --phase=prefill needs a GPU (CPU timings would mean nothing)")
     if sweep_specs:
         note_overwrite(out_dir, sweep_stem, shape, log)
     if contexts or long_contexts:

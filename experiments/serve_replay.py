@@ -117,6 +117,10 @@ def main(argv):
         from kascade_jax.calibration.resolve import parse_anchors
 
         parse_anchors(recipe_flags.ANCHORS.value, 1 << 20)
+        from kascade_jax.registry import make_strategy
+
+        make_strategy("kascade", 2, 1, anchors=(0,), topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value,
+                      tile_size=common.TILE_SIZE.value)  # the budget flags (a dense pass would run first otherwise)
         if not spec.startswith("random:"):
             common.check_strategy_flags("kascade")
     ps = PAGE_SIZE.value
