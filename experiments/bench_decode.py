@@ -1,28 +1,19 @@
 """Decode-attention benchmark of the Kascade kernels against cuDNN dense decode, in the paper's Table 3 layout.
 
 `python -m experiments.bench --phase=decode [--decode_* flags]`, or `python -m experiments.bench_decode`.
-Times with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`, median over iterations, kernel time only) in
-the same run as cuDNN (`jax.nn.dot_product_attention(..., implementation="cudnn")`, distinct K and V buffers).
 Rows: dense, A0 (anchor layer 0: dense output + scores + top-k), A (anchor: scores + top-k + sparse), R (reuse),
-their ratios to dense, and the weighted Kascade time (1*A0 + (M-1)*A + (L-M)*R) / L with its speedup (default
-Llama-3.1-8B: `--heads=32,8,128 --num_layers=32 --num_anchors=5`, i.e. (1*A0 + 4*A + 27*R) / 32).
-Optionally (`--decode_check`) first checks every kernel against the references at realistic shapes (the `--heads`
-shape), with Gaussian and peaky inputs. Writes <out>/decode.md, decode.json and decode.png, or decode_<tag>.* with
-`--bench_tag` (required at any other shape or layer mix, so the default tables are never overwritten by one).
-
-Does not: time prefill (bench_prefill.py), or run without a GPU (it refuses: CPU timings would mean nothing).
+their ratios to dense, and the weighted Kascade time (1*A0 + (M-1)*A + (L-M)*R) / L with its speedup, for the
+`--heads` shape and layer mix (default Llama-3.1-8B: (1*A0 + 4*A + 27*R) / 32). Writes <out>/decode.md/json/png, or
+decode_<tag>.* with `--bench_tag` (required at any other shape or layer mix, so the default tables are never
+overwritten by one). The measurement is kascade_jax/bench/decode.py; this parses the flags. Needs a GPU.
 """
 
 from __future__ import annotations
 
-import datetime
-import sys
-import time
-
 from absl import flags
 
 from experiments import cli
-from experiments.timing import BENCH_TAG, BenchShape, cupti_time, note_overwrite, output_stem, write_outputs
+from experiments.timing import BENCH_TAG, shape_from_flags
 
 CONTEXTS = flags.DEFINE_list("decode_contexts", ["8192", "16384", "32768", "65536", "131072"], "Cache lengths.")
 BATCHES = flags.DEFINE_list("decode_batches", ["8", "64"], "Batch sizes.")
@@ -35,211 +26,17 @@ OUT = flags.DEFINE_string("decode_out", "benchmarks", "Output folder for decode[
 SELECT_VERSION = flags.DEFINE_integer("decode_select_version", 4,
                                       "Top-k select version (4: default; 2 and 3: earlier versions, notes_decode.md).")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
-_DEFAULT = BenchShape()
-
-
-def _inputs(seed, b, s, hq, kvh, d, dtype, peaky):
-    import jax
-    import jax.numpy as jnp
-
-    kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(kq, (b, 1, hq, d), jnp.float32)
-    k = jax.random.normal(kk, (b, s, kvh, d), dtype)
-    v = jax.random.normal(kv, (b, s, kvh, d), dtype)
-    if peaky:
-        # Plant 16 keys per (sequence, kv head) aligned with the group's mean query: logits ~ +8 above the bulk.
-        g = hq // kvh
-        qm = q.reshape(b, kvh, g, d).mean(axis=2)  # [batch, kv_heads, d]
-        pos = jax.random.randint(kp, (b, kvh, 16), 0, s)
-        bi = jnp.arange(b)[:, None, None]
-        hi = jnp.arange(kvh)[None, :, None]
-        k = k.at[bi, pos, hi].set(jnp.broadcast_to(3.0 * qm[:, :, None, :], (b, kvh, 16, d)).astype(dtype))
-    return q.astype(dtype), k, v
-
-
-def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_DEFAULT.head_dim, dtype="bfloat16",
-          frac=0.1, min_k=128, peaky=False, ragged=True, interpret=False, tuning=None, log=print):
-    """Compare A0, A, R (Pallas) with the references on fresh inputs; returns a dict of errors (raises on failure)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from kernels_pallas import decode as dec
-    from kernels_pallas import reference as ref
-
-    dt = jnp.dtype(dtype)
-    q, k, v = _inputs(seed, b, s, hq, kvh, d, dt, peaky)
-    rng = np.random.default_rng(seed)
-    kv_len = jnp.asarray(rng.integers(s // 2, s + 1, size=b) if ragged else np.full(b, s), jnp.int32)
-    k_max = ref.max_budget(s, frac, min_k)
-    hm = jnp.asarray(rng.permutation(kvh), jnp.int32)
-    tuning = tuning or dec.DEFAULT_TUNING
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, interpret=interpret, tuning=tuning)
-
-    def rel(a, r):
-        a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-        assert np.all(np.isfinite(a)), "non-finite output"
-        return float(np.linalg.norm(a - r) / np.linalg.norm(r))
-
-    out, idx, counts = jax.jit(lambda *a: dec.anchor_decode(*a, impl="pallas", **kw))(q, k, v, kv_len)
-    out0, idx0, _ = jax.jit(lambda *a: dec.anchor_decode(*a, impl="pallas", dense_out=True, **kw))(q, k, v, kv_len)
-    scores = jax.jit(lambda q, k, l: ref.pooled_scores_decode_reference(q, k, l))(q, k, kv_len)
-    ref_idx = jax.jit(lambda sc, c: ref.select_topk_reference(sc, c[:, None], k_max))(scores, counts)
-    ref_dense = jax.jit(lambda *a: ref.attention_reference(*a))(q, k, v, kv_len - 1, kv_len)
-    ref_sparse = jax.jit(lambda *a: ref.sparse_decode_reference(*a))(q, k, v, kv_len, ref_idx, jnp.arange(kvh))
-    reuse = jax.jit(lambda *a: dec.reuse_decode(*a, impl="pallas", interpret=interpret, tuning=tuning))
-    r_out = reuse(q, k, v, kv_len, ref_idx, counts, hm)
-    ref_reuse = jax.jit(lambda *a: ref.sparse_decode_reference(*a))(q, k, v, kv_len, ref_idx, hm)
-
-    idx, idx0, ref_idx, scores, counts = map(np.asarray, (idx, idx0, ref_idx, scores, counts))
-    assert np.array_equal(idx, idx0), "anchor-0 and anchor indices differ"
-    n_diff, worst = 0, 0.0
-    for bi in range(b):
-        for h in range(kvh):
-            mine = idx[bi, h][idx[bi, h] >= 0]
-            theirs = ref_idx[bi, h][ref_idx[bi, h] >= 0]
-            assert len(mine) == counts[bi] == len(theirs), (bi, h, len(mine), counts[bi], len(theirs))
-            assert len(np.unique(mine)) == len(mine) and mine.max() < kv_len[bi], "bad indices"
-            a, r = set(mine.tolist()), set(theirs.tolist())
-            if a != r:
-                only_a, only_r = np.array(sorted(a - r)), np.array(sorted(r - a))
-                n_diff += len(only_a)
-                sc = scores[bi, h]
-                gap = float(sc[only_r].max() - sc[only_a].min()) / max(float(sc[theirs].min()), 1e-30)
-                worst = max(worst, gap)
-    errs = dict(anchor_out=rel(out, ref_sparse), anchor0_out=rel(out0, ref_dense), reuse_out=rel(r_out, ref_reuse),
-                idx_differing=n_diff, idx_worst_rel_score_gap=worst)
-    log(f"check b={b} s={s} hq={hq} kvh={kvh} d={d} {dtype} peaky={peaky} ragged={ragged}: {errs}")
-    assert errs["anchor_out"] < 2e-2 and errs["anchor0_out"] < 2e-2 and errs["reuse_out"] < 2e-2, errs
-    assert worst <= 1e-4, f"selection differs beyond near-ties: {errs}"
-    return errs
-
-
-def _cache_bytes(b, s, shape, itemsize):
-    """Bytes of the K and V caches of b sequences of s tokens."""
-    return 2 * b * s * shape.kv_heads * shape.head_dim * itemsize
-
-
-def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT):
-    import jax
-    import jax.numpy as jnp
-
-    from kernels_pallas import decode as dec
-    from kernels_pallas import reference as ref
-
-    tuning = tuning or dec.DEFAULT_TUNING
-    dt = jnp.dtype(dtype)
-    q, k, v = _inputs(1, b, s, shape.q_heads, shape.kv_heads, shape.head_dim, dt, peaky=False)
-    kv_len = jnp.full((b,), s, jnp.int32)
-    k_max = ref.max_budget(s, frac, min_k)
-    hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning)
-    dense = jax.jit(lambda q, k, v, l: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=l, implementation="cudnn"))
-    a0 = jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, dense_out=True, **kw))
-    an = jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, **kw))
-    _, idx, counts = an(q, k, v, kv_len)
-    re = jax.jit(lambda q, k, v, l, i, c, m: dec.reuse_decode(q, k, v, l, i, c, m, impl="pallas", tuning=tuning))
-    row = dict(batch=b, context=s, topk_frac=frac, dtype=dtype, k=int(counts[0]), **shape.record())
-    for name, fn, args in (("dense", dense, (q, k, v, kv_len)), ("A0", a0, (q, k, v, kv_len)),
-                           ("A", an, (q, k, v, kv_len)), ("R", re, (q, k, v, kv_len, idx, counts, hm))):
-        t, per = cupti_time(fn, args, iters)
-        row[name] = t
-        row[name + "_kernels"] = per
-    for name in ("A0", "A", "R"):
-        row[name + "/dense"] = row[name] / row["dense"]
-    row["weighted"] = shape.weighted(row["A0"], row["A"], row["R"])
-    row["speedup"] = row["dense"] / row["weighted"]
-    kv_bytes = _cache_bytes(b, s, shape, dt.itemsize)
-    row["dense_TBps"] = kv_bytes / row["dense"] / 1e9
-    log(f"b={b:3d} s={s:7d} k={frac:g} {dtype}: dense {row['dense']:.4f}  A0 {row['A0']:.4f} ({row['A0/dense']:.3f})  "
-        f"A {row['A']:.4f} ({row['A/dense']:.3f})  R {row['R']:.4f} ({row['R/dense']:.3f})  "
-        f"weighted {row['weighted']:.4f}  speedup {row['speedup']:.2f}x")
-    log("   A kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_kernels"].items()))
-    del q, k, v
-    return row
-
-
-def _markdown(rows, meta, shape=_DEFAULT):
-    lines = [f"# Kascade decode attention vs cuDNN dense ({meta['gpu']})", "",
-             f"Date {meta['date']}, JAX {meta['jax']}, command `{meta['command']}`.",
-             f"CUPTI kernel time, median of iterations, ms. {shape.heads_text()}, every sequence at full length.",
-             f"Weighted = {shape.formula()} ({shape.mix_text()}).", "",
-             "| dtype | batch | context | top-k | k | dense | A0 | A | R | A0/dense | A/dense | R/dense | weighted | speedup |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['topk_frac']:.0%} | {r['k']} | {r['dense']:.4f} | "
-                     f"{r['A0']:.4f} | {r['A']:.4f} | {r['R']:.4f} | {r['A0/dense']:.3f} | {r['A/dense']:.3f} | "
-                     f"{r['R/dense']:.3f} | {r['weighted']:.4f} | **{r['speedup']:.2f}x** |")
-    lines += ["", "Per-kernel breakdown of A (ms):", ""]
-    for r in rows:
-        lines.append(f"- {r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%}: " +
-                     ", ".join(f"`{n[:48]}` {t:.4f}" for n, t in r["A_kernels"].items()))
-    return "\n".join(lines) + "\n"
-
-
-def _plot(rows, path, shape=_DEFAULT):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r["dtype"], r["batch"], r["topk_frac"]) for r in rows})
-    for dt, b, f in keys:
-        pts = sorted((r["context"], r["speedup"]) for r in rows if (r["dtype"], r["batch"], r["topk_frac"]) == (dt, b, f))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{dt} b{b} top-k {f:.0%}")
-    ax.set_xscale("log", base=2)
-    ax.axhline(4.5, color="gray", ls="--", lw=0.8)
-    ax.set_xlabel("context")
-    ax.set_ylabel("weighted Kascade speedup over cuDNN")
-    ax.set_title(f"decode, {shape.heads_text()}; weighted {shape.formula()}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", log=print):
-    import jax
-
-    stem = output_stem("decode", tag, shape)  # refuses before any timing: untagged files hold the default shape
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"bench_decode needs a GPU, found backend {jax.default_backend()!r}")
-    note_overwrite(out_dir, stem, shape, log)
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), tuning=repr(tuning),
-                shape=shape.record())
-    checks = []
-    if do_check:
-        for peaky in (False, True):
-            checks.append(check(seed=int(time.time()) % 10000, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim,
-                                peaky=peaky, tuning=tuning, log=log))
-        checks.append(check(seed=3, b=3, s=20000, hq=12, kvh=4, d=64, dtype="float16", frac=0.2, min_k=16, peaky=True,
-                            tuning=tuning, log=log))
-    rows = []
-    from tqdm import tqdm
-
-    plan = [(dtype, b, s, f) for dtype in dtypes for b in batches for s in contexts for f in fracs]
-    for dtype, b, s, f in tqdm(plan, desc="decode benchmark", unit="config", file=sys.stderr):
-        if _cache_bytes(b, s, shape, 2) / 1e9 > max_cache_gb:
-            log(f"skip b={b} s={s} k={f}: caches over {max_cache_gb} GB")
-            continue
-        try:
-            rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape))
-        except Exception as e:  # keep the sweep going; the failure is reported
-            log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
-    write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), _markdown(rows, meta, shape),
-                  (lambda path: _plot(rows, path, shape)) if rows else None)
-    return rows
 
 
 def main(argv):
     del argv
+    from kascade_jax.bench import decode
     from kernels_pallas import decode as dec
 
-    run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [float(f) for f in FRACS.value],
-        DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
-        max_cache_gb=MAX_GB.value, tuning=dec.DecodeTuning(select_version=SELECT_VERSION.value),
-        shape=BenchShape.from_flags(), tag=BENCH_TAG.value)
+    decode.run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [float(f) for f in FRACS.value],
+               DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
+               max_cache_gb=MAX_GB.value, tuning=dec.DecodeTuning(select_version=SELECT_VERSION.value),
+               shape=shape_from_flags(), tag=BENCH_TAG.value)
 
 
 if __name__ == "__main__":

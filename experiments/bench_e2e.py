@@ -89,7 +89,6 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -97,6 +96,7 @@ import numpy as np
 from absl import flags
 
 from experiments import cli, devices
+from kascade_jax.bench.store import atomic_write
 
 MODELS = flags.DEFINE_list("e2e_models", ["llama3.1-8b-random", "qwen3-8b-random", "qwen2.5-coder-1.5b"],
                            "Models: llama3.1-8b-random, qwen3-8b-random (real configs, random bf16 weights), "
@@ -710,25 +710,12 @@ def plot(rows: list, path: str) -> None:
     plt.close(fig)
 
 
-def _atomic_write(path: str, text: str) -> None:
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path), suffix=".partial", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save(out_dir: str, stem: str, meta: dict, rows: list, with_plot: bool = True, log=print) -> None:
     """<stem>.json (meta + rows), <stem>.md and <stem>.png, each written atomically."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, stem)
-    _atomic_write(base + ".json", json.dumps(dict(meta=meta, rows=rows), indent=1))
-    _atomic_write(base + ".md", render_markdown(meta, rows))
+    atomic_write(base + ".json", json.dumps(dict(meta=meta, rows=rows), indent=1))
+    atomic_write(base + ".md", render_markdown(meta, rows))
     if with_plot:
         try:
             plot(rows, base + ".png")
@@ -772,9 +759,9 @@ def load(out_dir: str, stem: str) -> tuple[dict, list]:
 def output_stem(tag: str, mesh: str | None = None) -> str:
     """e2e_<tag> when a tag is given; else e2e for one device and e2e_mesh-data<D>-model<M> on a mesh, so a sharded
     run never writes into the one-GPU file (rows also carry their mesh in row_key)."""
-    from experiments.timing import _TAG
+    from kascade_jax.bench.store import TAG
 
-    if tag and not _TAG.fullmatch(tag):
+    if tag and not TAG.fullmatch(tag):
         raise ValueError(f"--e2e_tag must be letters, digits, '_', '.' or '-', got {tag!r}")
     if tag:
         return f"e2e_{tag}"
@@ -1292,7 +1279,7 @@ def profile(spec: ModelSpec, context: int, batch, strategies, *, steps=(8, 40), 
     os.makedirs(out_dir, exist_ok=True)
     suffix = "" if mname is None else "_" + output_stem("", mname)[len("e2e_"):]
     path = os.path.join(out_dir, f"e2e_profile_{spec.name}_{context}_b{batch}{suffix}.json")
-    _atomic_write(path, json.dumps(result, indent=1))
+    atomic_write(path, json.dumps(result, indent=1))
     log(f"wrote {path}")
     return result
 

@@ -3,31 +3,20 @@
     python -m experiments.bench_paged                      # H200: 32K and 128K, batch 8 and 64, page size 64
     python -m experiments.bench_paged --paged_page_sizes=16,64
 
-For every (batch, context, page size): the same random K/V once contiguous [batch, context, kv_heads, d] and once
-scattered over the pages of a pool (a random permutation of pages, a few spare), then, timed with CUPTI
-(experiments/timing.py, median over iterations) in the same run:
-- dense: cuDNN on the contiguous cache (what the models run) vs the paged Pallas flash-decode;
-- A0 (anchor layer 0: dense output + scores + Top-k), A (anchor: scores + Top-k + sparse), R (reuse): the
-  contiguous kernels of kernels_pallas/decode.py vs their page-table twins in kernels_pallas/paged.py;
-- the weighted Kascade time (1*A0 + (M-1)*A + (L-M)*R)/L of each cache (`--num_layers`, `--num_anchors`);
-and the ratio paged / contiguous of each (the issue's target: within 5%). Before timing, a same-run check at a
-ragged batch compares every paged kernel with its contiguous twin (relative error, identical index sets).
-Writes the "kernels" section of <--paged_out>/paged.json and paged.md (experiments/paged_report.py).
-
-Does not: run without a GPU (it refuses), time prefill (paged prefill gathers per chunk, then runs the contiguous
-prefill kernels), or time the serving loop (serve_replay.py).
+For every (batch, context, page size), the paged / contiguous ratio of dense, A0, A, R and the weighted Kascade time
+(`--num_layers`, `--num_anchors`), after a same-run check of every paged kernel against its contiguous twin. Writes
+the "kernels" section of <--paged_out>/paged.json and paged.md (shared with serve_replay.py). The measurement and
+the report are kascade_jax/bench/paged.py; this parses the flags. Needs a GPU.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import sys
 
 from absl import flags
 
 from experiments import cli
-from experiments.timing import BenchShape, cupti_time
+from experiments.timing import shape_from_flags
 
 CONTEXTS = flags.DEFINE_list("paged_contexts", ["32768", "131072"], "Cache lengths.")
 BATCHES = flags.DEFINE_list("paged_batches", ["8", "64"], "Batch sizes.")
@@ -40,163 +29,6 @@ OUT = flags.DEFINE_string("paged_out", "benchmarks", "Output folder for paged.js
 STREAM_BLOCK = flags.DEFINE_integer("paged_stream_block", 128, "Keys per step of the paged whole-cache pass (dense, "
                                     "anchor scores); <= page size: one contiguous load per block, else a row gather.")
 MAX_GB = flags.DEFINE_float("paged_max_cache_gb", 100.0, "Skip shapes whose contiguous + paged K/V exceed this (GB).")
-
-
-def paged_copy(k, page_size: int, seed: int, spare: int = 7):
-    """k [batch, s, kv_heads, d] -> (pool [batch * s / page_size + spare, page_size, kv_heads, d], page_table
-    [batch, s / page_size]): the same rows on randomly permuted pages (the spare pages hold zeros)."""
-    import jax
-    import jax.numpy as jnp
-
-    b, s, kvh, d = k.shape
-    if s % page_size:
-        raise ValueError(f"context {s} is not a multiple of the page size {page_size}")
-    mp = s // page_size
-    n = b * mp + spare
-    perm = jax.random.permutation(jax.random.PRNGKey(seed), n).astype(jnp.int32)
-    table = perm[:b * mp].reshape(b, mp)
-    pool = jnp.zeros((n, page_size, kvh, d), k.dtype).at[table.reshape(-1)].set(k.reshape(b * mp, page_size, kvh, d))
-    return pool, table
-
-
-def _same_sets(a, c):
-    import numpy as np
-
-    a, c = np.asarray(a), np.asarray(c)
-    a, c = a.reshape(-1, a.shape[-1]), c.reshape(-1, c.shape[-1])
-    return float(np.mean([set(x[x >= 0].tolist()) == set(y[y >= 0].tolist()) for x, y in zip(a, c)]))
-
-
-def check(b, s, page_size, shape: BenchShape, frac=0.1, min_k=128, seed=0, interpret=False, anchor0=True, log=print):
-    """Paged kernels vs their contiguous twins on the same ragged batch: [{name, rel[, same_sets]}]; raises on a
-    relative error above 2e-2 or fewer than 99% identical index sets. anchor0=False skips A0 (CPU tests)."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from experiments.bench_decode import _inputs
-    from kernels_pallas import decode as dec
-    from kernels_pallas import paged as pg
-    from kernels_pallas import reference as ref
-
-    q, k, v = _inputs(seed, b, s, shape.q_heads, shape.kv_heads, shape.head_dim, jnp.bfloat16, peaky=True)
-    kv_len = jnp.asarray(np.random.default_rng(seed).integers(s // 2, s + 1, b), jnp.int32)
-    kp, table = paged_copy(k, page_size, seed)
-    vp, _ = paged_copy(v, page_size, seed)  # same seed: the same permutation
-    impl = dict(impl="pallas", interpret=interpret)
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(s, frac, min_k), **impl)
-    rel = lambda a, r: float(jnp.linalg.norm((a.astype(jnp.float32) - r.astype(jnp.float32)).ravel())  # noqa: E731
-                             / jnp.linalg.norm(r.astype(jnp.float32).ravel()))
-    out = []
-    want = ref.attention_reference(q, k, v, kv_len - 1, kv_len)
-    out.append(dict(name="dense", rel=rel(pg.dense_decode(q, kp, vp, table, kv_len, **impl), want)))
-    for name, dense in (("A0", True), ("A", False))[0 if anchor0 else 1:]:
-        o, idx, cnt = pg.anchor_decode(q, kp, vp, table, kv_len, dense_out=dense, **kw)
-        oc, idx_c, cnt_c = dec.anchor_decode(q, k, v, kv_len, dense_out=dense, **kw)
-        out.append(dict(name=name, rel=rel(o, oc), same_sets=_same_sets(idx, idx_c)))
-    hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
-    o = pg.reuse_decode(q, kp, vp, table, kv_len, idx, cnt, hm, **impl)
-    out.append(dict(name="R", rel=rel(o, dec.reuse_decode(q, k, v, kv_len, idx, cnt, hm, **impl))))
-    for c in out:
-        log(f"check b={b} s={s} page {page_size}: {c}")
-        if c["rel"] > 2e-2 or c.get("same_sets", 1.0) < 0.99:
-            raise ValueError(f"paged kernel {c['name']} disagrees with its contiguous twin: {c}")
-    return out
-
-
-def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print, stream_block=128):
-    import jax
-    import jax.numpy as jnp
-
-    from experiments.bench_decode import _inputs
-    from kernels_pallas import decode as dec
-    from kernels_pallas import paged as pg
-    from kernels_pallas import reference as ref
-
-    q, k, v = _inputs(1, b, s, shape.q_heads, shape.kv_heads, shape.head_dim, jnp.bfloat16, peaky=False)
-    kp, table = paged_copy(k, page_size, 1)
-    vp, _ = paged_copy(v, page_size, 1)
-    kv_len = jnp.full((b,), s, jnp.int32)
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(s, frac, min_k), impl="pallas")
-    pkw = dict(kw, tuning=dec.DecodeTuning(stream_block=stream_block))
-    hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
-    an = jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, **kw))
-    _, idx, counts = an(q, k, v, kv_len)
-    contig = {
-        "dense": (jax.jit(lambda q, k, v, l: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=l,
-                                                                          implementation="cudnn")), (q, k, v, kv_len)),
-        "A0": (jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, dense_out=True, **kw)), (q, k, v, kv_len)),
-        "A": (an, (q, k, v, kv_len)),
-        "R": (jax.jit(lambda q, k, v, l, i, c: dec.reuse_decode(q, k, v, l, i, c, hm, impl="pallas")),
-              (q, k, v, kv_len, idx, counts)),
-    }
-    paged = {
-        "dense": (jax.jit(lambda q, k, v, t, l: pg.dense_decode(q, k, v, t, l, impl="pallas", tuning=pkw["tuning"])),
-                  (q, kp, vp, table, kv_len)),
-        "A0": (jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, dense_out=True, **pkw)),
-               (q, kp, vp, table, kv_len)),
-        "A": (jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, **pkw)), (q, kp, vp, table, kv_len)),
-        "R": (jax.jit(lambda q, k, v, t, l, i, c: pg.reuse_decode(q, k, v, t, l, i, c, hm, impl="pallas")),
-              (q, kp, vp, table, kv_len, idx, counts)),
-    }
-    row = dict(batch=b, context=s, page_size=page_size, stream_block=stream_block, topk_frac=frac, k=int(counts[0]),
-               **shape.record())
-    for n in ("dense", "A0", "A", "R"):
-        for tag, fns in (("contig", contig), ("paged", paged)):
-            fn, args = fns[n]
-            row[f"{n}_{tag}"], row[f"{n}_{tag}_kernels"] = cupti_time(fn, args, iters)
-        row[f"{n}_ratio"] = row[f"{n}_paged"] / row[f"{n}_contig"]
-    for tag in ("contig", "paged"):
-        row[f"weighted_{tag}"] = shape.weighted(row[f"A0_{tag}"], row[f"A_{tag}"], row[f"R_{tag}"])
-    row["weighted_ratio"] = row["weighted_paged"] / row["weighted_contig"]
-    row["speedup_contig"] = row["dense_contig"] / row["weighted_contig"]
-    row["speedup_paged"] = row["dense_contig"] / row["weighted_paged"]
-    log(f"b={b:3d} s={s:7d} page {page_size}: " + "  ".join(
-        f"{n} {row[n + '_contig']:.4f}/{row[n + '_paged']:.4f} ({row[n + '_ratio']:.3f})"
-        for n in ("dense", "A0", "A", "R", "weighted")))
-    return row
-
-
-def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=100.0, shape: BenchShape | None = None, stream_block=128, log=print):
-    import jax
-
-    from experiments import paged_report
-    from models.paged import check_page_size
-
-    shape = shape or BenchShape()
-    for ps in page_sizes:
-        check_page_size(ps)
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"bench_paged needs a GPU, found backend {jax.default_backend()!r}")
-    checks = []
-    if do_check:
-        for ps in page_sizes:
-            checks += check(8, 32768, ps, shape, frac, min_k, log=log)
-    rows, not_measured = [], []  # every shape asked for is a row or a not_measured entry (with its reason)
-    for b in batches:
-        for s in contexts:
-            gb = 4 * b * s * shape.kv_heads * shape.head_dim * 2 / 1e9  # K and V, contiguous and paged, bf16
-            if gb > max_cache_gb:
-                reason = f"skipped: contiguous + paged K/V {gb:.0f} GB > --paged_max_cache_gb={max_cache_gb:g}"
-                log(f"skip b={b} s={s}: {reason}")
-                not_measured += [dict(batch=b, context=s, page_size=ps, stream_block=stream_block, reason=reason)
-                                 for ps in page_sizes]
-                continue
-            for ps in page_sizes:
-                try:
-                    rows.append(bench_one(b, s, ps, frac, min_k, iters, shape, log, stream_block))
-                except Exception as e:  # keep the sweep going; the failure is reported and recorded
-                    reason = f"failed: {type(e).__name__}: {str(e)[:300]}"
-                    log(f"FAILED b={b} s={s} page {ps}: {reason}")
-                    not_measured.append(dict(batch=b, context=s, page_size=ps, stream_block=stream_block,
-                                             reason=reason))
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), iterations=iters,
-                heads=shape.heads_text(), formula=f"{shape.formula()} ({shape.mix_text()})",
-                page_size=",".join(map(str, page_sizes)), stream_block=stream_block, shape=shape.record())
-    log("wrote " + paged_report.update(out_dir, "kernels", dict(meta=meta, checks=checks, rows=rows,
-                                                                       not_measured=not_measured)))
-    return rows
 
 
 def int_list(flag: str, values) -> list[int]:
@@ -212,12 +44,14 @@ def int_list(flag: str, values) -> list[int]:
 
 def main(argv):
     del argv
+    from kascade_jax.bench import paged
+
     # One process, one GPU: both caches of a shape are resident at once, so let JAX take most of the memory.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    run(int_list("paged_contexts", CONTEXTS.value), int_list("paged_batches", BATCHES.value),
-        int_list("paged_page_sizes", PAGE_SIZES.value),
-        frac=FRAC.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
-        max_cache_gb=MAX_GB.value, shape=BenchShape.from_flags(), stream_block=STREAM_BLOCK.value)
+    paged.run(int_list("paged_contexts", CONTEXTS.value), int_list("paged_batches", BATCHES.value),
+              int_list("paged_page_sizes", PAGE_SIZES.value),
+              frac=FRAC.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
+              max_cache_gb=MAX_GB.value, shape=shape_from_flags(), stream_block=STREAM_BLOCK.value)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def test_generate_requires_a_prompt():
 def test_bench_write_outputs(tmp_path):
     import json
 
-    from experiments.timing import write_outputs
+    from kascade_jax.bench.store import write_outputs
 
     rows = [dict(context=8192, speedup=3.5)]
     write_outputs(str(tmp_path / "out"), "decode", dict(rows=rows), "# table\n",
@@ -105,7 +105,7 @@ QWEN05 = dict(q_heads=14, kv_heads=2, head_dim=64, num_layers=24, num_anchors=5)
 
 
 def test_bench_shape_weighted_formula():
-    from experiments.timing import BenchShape
+    from kascade_jax.bench.timing import BenchShape
 
     a0, a, r = 3.0, 2.0, 0.5
     qwen = BenchShape(**QWEN05)
@@ -122,7 +122,7 @@ def test_bench_shape_weighted_formula():
 
 
 def test_bench_shape_parse_and_errors():
-    from experiments.timing import BenchShape
+    from kascade_jax.bench.timing import BenchShape
 
     assert BenchShape.parse("14,2,64", 24, 5) == BenchShape(**QWEN05)
     assert BenchShape.parse(["12", "2", "128"], 28) == BenchShape(12, 2, 128, 28, 5)
@@ -145,7 +145,8 @@ def test_bench_shape_parse_and_errors():
 
 
 def test_bench_output_stem_keeps_shapes_apart(tmp_path):
-    from experiments.timing import BenchShape, note_overwrite, output_stem, recorded_shape, write_outputs
+    from kascade_jax.bench.store import note_overwrite, output_stem, recorded_shape, write_outputs
+    from kascade_jax.bench.timing import BenchShape
 
     qwen = BenchShape(**QWEN05)
     assert output_stem("decode", "", BenchShape()) == "decode"
@@ -180,7 +181,7 @@ def test_bench_output_stem_keeps_shapes_apart(tmp_path):
 
 
 def _fake_rows(shape, decode):
-    from experiments.timing import BenchShape
+    from kascade_jax.bench.timing import BenchShape
 
     assert isinstance(shape, BenchShape)
     kernels = {"kascade_kernel": 0.1}
@@ -198,43 +199,43 @@ def _fake_rows(shape, decode):
 
 
 def test_bench_markdown_labels_shape():
-    from experiments import bench_decode, bench_prefill
-    from experiments.timing import BenchShape
+    from kascade_jax.bench import tables
+    from kascade_jax.bench.timing import BenchShape
 
     meta = dict(gpu="H200", date="today", jax="0.11.2", command="bench", tuning="t", tile=32, min_k=128)
     llama, qwen = BenchShape(), BenchShape(**QWEN05)
     # the default shape keeps today's header lines
-    md = bench_decode._markdown(_fake_rows(llama, True), meta, llama)
+    md = tables.decode_markdown(_fake_rows(llama, True), meta, llama)
     assert "CUPTI kernel time, median of iterations, ms. 32 q heads, 8 kv heads, d 128, every sequence at full " \
            "length.\nWeighted = (1*A0 + 4*A + 27*R)/32 (Llama-3.1-8B: 32 layers, 5 anchors).\n" in md
-    md = bench_decode._markdown(_fake_rows(qwen, True), meta, qwen)
+    md = tables.decode_markdown(_fake_rows(qwen, True), meta, qwen)
     assert "14 q heads, 2 kv heads, d 64" in md
     assert "Weighted = (1*A0 + 4*A + 19*R)/24 (Qwen2.5-Coder-0.5B: 24 layers, 5 anchors)." in md
     w = (1.2 + 4 * 0.5 + 19 * 0.2) / 24
     assert f"| {w:.4f} | **{1 / w:.2f}x** |" in md
 
-    md = bench_prefill._markdown(_fake_rows(llama, False), meta, llama)
+    md = tables.prefill_markdown(_fake_rows(llama, False), meta, llama)
     assert "Batch 1, 32 q heads, 8 kv heads, d 128, rolling budgets, tile 32, min_k 128.\nWeighted = " \
            "(1*A0 + 4*A + 27*R)/32 (Llama-3.1-8B: 32 layers, 5 anchors). A extra" in md
     one_five = BenchShape(12, 2, 128, 28, 4)
-    md = bench_prefill._markdown(_fake_rows(one_five, False), dict(meta, min_k=64), one_five)
+    md = tables.prefill_markdown(_fake_rows(one_five, False), dict(meta, min_k=64), one_five)
     assert "12 q heads, 2 kv heads, d 128" in md and "min_k 64" in md
     assert "(1*A0 + 3*A + 24*R)/28 (Qwen2.5-Coder-1.5B: 28 layers, 4 anchors)" in md
     srows = [dict(context=32768, spec="(base) ", dense=1.0, A0=1.2, A=0.5, R=0.2, speedup_est=2.0,
                   **{"A0/dense_est": 1.2, "A/dense_est": 0.5, "R/dense_est": 0.2},
                   **{n + "_kernels": {"kascade_kernel": 0.1} for n in ("A0", "A", "R")})]
-    md = bench_prefill._sweep_markdown(srows, meta, qwen)
+    md = tables.prefill_sweep_markdown(srows, meta, qwen)
     assert "14 q heads, 2 kv heads, d 64; weighted = (1*A0 + 4*A + 19*R)/24" in md
 
 
 def test_bench_plots_label_shape(tmp_path):
     pytest.importorskip("matplotlib")
-    from experiments import bench_decode, bench_prefill
-    from experiments.timing import BenchShape
+    from kascade_jax.bench import tables
+    from kascade_jax.bench.timing import BenchShape
 
     qwen = BenchShape(**QWEN05)
-    bench_decode._plot(_fake_rows(qwen, True), str(tmp_path / "d.png"), qwen)
-    bench_prefill._plot(_fake_rows(qwen, False), str(tmp_path / "p.png"), qwen)
+    tables.decode_plot(_fake_rows(qwen, True), str(tmp_path / "d.png"), qwen)
+    tables.prefill_plot(_fake_rows(qwen, False), str(tmp_path / "p.png"), qwen)
     assert (tmp_path / "d.png").stat().st_size > 0 and (tmp_path / "p.png").stat().st_size > 0
 
 
@@ -260,14 +261,14 @@ def test_bench_checks_run_at_a_qwen_shape_in_interpret_mode():
     """The benchmarks' reference checks at the GQA group 7 / head_dim 64 shape of Qwen2.5-Coder-0.5B (small)."""
     import numpy as np
 
-    from experiments import bench_decode, bench_prefill
-    from experiments.timing import BenchShape
+    from kascade_jax.bench import decode, prefill
+    from kascade_jax.bench.timing import BenchShape
 
     seed = int(np.random.default_rng().integers(1 << 30))
     print("seed", seed)
-    errs = bench_decode.check(seed=seed, b=2, s=1024, hq=14, kvh=2, d=64, min_k=32, peaky=True, interpret=True)
+    errs = decode.check(seed=seed, b=2, s=1024, hq=14, kvh=2, d=64, min_k=32, peaky=True, interpret=True)
     assert errs["anchor_out"] < 2e-2
-    errs = bench_prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05))
+    errs = prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05))
     assert errs["exact_set_fraction"] > 0.9
 
 

@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from experiments import bench_paged, paged_report
+from experiments import bench_paged, paged_report  # the front ends: flag parsing, the replay's report writer
 from experiments.timing import BenchShape
+from kascade_jax.bench import paged
 from kascade_jax.bench import replay as serve_replay  # the replay's library (the front end's flags are shared ones)
 
 
@@ -17,7 +18,7 @@ def test_bench_paged_check_interpret():
     shape = BenchShape(q_heads=4, kv_heads=2, head_dim=64, num_layers=4, num_anchors=2)
     seed = int(np.random.default_rng().integers(1 << 20))
     print("seed", seed)
-    res = bench_paged.check(1, 128, 16, shape, frac=0.2, min_k=16, seed=seed, interpret=True, anchor0=False)
+    res = paged.check(1, 128, 16, shape, frac=0.2, min_k=16, seed=seed, interpret=True, anchor0=False)
     assert [c["name"] for c in res] == ["dense", "A", "R"]
     assert all(c["rel"] < 2e-2 for c in res) and res[1]["same_sets"] >= 0.99
 

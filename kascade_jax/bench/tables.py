@@ -1,0 +1,219 @@
+"""The benchmarks' reports: Markdown tables and plots of the decode and prefill kernel benchmarks and of the paged
+file (kernels and serving replay). Pure functions of the stored rows: rerunning one on a saved JSON rewrites the
+same report, and none of them measures anything.
+"""
+
+from __future__ import annotations
+
+from kascade_jax.bench.timing import BenchShape
+
+_DEFAULT = BenchShape()
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _head(title: str, meta: dict, level: int = 1) -> list[str]:
+    """A heading '<title> (<gpu>)' and the line of the run's date, JAX version and command."""
+    return [f"{'#' * level} {title} ({meta['gpu']})", "",
+            f"Date {meta['date']}, JAX {meta['jax']}, command `{meta['command']}`."]
+
+
+def _kernel_lines(title: str, items, digits: int, min_ms: float | None = None) -> list[str]:
+    """A Markdown list of per-kernel times under `title`: one line per (label, {kernel: ms}) of items."""
+    return ["", title, ""] + [f"- {label}: " + ", ".join(f"`{n[:48]}` {t:.{digits}f}" for n, t in kernels.items()
+                                                          if min_ms is None or t > min_ms) for label, kernels in items]
+
+
+def _speedup_plot(rows, path, series, label, ylabel, title, lines=()):
+    """Speedup against context, one line per key series(row) (labelled label(key)), log2 x axis."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({series(r) for r in rows}):
+        pts = sorted((r["context"], r["speedup"]) for r in rows if series(r) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label(key))
+    ax.set_xscale("log", base=2)
+    for y, ls, text in lines:
+        ax.axhline(y, color="gray", ls=ls, lw=0.8, label=text)
+    ax.set_xlabel("context")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel benchmarks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def decode_markdown(rows, meta, shape=_DEFAULT):
+    lines = _head("Kascade decode attention vs cuDNN dense", meta) + [
+        f"CUPTI kernel time, median of iterations, ms. {shape.heads_text()}, every sequence at full length.",
+        f"Weighted = {shape.formula()} ({shape.mix_text()}).", "",
+        "| dtype | batch | context | top-k | k | dense | A0 | A | R | A0/dense | A/dense | R/dense | weighted | speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['topk_frac']:.0%} | {r['k']} | {r['dense']:.4f} | "
+                     f"{r['A0']:.4f} | {r['A']:.4f} | {r['R']:.4f} | {r['A0/dense']:.3f} | {r['A/dense']:.3f} | "
+                     f"{r['R/dense']:.3f} | {r['weighted']:.4f} | **{r['speedup']:.2f}x** |")
+    lines += _kernel_lines("Per-kernel breakdown of A (ms):", [
+        (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%}", r["A_kernels"]) for r in rows], 4)
+    return "\n".join(lines) + "\n"
+
+
+def decode_plot(rows, path, shape=_DEFAULT):
+    _speedup_plot(rows, path, lambda r: (r["dtype"], r["batch"], r["topk_frac"]),
+                  lambda k: f"{k[0]} b{k[1]} top-k {k[2]:.0%}", "weighted Kascade speedup over cuDNN",
+                  f"decode, {shape.heads_text()}; weighted {shape.formula()}", lines=[(4.5, "--", None)])
+
+
+def prefill_markdown(rows, meta, shape=_DEFAULT):
+    lines = _head("Kascade prefill attention vs cuDNN causal flash attention", meta) + [
+        f"Kernel tuning: `{meta['tuning']}`.",
+        f"CUPTI kernel time, median of iterations, ms. Batch 1, {shape.heads_text()}, rolling budgets, "
+        f"tile {meta.get('tile', 32)}, min_k {meta.get('min_k', 128)}.",
+        f"Weighted = {shape.formula()} ({shape.mix_text()}). "
+        "A extra = XLA temp memory of the compiled anchor pipeline; A outputs = its out + idx buffers.", "",
+        "| dtype | context | top-k | dense | A0 | A | R | A0/dense | A/dense | R/dense | weighted | speedup | A extra GB | A outputs GB (out+idx) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['context']} | {r['topk_frac']:.0%} | {r['dense']:.2f} | {r['A0']:.2f} | "
+                     f"{r['A']:.2f} | {r['R']:.2f} | {r['A0/dense']:.3f} | {r['A/dense']:.3f} | {r['R/dense']:.3f} | "
+                     f"{r['weighted']:.2f} | **{r['speedup']:.2f}x** | {r['A_extra_bytes'] / 1e9:.2f} | "
+                     f"{r['A_out_bytes'] / 1e9:.2f} |")
+    lines += _kernel_lines("Per-kernel times (ms):", [(f"{r['dtype']} {r['context']} {r['topk_frac']:.0%} {name}",
+                                                       r[name + "_kernels"]) for r in rows for name in ("A0", "A", "R")], 3)
+    return "\n".join(lines) + "\n"
+
+
+def prefill_sweep_markdown(rows, meta, shape=_DEFAULT):
+    lines = _head("Prefill tuning sweep", meta) + [
+        "CUPTI kernel ms (median). Each variant is applied on top of the base row; "
+        "pieces a variant does not touch take the base's time in the estimates; '-' = not re-timed.",
+        f"Batch 1, {shape.heads_text()}; weighted = {shape.formula()} ({shape.mix_text()}).", "",
+        "| context | variant | dense | A0 | A | R | A0/dense | A/dense | R/dense | weighted (est.) |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda r, n: f"{r[n]:.2f}" if n in r else "-"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['context']} | `{r['spec']}` | {f(r, 'dense')} | {f(r, 'A0')} | {f(r, 'A')} | {f(r, 'R')} | "
+                     f"{r['A0/dense_est']:.3f} | {r['A/dense_est']:.3f} | {r['R/dense_est']:.3f} | "
+                     f"**{r['speedup_est']:.2f}x** |")
+    lines += _kernel_lines("Per-kernel times (ms):", [(f"{r['context']} `{r['spec']}` {n}", r[n + "_kernels"])
+                                                      for r in rows for n in ("A0", "A", "R") if n in r], 3, 0.01)
+    return "\n".join(lines) + "\n"
+
+
+def prefill_plot(rows, path, shape=_DEFAULT):
+    _speedup_plot(rows, path, lambda r: (r["dtype"], r["topk_frac"]), lambda k: f"{k[0]} top-k {k[1]:.0%}",
+                  "weighted Kascade prefill speedup over cuDNN",
+                  f"prefill, batch 1, {shape.heads_text()}; weighted {shape.formula()}",
+                  lines=[(2.19, ":", "paper (vs FA3, H100)"), (2.8, "--", "target")])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The paged file: kernels (paged vs contiguous) and the continuous-batching replay
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _paged_kernels_md(sec: dict) -> list[str]:
+    m = sec["meta"]
+    lines = _head("Decode attention: paged vs contiguous cache", m, 2) + [
+        f"CUPTI kernel time, median of {m['iterations']} iterations, ms. {m['heads']}, every sequence at full "
+        f"length, page size {m['page_size']} with the pages of each sequence scattered at random over the pool. "
+        "Contiguous dense = cuDNN; paged dense = the paged Pallas flash-decode (kernels_pallas/paged.py). "
+        "A0 / A / R = Kascade anchor-0, anchor, reuse (kernels_pallas/decode.py vs paged.py). "
+        f"Weighted = {m['formula']}.", "",
+        "| batch | context | page | stream block | top-k | dense contig | dense paged | ratio | A0 contig | A0 paged | ratio | "
+        "A contig | A paged | ratio | R contig | R paged | ratio | weighted contig | weighted paged | ratio |",
+        "|" + "---|" * 20]
+    for r in sec["rows"]:
+        cells = [str(r["batch"]), str(r["context"]), str(r["page_size"]), str(r.get("stream_block", "-")),
+                 f"{r['topk_frac']:.0%}"]
+        for n in ("dense", "A0", "A", "R", "weighted"):
+            cells += [f"{r[n + '_contig']:.4f}", f"{r[n + '_paged']:.4f}", f"**{r[n + '_ratio']:.3f}**"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if sec.get("checks"):
+        lines += ["", "Same-run checks (paged vs contiguous kernels on the same K/V): " +
+                  "; ".join(f"{c['name']}: rel {c['rel']:.1e}" + (f", same index sets {c['same_sets']:.4f}"
+                                                                   if "same_sets" in c else "")
+                            for c in sec["checks"])]
+    if sec.get("not_measured"):
+        lines += ["", "Not measured:", ""] + [f"- batch {x['batch']}, context {x['context']}, page {x['page_size']}"
+                                              + (f", stream block {x['stream_block']}" if "stream_block" in x else "")
+                                              + f": {x['reason']}" for x in sec["not_measured"]]
+    return lines
+
+
+def _replay_md(sec: dict) -> list[str]:
+    m = sec["meta"]
+    lines = _head("Continuous-batching replay", m, 2) + [
+        f"Model: {m['model']}. Trace: {m['num_requests']} requests, Poisson arrivals at {m['arrival_rate']} "
+        f"req/s, prompts {m['min_prompt']}-{m['max_prompt']} tokens, {m['min_new']}-{m['max_new']} new tokens "
+        f"(EOS ignored), seed {m['seed']}. Engine: max_batch {m['max_batch']}, page size {m['page_size']}, "
+        f"{m['num_pages']} pages. Compilation is warmed up before the timed replay. TTFT counts queueing from "
+        "the scheduled arrival; TPOT = a request's mean time per output token after its first.", "",
+        "| strategy | generated tok/s | makespan s | TTFT p50 s | TTFT p99 s | TPOT p50 ms | TPOT p99 ms | "
+        "decode steps | mean active slots |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for r in sec["rows"]:
+        lines.append(f"| {r['strategy']} | **{r['tokens_per_s']:.1f}** | {r['makespan_s']:.2f} | {r['ttft_p50_s']:.3f} | "
+                     f"{r['ttft_p99_s']:.3f} | {r['tpot_p50_ms']:.2f} | {r['tpot_p99_ms']:.2f} | {r['decode_steps']} | "
+                     f"{r['mean_active']:.2f} |")
+    failed = [f"{r['strategy']}: {r['failed_requests']} of {r['requests']} ({r.get('first_error', '')})"
+              for r in sec["rows"] if r.get("failed_requests")]
+    if failed:
+        lines += ["", "Failed requests (no token; left out of the metrics above): " + "; ".join(failed)]
+    by = {r["strategy"]: r for r in sec["rows"]}
+    if "dense" in by and "kascade" in by:
+        lines += ["", f"Kascade / dense generated tokens/s: **{by['kascade']['tokens_per_s'] / by['dense']['tokens_per_s']:.2f}x**; "
+                      f"TPOT p50 {by['kascade']['tpot_p50_ms'] / by['dense']['tpot_p50_ms']:.2f}x of dense."]
+    return lines
+
+
+def paged_markdown(data: dict) -> str:
+    """paged.md from every section of paged.json present ("kernels", "replay")."""
+    lines = ["# Paged KV cache and continuous batching", "",
+             "Written by `experiments/bench_paged.py` (kernels) and `experiments/serve_replay.py` (replay); "
+             "machine-readable: paged.json; plot: paged.png.", ""]
+    if "kernels" in data:
+        lines += _paged_kernels_md(data["kernels"]) + [""]
+    if "replay" in data:
+        lines += _replay_md(data["replay"]) + [""]
+    return "\n".join(lines)
+
+
+def paged_plot(data: dict, path: str) -> None:
+    """paged.png: paged/contiguous time ratios per kernel and shape (left), generated tok/s per strategy (right)."""
+    panels = [k for k in ("kernels", "replay") if data.get(k, {}).get("rows")]
+    if not panels:
+        return
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        rows = data[key]["rows"]
+        if key == "kernels":
+            names = ("dense", "A0", "A", "R", "weighted")
+            width = 0.8 / len(rows)
+            for i, r in enumerate(rows):
+                ax.bar([j + i * width for j in range(len(names))], [r[n + "_ratio"] for n in names], width,
+                       label=f"b{r['batch']} {r['context'] // 1024}K page {r['page_size']}")
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.axhline(1.05, color="gray", ls="--", lw=0.8)
+            ax.set_ylabel("paged / contiguous kernel time")
+            ax.legend(fontsize=7)
+        else:
+            ax.bar([r["strategy"] for r in rows], [r["tokens_per_s"] for r in rows])
+            ax.set_ylabel("generated tokens/s (replay)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

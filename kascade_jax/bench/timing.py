@@ -1,0 +1,100 @@
+"""What the benchmarks time: CUPTI kernel time (device time only, no Python dispatch) and the attention shape and
+layer mix of the kernel benchmarks (`BenchShape`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+# (q_heads, kv_heads, head_dim, num_layers) -> model, named in the tables' headers.
+MODEL_NAMES = {(32, 8, 128, 32): "Llama-3.1-8B", (14, 2, 64, 24): "Qwen2.5-Coder-0.5B",
+               (12, 2, 128, 28): "Qwen2.5-Coder-1.5B"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchShape:
+    """The attention shape a benchmark times and the layer mix that weights its A0 / A / R times: layer 0 is an
+    anchor that also computes the dense output (A0), num_anchors - 1 further anchors (A), the rest reuse (R)."""
+
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    num_layers: int = 32
+    num_anchors: int = 5
+
+    def __post_init__(self):
+        for name in ("q_heads", "kv_heads", "head_dim", "num_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        m = self.num_anchors
+        if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= self.num_layers:
+            raise ValueError(f"num_anchors must be an int in [1, num_layers={self.num_layers}], got {m!r}")
+
+    @classmethod
+    def parse(cls, heads, num_layers: int = 32, num_anchors: int = 5) -> "BenchShape":
+        """heads: 'Q,KV,D' or its list of three items (as --heads gives it)."""
+        items = heads.split(",") if isinstance(heads, str) else list(heads)
+        try:
+            q, kv, d = (int(str(x).strip()) for x in items)
+        except ValueError:
+            raise ValueError(f"--heads must be q_heads,kv_heads,head_dim (three integers, e.g. 14,2,64), "
+                             f"got {','.join(map(str, items))!r}") from None
+        return cls(q, kv, d, num_layers, num_anchors)
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def heads(self) -> str:
+        """The --heads value of this shape."""
+        return f"{self.q_heads},{self.kv_heads},{self.head_dim}"
+
+    def weighted(self, a0: float, a: float, r: float) -> float:
+        """Kascade attention time averaged over the layers: (1*A0 + (M-1)*A + (L-M)*R) / L."""
+        m, n = self.num_anchors, self.num_layers
+        return (a0 + (m - 1) * a + (n - m) * r) / n
+
+    def formula(self) -> str:
+        m, n = self.num_anchors, self.num_layers
+        return f"(1*A0 + {m - 1}*A + {n - m}*R)/{n}"
+
+    def heads_text(self) -> str:
+        return f"{self.q_heads} q heads, {self.kv_heads} kv heads, d {self.head_dim}"
+
+    def mix_text(self) -> str:
+        model = MODEL_NAMES.get((self.q_heads, self.kv_heads, self.head_dim, self.num_layers))
+        mix = f"{self.num_layers} layers, {self.num_anchors} anchors"
+        return f"{model}: {mix}" if model else mix
+
+    def record(self) -> dict:
+        """The fields written into every JSON row and the meta block."""
+        return dataclasses.asdict(self)
+
+
+def cupti_time(fn, args, iters: int):
+    """(median total kernel ms per call, {kernel name: mean ms per call}); several launches of one name add up."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, timings = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
+    totals = [sum(t for _, t in it) for it in timings]
+    per: dict[str, list[float]] = {}
+    for it in timings:
+        for name, t in it:
+            per.setdefault(name, []).append(t)
+    return statistics.median(totals), {name: sum(ts) / len(timings) for name, ts in per.items()}
+
+
+def time_pieces(row: dict, pieces, iters: int, shape: BenchShape) -> dict:
+    """Time each (name, fn, args) of `pieces` (dense, A0, A, R) into row[name] (median ms) and row[name_kernels];
+    then the ratios to dense, the weighted Kascade time and its speedup. Returns the row."""
+    for name, fn, args in pieces:
+        row[name], row[name + "_kernels"] = cupti_time(fn, args, iters)
+    for name in ("A0", "A", "R"):
+        row[name + "/dense"] = row[name] / row["dense"]
+    row["weighted"] = shape.weighted(row["A0"], row["A"], row["R"])
+    row["speedup"] = row["dense"] / row["weighted"]
+    return row
