@@ -42,11 +42,8 @@ resume skips a (row, strategy) only when its run has equal settings (the date as
 on another GPU is measured again and replaces that strategy's run in the row. `--noe2e_resume` measures every planned
 (row, strategy) again (replacing those runs) and keeps every other row. Speedups divide only runs whose settings
 agree in everything but the strategy's fields and the date; otherwise they are None and the row's `settings_note`
-(shown under "Row notes") says which fields differ. Runs written before runs stored settings (the first H200 file)
-get theirs on load from the file's call meta (`legacy_settings`): when every call that could have measured the run
-(same mesh, model and strategy in its flags) records the same GPU / JAX / topk_frac / min_k / steps (and the seed of
-its command, default 0), those, with the random models' paper anchors and identity head maps this code always used;
-else the string 'unknown': such runs are kept and shown, never divided by, and any new run replaces them. A row's
+(shown under "Row notes") says which fields differ. A run without settings (an older file) is kept and
+shown until measured again, never resumed or divided by. A row's
 notes merge (order kept); a strategy's failure ('kascade: out of memory: ...') is a note on a measured row or the
 row's `skipped` reason, and stays (in the notes) when another strategy later succeeds in that row; it is removed
 only when that strategy itself succeeds. A decode measurement whose noise exceeds the N2 - N1 difference (t(N2) <=
@@ -395,7 +392,6 @@ def _mesh_cell(row: dict) -> str:
 # stores them; resume re-measures a run whose settings differ (date aside) and speedups divide only runs whose
 # settings agree in everything but the strategy's own fields and the date.
 STRATEGY_FIELDS = ("strategy", "kernels", "decode_kernel")
-UNKNOWN = "unknown"  # the settings of a legacy run (no per-run settings) that its file's call meta cannot determine
 _KERNELS = {"dense": ("cudnn", "cudnn"), "dense_pallas": ("cudnn", "pallas"), "kascade": ("pallas", "pallas")}
 
 
@@ -425,57 +421,11 @@ def run_settings(strategy: str, *, gpu: str, jax_version: str, topk_frac: float,
 
 
 def settings_diff(a, b, ignore=("date",)) -> list[str]:
-    """Fields in which two settings differ (ignoring `ignore`); an unknown side differs in everything (['settings'])."""
+    """Fields in which two settings differ (ignoring `ignore`); a missing side differs in everything (['settings'])."""
     if not isinstance(a, dict) or not isinstance(b, dict):
         return ["settings"]
     keys = [k for k in dict.fromkeys(list(a) + list(b)) if k not in ignore]
     return [k for k in keys if a.get(k) != b.get(k)]
-
-
-def _argv_flags(command: str) -> dict:
-    """{'e2e_models': 'a,b', ...} of the --flag=value words of a recorded command line."""
-    out = {}
-    for word in str(command or "").split():
-        if word.startswith("--") and "=" in word:
-            name, _, value = word[2:].partition("=")
-            out[name] = value
-    return out
-
-
-def legacy_settings(meta: dict, row: dict, strategy: str):
-    """Settings of a run written before runs stored them: those of the call (meta['runs']) that measured it when the
-    file's calls that could have (same mesh, the model and strategy in their --e2e_models / --e2e_strategies, or the
-    flag's default) all give the same settings; else UNKNOWN. The fields calls did not record come from what this
-    code then did: seed from the command (default 0), the paper's anchors with identity head maps for the random
-    models (the real model's calibrated anchors were not recorded: 'unknown'), the strategy's kernels."""
-    spec = SPECS.get(row.get("model"))
-    found, calls = {}, 0
-    for call in meta.get("runs", []):
-        if call.get("mesh") != row.get("mesh"):
-            continue
-        argv = _argv_flags(call.get("command"))
-        models = argv.get("e2e_models", ",".join(MODELS.default)).split(",")
-        strategies = argv.get("e2e_strategies", ",".join(STRATEGIES.default)).split(",")
-        if row.get("model") not in models or strategy not in strategies:
-            continue
-        calls += 1
-        try:
-            seed = int(argv.get("e2e_seed", SEED.default))
-            kw = (dict(anchors=spec.anchors, head_map=None) if spec is not None and spec.random
-                  else dict(anchors=()))
-            s = run_settings(strategy, gpu=call["gpu"], jax_version=call["jax"], topk_frac=call["topk_frac"],
-                             min_k=call["min_k"], steps=call["steps"], seed=seed, kascade_kw=kw, date=call.get("date"))
-        except (KeyError, TypeError, ValueError):
-            return UNKNOWN
-        if spec is None or not spec.random:
-            s["anchors"] = s["head_map"] = s["recipe"] = UNKNOWN
-        found[json.dumps({k: v for k, v in s.items() if k != "date"}, sort_keys=True)] = s
-    if len(found) != 1:
-        return UNKNOWN
-    (s,) = found.values()
-    if calls > 1:
-        s["date"] = UNKNOWN  # one of the agreeing calls: which one is not recorded
-    return s
 
 
 def summarize(row: dict) -> dict:
@@ -500,7 +450,7 @@ def summarize(row: dict) -> dict:
     def comparable(a, b):
         if a not in runs or b not in runs:
             return True  # nothing to divide: the ratio is None anyway
-        diff = settings_diff(runs[a].get("settings", UNKNOWN), runs[b].get("settings", UNKNOWN),
+        diff = settings_diff(runs[a].get("settings"), runs[b].get("settings"),
                              ignore=("date",) + STRATEGY_FIELDS)
         if diff:
             notes.append(f"{a} / {b} not computed: the runs were measured with different settings "
@@ -561,10 +511,10 @@ def add_run(rows: list, base: dict, strategy: str, run: dict) -> dict:
 
 def has_run(rows: list, key: tuple, strategy: str, settings=None) -> bool:
     """Whether the row `key` has a run of `strategy` (with equal settings, the date aside, when settings are given:
-    a run of other settings, another GPU or unknown settings is measured again)."""
+    a run of other settings, another GPU or without settings is measured again)."""
     for r in rows:
         if row_key(r) == key and strategy in r.get("runs", {}):
-            return settings is None or not settings_diff(r["runs"][strategy].get("settings", UNKNOWN), settings)
+            return settings is None or not settings_diff(r["runs"][strategy].get("settings"), settings)
     return False
 
 
@@ -726,8 +676,7 @@ def save(out_dir: str, stem: str, meta: dict, rows: list, with_plot: bool = True
 def load(out_dir: str, stem: str) -> tuple[dict, list]:
     """(meta, rows) of <out_dir>/<stem>.json ({'runs': [], 'notes': []}, [] when there is none). A file that is not
     JSON or not an e2e file is a ValueError naming it (never silently an empty start that the next save would write
-    over). Runs written before runs stored their settings get `legacy_settings` (settings_source says so) and every
-    row is summarised again (so a file of mixed settings shows no speedup it cannot support)."""
+    over). Every row is summarised again (so a file of mixed settings shows no speedup it cannot support)."""
     path = os.path.join(out_dir, stem + ".json")
     if not os.path.exists(path):
         return {"runs": [], "notes": []}, []
@@ -745,12 +694,6 @@ def load(out_dir: str, stem: str) -> tuple[dict, list]:
     meta.setdefault("runs", [])
     meta.setdefault("notes", [])
     for row in doc["rows"]:
-        for sname, run in row.get("runs", {}).items():
-            if "settings" not in run:
-                run["settings"] = legacy_settings(meta, row, sname)
-                run["settings_source"] = ("unknown: the file's calls do not determine them" if run["settings"] == UNKNOWN
-                                          else "inferred from the file's call meta (written before runs stored "
-                                               "settings)")
         if row.get("runs"):
             summarize(row)
     return meta, doc["rows"]
