@@ -1,10 +1,11 @@
-"""The benchmarks' reports: Markdown tables and plots of the decode and prefill kernel benchmarks and of the paged
-file (kernels and serving replay). Pure functions of the stored rows: rerunning one on a saved JSON rewrites the
-same report, and none of them measures anything.
+"""The benchmarks' reports: Markdown tables and plots of the decode and prefill kernel benchmarks, the end-to-end
+benchmark and the paged file (kernels and serving replay). Pure functions of the stored rows: rerunning one on a
+saved JSON rewrites the same report, and none of them measures anything.
 """
 
 from __future__ import annotations
 
+from kascade_jax.bench.store import order
 from kascade_jax.bench.timing import BenchShape
 
 _DEFAULT = BenchShape()
@@ -117,6 +118,136 @@ def prefill_plot(rows, path, shape=_DEFAULT):
                   "weighted Kascade prefill speedup over cuDNN",
                   f"prefill, batch 1, {shape.heads_text()}; weighted {shape.formula()}",
                   lines=[(2.19, ":", "paper (vs FA3, H100)"), (2.8, "--", "target")])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End-to-end
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _ms(x):
+    return "–" if x is None else f"{1e3 * x:.2f}"
+
+
+def _s(x):
+    return "–" if x is None else f"{x:.3f}"
+
+
+def _pct(x):
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def _x(x):
+    return "–" if x is None else f"**{x:.2f}x**"
+
+
+def _mesh_cell(row: dict) -> str:
+    return f"{row.get('mesh') or 'none'} ({row.get('devices', 1)})"
+
+
+def e2e_markdown(meta: dict, rows: list) -> str:
+    lines = ["# End-to-end speed: dense (cuDNN) vs Kascade in the model", ""]
+    for run in meta.get("runs", []):
+        where = f"mesh {run['mesh']} over {run.get('devices')} devices" if run.get("mesh") else "one device"
+        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, {where}, `{run.get('command')}`")
+    lines += ["", "Wall clock after compilation (TTFT: prefill of the whole prompt + first greedy sample, batch 1; "
+              "decode: ms per step of the jitted decode loop, (t(N2) - t(N1)) / (N2 - N1)). Attention / rest: CUPTI "
+              "kernel time split by kernel name (cuDNN attention and the Pallas kernels vs everything else; the "
+              "small XLA fusions around the Pallas kernels count as rest). Speedup = dense wall / Kascade wall.", ""]
+    for note in meta.get("notes", []):
+        lines.append(f"- note: {note}")
+    ttft = sorted((r for r in rows if r["metric"] == "ttft" and "runs" in r), key=order)
+    dec = sorted((r for r in rows if r["metric"] == "decode_step" and "runs" in r), key=order)
+    if ttft:
+        lines += ["", "## Time to first token (s)", "",
+                  "| model | mesh (devices) | context | dense | Kascade | speedup | dense attn / rest | Kascade attn / rest | "
+                  "attn share dense | attn share Kascade | attention speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in ttft:
+            lines.append(
+                f"| {r['model']} | {_mesh_cell(r)} | {r['context']} | {_s(r.get('dense_s'))} | {_s(r.get('kascade_s'))} | "
+                f"{_x(r.get('speedup'))} | {_s(r.get('dense_attention_s'))} / {_s(r.get('dense_rest_s'))} | "
+                f"{_s(r.get('kascade_attention_s'))} / {_s(r.get('kascade_rest_s'))} | "
+                f"{_pct(r.get('attention_share_dense'))} | {_pct(r.get('attention_share_kascade'))} | "
+                f"{_x(r.get('attention_speedup'))} |")
+    if dec:
+        pallas = any("dense_pallas" in r["runs"] for r in dec)
+        head = ("| model | mesh (devices) | context | batch | dense | Kascade | speedup | dense attn / rest | Kascade attn / rest | "
+                "attn share dense | attn share Kascade | dense byte floor | dense wall - kernels |")
+        sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        if pallas:
+            head += " dense split-K Pallas (attn) |"
+            sep += "---|"
+        lines += ["", "## Decode step (ms)", "", head, sep]
+        for r in dec:
+            gap = None
+            if r.get("dense_s") is not None and r.get("dense_kernel_s") is not None:
+                gap = r["dense_s"] - r["dense_kernel_s"]
+            line = (f"| {r['model']} | {_mesh_cell(r)} | {r['context']} | {r['batch']} | {_ms(r.get('dense_s'))} | "
+                    f"{_ms(r.get('kascade_s'))} | {_x(r.get('speedup'))} | "
+                    f"{_ms(r.get('dense_attention_s'))} / {_ms(r.get('dense_rest_s'))} | "
+                    f"{_ms(r.get('kascade_attention_s'))} / {_ms(r.get('kascade_rest_s'))} | "
+                    f"{_pct(r.get('attention_share_dense'))} | {_pct(r.get('attention_share_kascade'))} | "
+                    f"{_ms(r.get('floor_s'))} | {_ms(gap)} |")
+            if pallas:
+                line += f" {_ms(r.get('dense_pallas_s'))} ({_ms(r.get('dense_pallas_attention_s'))}) |"
+            lines.append(line)
+    skipped = [r for r in rows if r.get("skipped")]
+    if skipped:
+        lines += ["", "## Not measured", ""]
+        for r in sorted(skipped, key=order):
+            lines.append(f"- {r['model']} {r['metric']} context {r['context']} batch {r['batch']} mesh "
+                         f"{r.get('mesh') or 'none'}: {r['skipped']}")
+    notes = sorted({n for r in rows for n in r.get("notes", [])})
+    notes += [f"{r['model']} {r['metric']} context {r['context']} batch {r['batch']} mesh {r.get('mesh') or 'none'}: "
+              f"{r['settings_note']}" for r in sorted(rows, key=order) if r.get("settings_note")]
+    if notes:
+        lines += ["", "## Row notes", ""] + [f"- {n}" for n in notes]
+    tops = [r for r in dec if any(run.get("top") for run in r["runs"].values())]
+    if tops:
+        lines += ["", "## Top kernels per decode step (ms)", ""]
+        for r in tops:
+            for s, run in sorted(r["runs"].items()):
+                top = ", ".join(f"`{n[:40]}` {1e3 * t:.3f} ({c})" for n, t, c in run.get("top", [])[:8])
+                lines.append(f"- {r['model']} {r['context']} b{r['batch']} mesh {r.get('mesh') or 'none'} {s}: {top}")
+    return "\n".join(lines) + "\n"
+
+
+def e2e_plot(rows: list, path: str) -> None:
+    plt = _pyplot()
+    ttft = [r for r in rows if r["metric"] == "ttft" and r.get("speedup")]
+    dec = sorted((r for r in rows if r["metric"] == "decode_step" and r.get("dense_kernel_s")
+                  and r.get("kascade_kernel_s")), key=order)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[1, 2]))
+    ax = axes[0]
+    for model, mesh in sorted({(r["model"], r.get("mesh") or "") for r in ttft}):
+        pts = sorted((r["context"], r["speedup"]) for r in ttft if r["model"] == model and (r.get("mesh") or "") == mesh)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=model + (f" {mesh}" if mesh else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT speedup (dense / Kascade)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_title("time to first token, batch 1", fontsize=9)
+    if ttft:
+        ax.legend(fontsize=7)
+    ax = axes[1]
+    for i, r in enumerate(dec):
+        for j, s in enumerate(("dense", "kascade")):
+            a, rest = 1e3 * (r.get(f"{s}_attention_s") or 0), 1e3 * (r.get(f"{s}_rest_s") or 0)
+            x = 3 * i + j
+            ax.bar(x, rest, color="#999999", label="rest" if i == j == 0 else None)
+            ax.bar(x, a, bottom=rest, color="#1f77b4" if s == "dense" else "#d62728",
+                   label=f"attention ({s})" if i == 0 else None)
+    ax.set_xticks([3 * i + 0.5 for i in range(len(dec))])
+    ax.set_xticklabels([f"{r['model'].split('-random')[0]}\n{r['context'] // 1024}K b{r['batch']}"
+                        + (f"\n{r['mesh']}" if r.get("mesh") else "") for r in dec],
+                       fontsize=6)
+    ax.set_ylabel("CUPTI kernel ms per decode step")
+    ax.set_title("decode step: dense (left) vs Kascade (right) bars, attention on top of the rest", fontsize=9)
+    if dec:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,10 @@
-"""What the benchmarks time: CUPTI kernel time (device time only, no Python dispatch) and the attention shape and
-layer mix of the kernel benchmarks (`BenchShape`)."""
+"""What the benchmarks time: CUPTI kernel time (device time only, no Python dispatch), the attention shape and layer
+mix of the kernel benchmarks (`BenchShape`), and the per-kernel tables of the end-to-end benchmark.
+
+Non-obvious: attention vs rest is decided by kernel name (`classify`). cuDNN's fused attention and the project's
+Pallas kernels (`kascade_*`) are attention; the small XLA fusions that pad and combine around the Pallas kernels are
+rest, so Kascade's attention shares are lower bounds.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import statistics
 # (q_heads, kv_heads, head_dim, num_layers) -> model, named in the tables' headers.
 MODEL_NAMES = {(32, 8, 128, 32): "Llama-3.1-8B", (14, 2, 64, 24): "Qwen2.5-Coder-0.5B",
                (12, 2, 128, 28): "Qwen2.5-Coder-1.5B"}
+TOP_N = 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,3 +104,67 @@ def time_pieces(row: dict, pieces, iters: int, shape: BenchShape) -> dict:
     row["weighted"] = shape.weighted(row["A0"], row["A"], row["R"])
     row["speedup"] = row["dense"] / row["weighted"]
     return row
+
+
+def kernel_table(timings, iterations: int) -> dict[str, float]:
+    """CUPTI per-kernel timings (ms; one list of (name, ms) or `iterations` of them) -> {name: mean seconds per call},
+    several launches of one name summed."""
+    if timings is None:
+        return {}
+    its = [timings] if iterations == 1 else list(timings)
+    table: dict[str, float] = {}
+    for it in its:
+        for name, ms in it:
+            table[name] = table.get(name, 0.0) + ms / 1e3 / len(its)
+    return table
+
+
+def per_step(k1: dict, k2: dict, n1: int, n2: int) -> dict[str, float]:
+    """Per-kernel seconds per step from two calls of n1 and n2 steps (what runs once per call cancels)."""
+    return {name: (k2.get(name, 0.0) - k1.get(name, 0.0)) / (n2 - n1) for name in set(k1) | set(k2)}
+
+
+_ATTN_WORDS = ("sdpa", "fmha", "flash_fprop", "flash_fwd", "flash_attn", "lean_reduction")
+
+
+def classify(name: str) -> str:
+    """'attention' (cuDNN fused attention and its split combine, the project's Pallas kernels) or 'rest'."""
+    n = name.lower()
+    if n.startswith("kascade_") or any(w in n for w in _ATTN_WORDS):
+        return "attention"
+    return "rest"
+
+
+def category(name: str) -> str:
+    """Finer class for the profile: attention, gemm, cache_write, copy or fusion (any other kernel)."""
+    if classify(name) == "attention":
+        return "attention"
+    n = name.lower()
+    if any(w in n for w in ("gemm", "gemv", "cublas", "cutlass", "nvjet", "xmma", "matmul", "dot_", "triton_gemm")):
+        return "gemm"
+    if "scatter" in n or "dynamic_update_slice" in n or "dynamic-update-slice" in n:
+        return "cache_write"
+    if "copy" in n or "memcpy" in n or "memset" in n:
+        return "copy"
+    return "fusion"
+
+
+def split(kernels: dict) -> dict:
+    """attention_s, rest_s, kernel_s (their sum) and attention_share of a {name: seconds} table."""
+    att = sum(t for n, t in kernels.items() if classify(n) == "attention")
+    rest = sum(t for n, t in kernels.items() if classify(n) != "attention")
+    total = att + rest
+    return dict(attention_s=att, rest_s=rest, kernel_s=total, attention_share=att / total if total > 0 else None)
+
+
+def categories(kernels: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for n, t in kernels.items():
+        out[category(n)] = out.get(category(n), 0.0) + t
+    return out
+
+
+def top_kernels(kernels: dict, n: int = TOP_N) -> list:
+    """[[name, seconds, category], ...] of the n largest entries."""
+    items = sorted(kernels.items(), key=lambda kv: -kv[1])[:n]
+    return [[name, t, category(name)] for name, t in items]
