@@ -558,7 +558,8 @@ def test_the_real_model_gets_its_shipped_recipe():
 
     kw, note = recipe_kascade("qwen2.5-coder-1.5b", 28, 2, dtype="bfloat16", calibrate=False)
     assert kw["anchors"] == (0, 2, 5, 14, 27) and len(kw["head_map"]) == 28 and all(len(r) == 2 for r in kw["head_map"])
-    assert (kw["sink_tokens"], kw["recent_window"], kw["dense_suffix"]) == (4, 60, 128) and "default" in note
+    assert (kw["sink_tokens"], kw["recent_window"]) == (4, 60) and "default" in note
+    assert kw["decode_only"] is True  # the 1.5B's default since issue 21's third dev round: dense prefill
     strategy = make_strategy("kascade", 28, 2, topk_frac=0.1, min_k=128, kernels="pallas", **kw)
     assert strategy.config.anchors == (0, 2, 5, 14, 27)
     with pytest.raises(ValueError):
