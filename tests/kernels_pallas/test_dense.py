@@ -8,6 +8,16 @@ import pytest
 from kernels_pallas.dense import dense_attention
 from kernels_pallas.reference import attention_reference
 
+SEED = 515  # fixed: whether a planted error is detected must not depend on the draw
+
+
+def _row_err(out, ref):
+    """The largest per-row (query, head) RMS error over head_dim, relative to that row's RMS in the reference (floored
+    at 1/8 of the whole output's RMS, for rows whose output is near zero)."""
+    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    row = np.sqrt(np.mean(r ** 2, axis=-1))
+    return float((np.sqrt(np.mean((o - r) ** 2, axis=-1)) / np.maximum(row, np.sqrt(np.mean(r ** 2)) / 8)).max())
+
 
 def _numpy_attention(q, k, v, q_start, kv_len):
     b, t, hq, d = q.shape
@@ -28,7 +38,8 @@ def _numpy_attention(q, k, v, q_start, kv_len):
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
-def test_reference_matches_numpy(rng, group):
+def test_reference_matches_numpy(group):
+    rng = np.random.default_rng(SEED + group)
     b, t, kvh, d, s = 2, 9, 2, 16, 40
     q = rng.normal(size=(b, t, kvh * group, d)).astype(np.float32)
     k = rng.normal(size=(b, s, kvh, d)).astype(np.float32) * 2  # peaky-ish
@@ -38,27 +49,35 @@ def test_reference_matches_numpy(rng, group):
     out, lse = attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_start),
                                    jnp.asarray(kv_len), return_lse=True)
     ref_out, ref_lse = _numpy_attention(q, k, v, q_start, kv_len)
-    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-5)
+    print(f"per-row error {_row_err(out, ref_out):.2e}, lse {np.abs(np.asarray(lse) - ref_lse).max():.2e}")
+    assert _row_err(out, ref_out) < 3e-6  # measured 4.9e-7 to 6.3e-7 (fp32 against float64)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=4e-6, rtol=0)  # measured 8.1e-7 at most
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_cudnn_matches_reference(rng, dtype):
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1.5e-2), (jnp.float16, 2e-3)])
+def test_cudnn_matches_reference(dtype, tol):
+    """Per-row error bounds at about 4x the error of a flash-attention emulation at this shape on CPU (probabilities
+    rounded to the input dtype before P.V, output rounded: bf16 4.1e-3 prefill / 3.3e-3 decode, fp16 5.3e-4 / 3.9e-4);
+    a 3% error in the softmax scale gives 0.10 prefill / 0.08 decode."""
+    rng = np.random.default_rng(SEED)
     b, t, hq, kvh, d = 2, 1024, 32, 8, 128
+    exact = jax.default_matmul_precision("float32")  # the reference in full fp32 (GPU fp32 matmuls default to TF32)
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
     k = jnp.asarray(rng.normal(size=(b, t + 256, kvh, d)), dtype)
     v = jnp.asarray(rng.normal(size=(b, t + 256, kvh, d)), dtype)
     kv_len = jnp.array([t, 700], jnp.int32)
     zero = jnp.zeros((b,), jnp.int32)
     out = dense_attention(q, k, v, zero, kv_len, phase="prefill", chunk_at_zero=True)
-    ref = attention_reference(q, k, v, zero, kv_len)
-    valid = (jnp.arange(t)[None, :] < kv_len[:, None])[:, :, None, None]
-    err = jnp.abs(jnp.where(valid, out.astype(jnp.float32) - ref.astype(jnp.float32), 0)).max()
-    assert float(err) < 2e-2
+    with exact:
+        ref = attention_reference(q, k, v, zero, kv_len)
+    valid = np.arange(t)[None, :] < np.asarray(kv_len)[:, None]  # rows past kv_len are padding
+    err = _row_err(np.asarray(out, np.float32)[valid], np.asarray(ref, np.float32)[valid])
     kv_dec = jnp.array([t + 256, 333], jnp.int32)
     qd = q[:, :1]
     out = dense_attention(qd, k, v, kv_dec - 1, kv_dec, phase="decode", chunk_at_zero=False)
-    ref = attention_reference(qd, k, v, kv_dec - 1, kv_dec)
-    assert float(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)).max()) < 2e-2
+    with exact:
+        err_dec = _row_err(out, attention_reference(qd, k, v, kv_dec - 1, kv_dec))
+    print(f"cuDNN {jnp.dtype(dtype).name}: per-row error prefill {err:.2e}, decode {err_dec:.2e}")
+    assert err < tol and err_dec < tol
     assert jax.default_backend() == "gpu"

@@ -11,8 +11,15 @@ import jax.numpy as jnp
 from kernels_pallas import prefill as P
 from kernels_pallas import reference as R
 
-SEED = np.random.SeedSequence().entropy % (2**31)
-print(f"test_prefill seed = {SEED}")
+SEED = 20251  # fixed: whether a planted error is detected must not depend on the draw
+
+
+@pytest.fixture(autouse=True)
+def _fp32_reference_matmuls():
+    """On a GPU, fp32 matmuls default to TF32 (~5e-4 relative): the references here must run in full fp32 (the
+    kernels' bf16/fp16 dots accumulate in fp32 either way)."""
+    with jax.default_matmul_precision("float32"):
+        yield
 
 
 def _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky=False):
@@ -26,9 +33,21 @@ def _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky=False):
     return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype))
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+def _row_err(out, ref):
+    """The largest per-row (query, head) RMS error over head_dim, relative to that row's RMS in the reference (floored
+    at 1/8 of the whole output's RMS, for rows whose output is near zero)."""
+    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    row = np.sqrt(np.mean(r ** 2, axis=-1))
+    return float((np.sqrt(np.mean((o - r) ** 2, axis=-1)) / np.maximum(row, np.sqrt(np.mean(r ** 2)) / 8)).max())
+
+
+# Bounds on _row_err: a few times the largest error measured at this file's fixed seeds in interpret mode (bf16
+# 4.3e-3, fp16 ~5e-4, fp32 ~5e-6; a 3% error in the softmax scale of a kernel gives 5e-2 to 8e-2).
+_OUT_TOL = {"bfloat16": 1.5e-2, "float16": 2e-3, "float32": 5e-5}
+
+
+def _tol(dtype):
+    return _OUT_TOL[jnp.dtype(dtype).name]
 
 
 def _check_idx(idx, counts, scores, rtol=2e-4):
@@ -55,7 +74,7 @@ def _check_idx(idx, counts, scores, rtol=2e-4):
 
 
 def _case(seed, b, t, hq, kvh, d, tile, dtype, peaky, frac, min_k, q_start, kv_len, max_len, dense_out, interpret,
-          out_tol, **extra):
+          **extra):
     rng = np.random.default_rng(seed)
     q, k, v = _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky)
     q_start = jnp.asarray(q_start, jnp.int32)
@@ -73,7 +92,9 @@ def _case(seed, b, t, hq, kvh, d, tile, dtype, peaky, frac, min_k, q_start, kv_l
     else:
         ref_out = R.sparse_prefill_reference(q, k, v, q_start, kv_len, idx, jnp.arange(kvh), tile)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    assert _rel(out, ref_out) < out_tol, _rel(out, ref_out)
+    err = _row_err(out, ref_out)
+    print(f"{jnp.dtype(dtype).name} dense_out={dense_out}: exact-set fraction {exact:.4f}, per-row error {err:.2e}")
+    assert err < _tol(dtype), err
     return q, k, v, q_start, kv_len, idx, counts, exact
 
 
@@ -93,9 +114,8 @@ def test_anchor_and_reuse_interpret(tile, group, t, dtype, peaky, dense_out):
     q_start = [0, tile]  # the second sequence's chunk starts one tile in
     max_len = t + tile + 7
     kv_len = [t - 5, t + tile - 11]  # ragged: padding queries at the end of both sequences
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
     q, k, v, qs, kl, idx, counts, exact = _case(seed, b, t, kvh * group, kvh, d, tile, dtype, peaky, 0.25, 8, q_start,
-                                                kv_len, max_len, dense_out, True, tol)
+                                                kv_len, max_len, dense_out, True)
     assert exact > 0.9
 
 
@@ -126,7 +146,7 @@ def test_reuse_random_indices_interpret():
     hm = jnp.asarray([1, 1], jnp.int32)  # a non-identity head map
     out = P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, tile, impl="pallas", interpret=True)
     ref_out = R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, tile)
-    assert _rel(out, ref_out) < 2e-2
+    assert _row_err(out, ref_out) < _tol(jnp.bfloat16)
 
 
 REUSE_VARIANTS = [  # (tile, group, tuning overrides): every launch order / row split / index prefetch
@@ -151,7 +171,7 @@ def test_reuse_tuning_variants_interpret(tile, group, spec):
     hm = jnp.asarray([1, 0], jnp.int32)
     qs, kl = jnp.asarray(qs, jnp.int32), jnp.asarray(kl, jnp.int32)
     out = P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, tile, impl="pallas", interpret=True, tuning=tuning)
-    assert _rel(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, tile)) < 1e-5
+    assert _row_err(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, tile)) < _tol(jnp.float32)
 
 
 def test_anchor_reuse_rows_and_cudnn_flag_interpret():
@@ -161,7 +181,7 @@ def test_anchor_reuse_rows_and_cudnn_flag_interpret():
     t = 80
     for dense_out in (False, True):
         _, _, _, _, _, idx, _, exact = _case(SEED + 21, 1, t, 8, 2, 64, 16, jnp.bfloat16, False, 0.25, 8, [0],
-                                             [t - 3], t, dense_out, True, 2e-2, tuning=tuning, chunk_at_zero=True)
+                                             [t - 3], t, dense_out, True, tuning=tuning, chunk_at_zero=True)
         assert exact > 0.9
 
 
@@ -183,7 +203,7 @@ def test_anchor0_external_lse_path_interpret(monkeypatch):
     monkeypatch.setattr(P, "cudnn_lse_ok", lambda *a: True)
     t = 75
     _, _, _, _, _, idx, _, exact = _case(SEED + 22, 2, t, 8, 2, 64, 16, jnp.bfloat16, True, 0.25, 8, [0, 0],
-                                         [t - 2, t - 20], t + 9, True, True, 2e-2,
+                                         [t - 2, t - 20], t + 9, True, True,
                                          tuning=P.PrefillTuning(anchor0_cudnn=True), chunk_at_zero=True)
     assert calls and exact > 0.9
 
@@ -217,10 +237,9 @@ def test_dense_prefill_at_an_offset_interpret(hq, kvh, d, dtype):
     want = R.attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), qs, kl)
     for bi in range(b):
         n = int(kl[bi] - qs[bi])  # valid rows of this sequence's chunk
-        assert _rel(out[bi, :n], want[bi, :n]) < (1e-5 if dtype == jnp.float32 else 2e-2)
+        assert _row_err(out[bi, :n], want[bi, :n]) < _tol(dtype)
         assert np.all(np.isfinite(np.asarray(out[bi, n:], np.float32)))
-    np.testing.assert_allclose(np.asarray(P.dense_prefill(q, k, v, qs, kl, impl="reference"), np.float32)[0, :96],
-                               np.asarray(want, np.float32)[0, :96], rtol=2e-2, atol=2e-2)
+    assert _row_err(P.dense_prefill(q, k, v, qs, kl, impl="reference")[0], want[0]) < _tol(dtype)  # 96 valid rows
 
 
 def test_dense_prefill_triton_lowering_verifies_for_sm90(triton_sm90_modules):
@@ -272,7 +291,7 @@ def test_select_candidates_interpret(spec, peaky):
     Batch 2 with a chunk at an offset and ragged lengths, so rows of every size (some below the cap from the start)."""
     t, tile = 150, 16
     *_, exact = _case(SEED + 51, 2, t, 4, 1, 64, tile, jnp.float32, peaky, 0.3, 4, [0, tile], [t - 4, t + 5],
-                      t + tile + 8, True, True, 1e-5, tuning=P.tuning_from_string(spec))
+                      t + tile + 8, True, True, tuning=P.tuning_from_string(spec))
     assert exact > 0.9
 
 
@@ -284,7 +303,7 @@ def test_reference_impl_matches_pieces():
     scores, _ = R.pooled_scores_prefill_reference(q, k, qs, kl, 16)
     _check_idx(idx, counts, scores)
     ref_out = R.sparse_prefill_reference(q, k, v, qs, kl, idx, jnp.arange(2), 16)
-    assert _rel(out, ref_out) < 1e-6
+    assert _row_err(out, ref_out) < 1e-6
 
 
 def test_auto_impl_on_cpu_is_the_reference():
@@ -295,7 +314,7 @@ def test_auto_impl_on_cpu_is_the_reference():
     idx[0, :, 1] = rng.permutation(16)[:8]
     idx, cnt, hm = jnp.asarray(idx), jnp.asarray([[0, 8]], jnp.int32), jnp.asarray([1, 0], jnp.int32)
     out = P.reuse_prefill(q, k, v, qs, kl, idx, cnt, hm, 16)  # impl="auto" on CPU
-    assert _rel(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 16)) < 1e-6
+    assert _row_err(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 16)) < 1e-6
 
 
 def test_error_paths():
@@ -347,12 +366,12 @@ def test_gpu_8k(peaky, dense_out):
         pytest.skip("needs a GPU")
     t = 8192
     q, k, v, qs, kl, idx, counts, exact = _case(SEED, 1, t, 32, 8, 128, 32, jnp.bfloat16, peaky, 0.1, 128, [0], [t], t,
-                                                dense_out, False, 2e-2)
+                                                dense_out, False)
     print(f"8K peaky={peaky} dense_out={dense_out}: exact-set fraction {exact:.4f}")
     assert exact > 0.9
     hm = jnp.asarray([3, 3, 0, 1, 2, 7, 6, 5], jnp.int32)
     out = P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, 32, impl="pallas")
-    assert _rel(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 32)) < 2e-2
+    assert _row_err(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 32)) < _tol(jnp.bfloat16)
 
 
 @pytest.mark.gpu
@@ -360,7 +379,7 @@ def test_gpu_ragged_batch_fp16_d64():
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     _, _, _, _, _, _, _, exact = _case(SEED + 5, 2, 1000, 12, 4, 64, 16, jnp.float16, True, 0.2, 32, [0, 512],
-                                       [990, 1400], 1600, False, False, 2e-2)
+                                       [990, 1400], 1600, False, False)
     assert exact > 0.9
 
 
@@ -385,7 +404,7 @@ def test_gpu_cudnn_lse_convention():
               f"padding rows {np.max(np.abs(conv - ref_lse)[~real]) if (~real).any() else 0:.3e}")
     np.testing.assert_allclose(lse[real], ref_lse[real], atol=5e-3, rtol=0)
     np.testing.assert_allclose(lse[~real], ref_lse[~real], atol=5e-3, rtol=0)  # padding queries see all valid keys
-    assert _rel(out, ref_out) < 2e-2
+    assert _row_err(out, ref_out) < _tol(jnp.bfloat16)
 
 
 @pytest.mark.gpu
@@ -396,7 +415,7 @@ def test_gpu_anchor0_cudnn_8k(peaky):
         pytest.skip("needs a GPU")
     t = 8192
     tuning = P.PrefillTuning(anchor0_cudnn=True)
-    *_, exact = _case(SEED + 7, 1, t, 32, 8, 128, 32, jnp.bfloat16, peaky, 0.1, 128, [0], [t], t, True, False, 2e-2,
+    *_, exact = _case(SEED + 7, 1, t, 32, 8, 128, 32, jnp.bfloat16, peaky, 0.1, 128, [0], [t], t, True, False,
                       tuning=tuning, chunk_at_zero=True)
     print(f"anchor0 cuDNN 8K peaky={peaky}: exact-set fraction {exact:.4f}")
     assert exact > 0.9
@@ -408,7 +427,7 @@ def test_gpu_anchor0_cudnn_ragged_fp16():
         pytest.skip("needs a GPU")
     tuning = P.PrefillTuning(anchor0_cudnn=True)
     *_, exact = _case(SEED + 8, 2, 1000, 12, 4, 64, 16, jnp.float16, True, 0.2, 32, [0, 0], [990, 700], 1100, True,
-                      False, 2e-2, tuning=tuning, chunk_at_zero=True)
+                      False, tuning=tuning, chunk_at_zero=True)
     assert exact > 0.9
 
 
@@ -433,12 +452,12 @@ def test_gpu_tuning_variants_8k(spec):
     tuning = P.tuning_from_string(spec)
     peaky = "select_nb=8" in spec
     q, k, v, qs, kl, idx, counts, exact = _case(SEED + 9, 1, t, 32, 8, 128, 32, jnp.bfloat16, peaky, 0.1, 128, [0],
-                                                [t], t, False, False, 2e-2, tuning=tuning)
+                                                [t], t, False, False, tuning=tuning)
     print(f"{spec} (peaky={peaky}): exact-set fraction {exact:.4f}")
     assert exact > 0.9
     hm = jnp.asarray([3, 3, 0, 1, 2, 7, 6, 5], jnp.int32)
     out = P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, 32, impl="pallas", tuning=tuning)
-    assert _rel(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 32)) < 2e-2
+    assert _row_err(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, 32)) < _tol(jnp.bfloat16)
 
 
 @pytest.mark.gpu
@@ -453,4 +472,4 @@ def test_gpu_dense_attention_chunk_at_an_offset():
     qs, kl = jnp.full((4,), 8192, jnp.int32), jnp.asarray([12288, 12000, 11000, 12288], jnp.int32)
     out = jax.jit(lambda *a: dense_attention(*a, phase="prefill", chunk_at_zero=False))(q, k, v, qs, kl)
     want = R.attention_reference(q[:1], k[:1], v[:1], qs[:1], kl[:1])
-    assert _rel(out[:1], want) < 2e-2
+    assert _row_err(out[:1], want) < _tol(jnp.bfloat16)

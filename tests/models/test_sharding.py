@@ -433,32 +433,81 @@ def test_two_processes_generate_like_one():
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy_name", ["dense", "kascade"])
 def test_gpu_sharded_generation_equals_unsharded(strategy_name):
-    """On >= 2 real GPUs, every (data, model) factorisation of the devices, 8 KV heads, head_dim 128, fp32 with the
-    reference kernels (exact equality) and bf16 with the Pallas kernels (logits within 10% of their range; the token
-    agreement is printed, not asserted: bf16 partial sums round differently)."""
+    """On >= 2 real GPUs, every (data, model) factorisation of the devices, 8 KV heads, head_dim 128.
+
+    fp32 with the reference kernels (4 layers): the same tokens and logits as unsharded (check_same).
+    bf16 with the Pallas kernels (2 layers, as the CPU tier: anchor 0, reuse layer 1 reading the reversed heads, so
+    the anchor's indices cross shards): the row-sharded o_proj / down_proj sum bf16 partials in another order, the
+    kernels split their sums by the (per-shard) grid, and on these lively random weights one near-tie swap in a
+    Top-k moves the logits by 10-40%. So the runs are compared step by step, teacher-forced (both decode the
+    unsharded greedy tokens after a one-chunk prefill): every index set of the anchor (prefill: of each last
+    token's tile) differs from the unsharded one by at most one near-tie swap; where all of a (sequence, step)'s
+    sets are the same, the logits are within 7.5% of their RMS (per row: 3x the largest error of this comparison
+    with bf16 and the reference kernels on 2 and 8 simulated CPU devices, 0.025, where 88-91% of the (sequence,
+    step) rows had equal sets) and the greedy token is equal wherever the unsharded top-2 margin exceeds 4x that.
+    """
     n = len(jax.devices())
     if n < 2:
         pytest.skip(f"needs >= 2 devices, found {n}")
-    kv_heads = 8
+    kv_heads, batch, new, tol = 8, n * 2, 8, 0.075
     shapes = [(d, n // d) for d in range(1, n + 1) if n % d == 0 and kv_heads % (n // d) == 0]
-    for dtype, kernels in [(jnp.float32, "reference"), (jnp.bfloat16, "pallas")]:
-        cfg = config(kv_heads, group=4, head_dim=128)
-        strategy = DenseStrategy() if strategy_name == "dense" else kascade(kv_heads, kernels=kernels)
-        batch = n * 2
-        want = run(lively_model(cfg, SEED, dtype), strategy, batch=batch, new=8)
+    ps = prompts(batch)
+    lens = np.array([len(p) for p in ps], np.int32)
+    width = -(-int(lens.max()) // 64) * 64
+    toks = np.zeros((batch, width), np.int32)
+    for i, p in enumerate(ps):
+        toks[i, :len(p)] = p
+
+    def sets(state, cols):  # the anchor's index sets [batch, heads, k] (prefill: of the tile of each last token)
+        if state is None:
+            return np.zeros((batch, 0, 0))
+        idx = sharding.to_host(state["idx"])
+        return np.sort(idx if cols is None else idx[np.arange(batch), :, cols], axis=-1)
+
+    def teacher_forced(model, strategy, tokens=None):
+        """(tokens, logits, index sets) per step [batch, new, ...]: greedy, or fed `tokens` (teacher-forced)."""
+        cache = sharding.init_cache(model, batch, width + 64)
+        logits, cache, state = gen.forward(model, toks, cache, strategy, seq_len=lens)
+        logits = sharding.to_host(logits)[np.arange(batch), lens - 1]
+        tile = getattr(getattr(strategy, "config", None), "tile_size", 1)
+        out_t, out_l, out_s = [], [], [sets(state, (lens - 1) // tile)]
+        for i in range(new):
+            out_l.append(np.asarray(logits, np.float64))
+            out_t.append(out_l[-1].argmax(-1) if tokens is None else tokens[:, i])
+            if i + 1 < new:
+                logits, cache, state = gen.decode_step(model, out_t[-1], cache, strategy, with_state=True)
+                logits = sharding.to_host(logits)
+                out_s.append(sets(state, None))
+        return np.stack(out_t, 1), np.stack(out_l, 1), out_s
+
+    for dtype, kernels, layers in [(jnp.float32, "reference", LAYERS), (jnp.bfloat16, "pallas", GEN_LAYERS)]:
+        cfg = config(kv_heads, group=4, head_dim=128, layers=layers)
+        strategy = DenseStrategy() if strategy_name == "dense" else kascade(kv_heads, kernels=kernels, layers=layers)
+        if dtype == jnp.float32:
+            want = run(lively_model(cfg, SEED, dtype), strategy, batch=batch, new=new)
+        else:
+            want_t, want_l, want_s = teacher_forced(lively_model(cfg, SEED, dtype), strategy)
+            top2 = np.sort(want_l, -1)[..., -2:]
+            margin = (top2[..., 1] - top2[..., 0]) / np.sqrt(np.mean(want_l ** 2, -1))  # [batch, new]
         for shape in shapes:
-            got = run(sharding.shard_model(lively_model(cfg, SEED, dtype), sharding.make_mesh(*shape)), strategy,
-                      batch=batch, new=8)
+            model = sharding.shard_model(lively_model(cfg, SEED, dtype), sharding.make_mesh(*shape))
             what = f"{strategy_name} {jnp.dtype(dtype).name} mesh={shape}"
             if dtype == jnp.float32:
-                check_same(got, want, what)
-            else:  # bf16: the row-sharded o_proj / down_proj sum bf16 partials, and Kascade's Top-k amplifies that
-                err = float(np.abs(got[1] - want[1]).max() / np.abs(want[1]).max())
-                agree = float(np.mean([a == b for ga, wa in zip(got[0], want[0]) for a, b in zip(ga, wa)]))
-                print(f"{what}: max logit error {err:.4f} of the logit range, token agreement {agree:.2f}")
-                assert np.isfinite(got[1]).all(), what
-                if strategy_name == "dense":
-                    assert err < 0.1, what
+                check_same(run(model, strategy, batch=batch, new=new), want, what)
+                continue
+            got_t, got_l, got_s = teacher_forced(model, strategy, want_t)
+            same = np.stack([np.all(g == w, axis=(1, 2)) for g, w in zip(got_s, want_s)], 1)  # [batch, new]
+            swaps = max([0] + [len(np.setdiff1d(g, w)) for gs, ws in zip(got_s, want_s)
+                               for g, w in zip(gs.reshape(-1, gs.shape[-1]), ws.reshape(-1, ws.shape[-1]))])
+            err = np.sqrt(np.mean((got_l - want_l) ** 2, -1)) / np.sqrt(np.mean(want_l ** 2, -1))
+            flips = (got_l.argmax(-1) != want_t) & same
+            print(f"{what}: index sets equal in {same.mean():.3f} of (sequence, step) (at most {swaps} keys swapped "
+                  f"in a set), per-row logit error {err[same].max():.4f} there ({err.max():.4f} overall), greedy "
+                  f"flips at margins {np.round(margin[flips], 3).tolist()}")
+            assert np.isfinite(got_l).all(), what
+            assert swaps <= 1 and same.mean() >= 0.5, what
+            assert err[same].max() < tol, what
+            assert not np.any(flips & (margin > 4 * tol)), what
 
 
 @pytest.mark.gpu
