@@ -48,7 +48,6 @@ class DecodeTuning:
     stream_warps: int = 4
     stream_stages: int = 3
     target_programs: int = 1056  # ~8 programs per SM of an H200 (132 SMs)
-    select_version: int = 4  # 4: sub-bucketed window (default, benchmarks/decode.md); 2: decode_v2.md; 3: no gain
 
     def __post_init__(self):
         blocks = {"stream_block": self.stream_block}
@@ -57,8 +56,6 @@ class DecodeTuning:
         for name, v in blocks.items():
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-        if self.select_version not in (2, 3, 4):
-            raise ValueError(f"select_version must be 2, 3 or 4, got {self.select_version}")
         for name in ("reuse_splits", "stream_splits"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -448,8 +445,7 @@ def _scores_to_bits(scores, kv_len, pad_to: int):
 def _select(bits_fn, kv_len, counts, k_max: int, rows: int, keys: int, interpret, tuning: DecodeTuning):
     """bits_fn(pad_unit) -> bits [batch, heads, keys padded to pad_unit]; returns idx [batch, heads, k_max]."""
     chunks, unit = topk.row_pad(keys, tuning.target_programs, rows)
-    return topk.select_topk_bits(bits_fn(unit), kv_len, counts, k_max, chunks=chunks, interpret=interpret,
-                                 version=tuning.select_version)
+    return topk.select_topk_bits(bits_fn(unit), kv_len, counts, k_max, chunks=chunks, interpret=interpret)
 
 
 def select_topk(scores, kv_len, counts, k_max: int, *, interpret=False, tuning: DecodeTuning = DEFAULT_TUNING):
