@@ -23,8 +23,6 @@ MIN_K = flags.DEFINE_integer("decode_min_k", 128, "Minimum Top-k budget.")
 ITERS = flags.DEFINE_integer("decode_iterations", 10, "CUPTI iterations per measurement (median reported).")
 CHECK = flags.DEFINE_boolean("decode_check", True, "Check the kernels against the references first.")
 OUT = flags.DEFINE_string("decode_out", "benchmarks", "Output folder for decode[_<bench_tag>].md/json/png.")
-SELECT_VERSION = flags.DEFINE_integer("decode_select_version", 4,
-                                      "Top-k select version (4: default; 2 and 3: earlier versions, notes_decode.md).")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
@@ -35,7 +33,7 @@ def main(argv):
 
     decode.run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [float(f) for f in FRACS.value],
                DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
-               max_cache_gb=MAX_GB.value, tuning=dec.DecodeTuning(select_version=SELECT_VERSION.value),
+               max_cache_gb=MAX_GB.value, tuning=dec.DEFAULT_TUNING,
                shape=shape_from_flags(), tag=BENCH_TAG.value)
 
 

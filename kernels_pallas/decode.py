@@ -1,32 +1,14 @@
-"""Pallas GPU decode kernels of Kascade: anchor scoring + exact Top-k + head-mapped sparse GQA decode.
+"""Pallas GPU decode kernels of Kascade (one query token per sequence): dense decode, anchor decode (logits and
+per-head lse over the whole cache, exact Top-k of the pooled probabilities, sparse attention over the selection) and
+reuse decode (sparse attention over a head-mapped index list).
 
-One decode step (one query token per sequence) in three Triton-lowered `pl.pallas_call` kernels plus two
-small XLA fusions:
-
-1. `_stream_kernel` (anchor): grid (batch, kv_heads, splits) over the whole cache. All query heads of a GQA
-   group are one [group rows padded to 16, d] tile, so each K row is read once. It writes the fp32 logits
-   [batch, kv_heads, rows, keys] (only the real group rows), per-split running max / sum (-> per-head lse), and
-   for anchor layer 0 (`dense_out=True`) also the dense output from the same pass (V read once, K once).
-2. XLA fusion: pooled post-softmax probabilities summed over the group, as int32 bit patterns (non-negative
-   fp32 values order like their int32 bits; invalid keys = -1).
-3. Exact top-`count` per (batch, idx head) without sorting (`kernels_pallas/topk.py`): a sampled value window,
-   two wide passes (count, compact) and a radix select over the bit patterns inside the window. Ties at the
-   threshold are taken lowest index first, exactly `lax.top_k`'s order, so the index set equals the
-   reference's whenever the scores agree.
-4. `_reuse_kernel`: sparse decode over the (head-mapped) index list: grid (batch, kv_heads, splits), K/V rows
-   gathered one token at a time, online softmax, split-K; an XLA log-sum-exp combine merges the splits.
-5. `dense_decode`: exact dense decode attention (split-K flash decode), the `_stream_kernel` pass with the dense
-   output and no logits (`write_logits=False`); DenseStrategy(decode_kernel="pallas") uses it instead of cuDNN.
-   The anchor-0 pass of `pool="pre_softmax"` (scores from the reference) uses the same no-logits pass.
-
-Per-sequence lengths and budgets are runtime arrays (one launch for a ragged batch). Cache lengths need not be
-multiples of the block: the last block is re-read at a clamped offset and the overlap masked, so no load is
-ever out of bounds (also in interpret mode, whose slices clamp).
-
-Deliberately not here: prefill, paged caches (kernels_pallas/paged.py), `pool="pre_softmax"` in the scoring
-kernel (it uses the reference scores, then the Pallas select), duplicate indices in `reuse_decode` (indices are a set: a duplicate would be
-counted twice). References: `kernels_pallas/reference.py` (`pooled_scores_decode_reference`,
-`select_topk_reference`, `sparse_decode_reference`, `decode_counts`).
+One kernel body per role, `_stream_kernel` (dense decode, anchor scores) and `_reuse_kernel`, parameterised by
+`Layout`, the addressing of K/V rows: contiguous here (row = position), through a page table in paged.py.
+Decisions: the GQA group is one [rows >= 16, d] tile, so each K/V row is read once per KV head; the grid is
+(batch, kv_heads, splits) with about `target_programs` programs even at batch 1, the split-K partials merged by an
+XLA log-sum-exp combine. The last block of a ragged cache is re-read at a clamped offset and the overlap masked.
+Not here: `pool="pre_softmax"` scores (the reference's, then the Pallas select), duplicate indices in
+`reuse_decode` (indices are a set). Top-k: kernels_pallas/topk.py; references: kernels_pallas/reference.py.
 """
 
 from __future__ import annotations
@@ -34,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +48,6 @@ class DecodeTuning:
     stream_warps: int = 4
     stream_stages: int = 3
     target_programs: int = 1056  # ~8 programs per SM of an H200 (132 SMs)
-    select_version: int = 4  # 4: sub-bucketed window (default, benchmarks/decode.md); 2: decode_v2.md; 3: no gain
 
     def __post_init__(self):
         blocks = {"stream_block": self.stream_block}
@@ -74,8 +56,6 @@ class DecodeTuning:
         for name, v in blocks.items():
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-        if self.select_version not in (2, 3, 4):
-            raise ValueError(f"select_version must be 2, 3 or 4, got {self.select_version}")
         for name in ("reuse_splits", "stream_splits"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -84,43 +64,92 @@ class DecodeTuning:
 DEFAULT_TUNING = DecodeTuning()
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the kernels find the K/V row of a logical position (static, part of the kernel). This class: the
+    contiguous cache [batch, max_len, kv_heads, d] (one page of max_len rows per sequence: the BlockSpec picks the
+    sequence's [max_len, d] block of its KV head), row = position, loaded as is. paged.PagedLayout maps positions
+    through a page table and zeroes the masked rows."""
+
+    s_len: int  # logical keys per sequence
+    name: ClassVar[str] = "kascade"  # kernel names <name>_dense_decode, <name>_anchor_scores, <name>_reuse_decode
+    has_table: ClassVar[bool] = False  # a per-sequence table [batch, n] int32 is an operand, just before q
+
+    def operand(self, cache):
+        """-> (BlockSpec on the grid (batch, kv_heads, splits), operand) of a K or V cache."""
+        return pl.BlockSpec((None, self.s_len, None, cache.shape[-1]), lambda i, j, s: (i, 0, j, 0)), cache
+
+    def table_operands(self, table):
+        """-> [(BlockSpec, operand)] of the per-sequence table (none here)."""
+        return []
+
+    def block(self, table_ref, off, block: int, pos):
+        """Rows of the positions pos = off + arange(block) (off is a multiple of block or s_len - block)."""
+        return pl.ds(off, block)
+
+    def gather(self, table_ref, pos):
+        """Rows of the positions pos [block] (each in [0, s_len))."""
+        return pos
+
+    def load(self, ref, rows, valid):
+        """K or V rows [block, d]; valid [block]: the rows that are attended."""
+        return ref[rows, :]
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _pallas_supported(q, k_cache, v_cache) -> bool:
-    return (q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and q.ndim == 4
-            and q.shape[-1] in _HEAD_DIMS and k_cache.ndim == 4 and q.shape[2] % k_cache.shape[2] == 0
-            and q.shape[2] // k_cache.shape[2] <= 64)
+def pallas_supported(q, k, v) -> bool:
+    """The shapes and dtypes these kernels take (dense.py and paged.py dispatch on it); k, v: caches or pools."""
+    return (q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and q.ndim == 4
+            and q.shape[-1] in _HEAD_DIMS and k.ndim == 4 and q.shape[2] % k.shape[2] == 0
+            and q.shape[2] // k.shape[2] <= 64)
 
 
-pallas_supported = _pallas_supported  # public: the shapes and dtypes these kernels take (dense.py dispatches on it)
-
-
-def _check_common(q, k_cache, v_cache, kv_len, pallas: bool):
+def _check_q(q):
     if q.ndim != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be [batch, 1, q_heads, d], got shape {q.shape}")
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("k_cache and v_cache must both be [batch, max_len, kv_heads, d], "
-                         f"got {k_cache.shape} and {v_cache.shape}")
+
+
+def _check_heads(q, k, v, kv_len, pallas: bool, what: str = "Pallas decode", dtypes=_DTYPES,
+                 needs: str = "q, k_cache, v_cache all bfloat16 or all float16"):
+    """The checks both layouts share (k, v: caches or pools [..., kv_heads, d]) -> (batch, q_heads, kv_heads, d,
+    group)."""
     b, _, hq, d = q.shape
-    if k_cache.shape[0] != b or k_cache.shape[3] != d:
-        raise ValueError(f"cache shape {k_cache.shape} does not match q shape {q.shape} "
-                         "(batch and head_dim must agree)")
-    kvh = k_cache.shape[2]
+    kvh = k.shape[2]
     if hq % kvh:
         raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({kvh})")
     if jnp.shape(kv_len) != (b,):
         raise ValueError(f"kv_len must have shape [batch]=({b},), got {jnp.shape(kv_len)}")
     if pallas:
-        if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-            raise ValueError("Pallas decode needs q, k_cache, v_cache all bfloat16 or all float16, "
-                             f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"{what} needs {needs}, got {q.dtype}, {k.dtype}, {v.dtype}")
         if d not in _HEAD_DIMS:
-            raise ValueError(f"Pallas decode supports head_dim in {_HEAD_DIMS}, got {d}")
+            raise ValueError(f"{what} supports head_dim in {_HEAD_DIMS}, got {d}")
         if hq // kvh > 64:
-            raise ValueError(f"Pallas decode supports a GQA group of at most 64 query heads, got {hq // kvh}")
+            raise ValueError(f"{what} supports a GQA group of at most 64 query heads, got {hq // kvh}")
     return b, hq, kvh, d, hq // kvh
+
+
+def _check_common(q, k_cache, v_cache, kv_len, pallas: bool):
+    _check_q(q)
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [batch, max_len, kv_heads, d], "
+                         f"got {k_cache.shape} and {v_cache.shape}")
+    if k_cache.shape[0] != q.shape[0] or k_cache.shape[3] != q.shape[3]:
+        raise ValueError(f"cache shape {k_cache.shape} does not match q shape {q.shape} "
+                         "(batch and head_dim must agree)")
+    return _check_heads(q, k_cache, v_cache, kv_len, pallas)
+
+
+def _check_reuse(b: int, kvh: int, idx, counts, head_map_row):
+    if idx.ndim != 3 or idx.shape[0] != b or idx.shape[2] < 1:
+        raise ValueError(f"idx must be [batch={b}, idx_heads, k_max>=1], got shape {idx.shape}")
+    if jnp.shape(counts) != (b,):
+        raise ValueError(f"counts must have shape [batch]=({b},), got {jnp.shape(counts)}")
+    if jnp.shape(head_map_row) != (kvh,):
+        raise ValueError(f"head_map_row must have shape [kv_heads]=({kvh},), got {jnp.shape(head_map_row)}")
 
 
 def _group_rows(q, kvh: int):
@@ -163,8 +192,25 @@ def _ungroup(out, b: int, group: int, dtype):
     return out[:, :, :group].reshape(b, 1, kvh * group, d).astype(dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Reuse: sparse GQA decode over a head-mapped index list.
+def _vector(n: int):
+    """BlockSpec of a whole int32 vector [n] (lengths, budgets, a head map) on the grid (batch, kv_heads, splits)."""
+    return pl.BlockSpec((n,), lambda i, j, s: (0,))
+
+
+def _operands(layout: Layout, table, scalars, qg, k, v=None):
+    """(in_specs, operands) on the grid (batch, kv_heads, splits): the (spec, operand) pairs `scalars`, the layout's
+    table, the grouped q [batch, kv_heads, rows, d], K (and V)."""
+    pairs = [*scalars, *layout.table_operands(table),
+             (pl.BlockSpec((None, None, *qg.shape[2:]), lambda i, j, s: (i, j, 0, 0)), qg)]
+    pairs += [layout.operand(x) for x in (k, v) if x is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _partial(b: int, kvh: int, splits: int, *shape: int):
+    """(out spec, out shape) of a split-K partial [batch, kv_heads, splits, *shape] fp32."""
+    zeros = (0,) * len(shape)
+    return (pl.BlockSpec((None, None, None, *shape), lambda i, j, s: (i, j, s, *zeros)),
+            jax.ShapeDtypeStruct((b, kvh, splits, *shape), jnp.float32))
 
 
 def _online_step(m, l, qk):
@@ -176,20 +222,14 @@ def _online_step(m, l, qk):
     return m_new, alpha, p, l * alpha + jnp.sum(p, axis=1)
 
 
-def _reuse_partials(b: int, kvh: int, splits: int, rows: int, d: int):
-    """(out_specs, out_shape) of a reuse kernel's split-K partials: acc [b, kvh, splits, rows, d] fp32, then m and l
-    [b, kvh, splits, rows] fp32, on the grid (batch, kv_heads, splits)."""
-    specs = [pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)),
-             pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0)),
-             pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0))]
-    shapes = [jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),
-              jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-              jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32)]
-    return specs, shapes
+# ----------------------------------------------------------------------------------------------------------
+# Reuse: sparse GQA decode over a head-mapped index list.
 
 
-def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-                  block: int, split_len: int, k_max: int, scale: float, group: int):
+def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, *refs, layout: Layout, block: int, split_len: int,
+                  k_max: int, scale: float, group: int):
+    table_ref = refs[0] if layout.has_table else None
+    q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref = refs[layout.has_table:]
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ih = hm_ref[h]
     kv_len = kvlen_ref[b]
@@ -204,11 +244,11 @@ def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, q_ref, k_ref, v_ref, acc_
         off = start + i * block
         off_c = jnp.minimum(off, k_max - block)  # clamped: never read past the index buffer
         pos = off_c + jnp.arange(block)
-        ids = idx_ref[ih, pl.ds(off_c, block)]  # [block]
+        ids = idx_ref[ih, pl.ds(off_c, block)]  # [block] logical token positions
         valid = (pos >= off) & (pos < end) & (ids >= 0) & (ids < kv_len)
-        safe = jnp.where(valid, ids, 0)
-        k = k_ref[safe, :]  # [block, d] gathered rows
-        v = v_ref[safe, :]
+        at = layout.gather(table_ref, jnp.where(valid, ids, 0))
+        k = layout.load(k_ref, at, valid)  # [block, d] gathered rows
+        v = layout.load(v_ref, at, valid)
         qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
         m_new, alpha, p, l_new = _online_step(m, l, qk)
@@ -223,9 +263,10 @@ def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, q_ref, k_ref, v_ref, acc_
     plgpu.store(l_ref, l, mask=real)
 
 
-def _reuse_pallas(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, scale, interpret, tuning: DecodeTuning):
+def _reuse_pallas(q, k, v, table, kv_len, layout: Layout, idx, counts, head_map_row, scale, interpret,
+                  tuning: DecodeTuning):
     b, _, hq, d = q.shape
-    kvh = k_cache.shape[2]
+    kvh = k.shape[2]
     group = hq // kvh
     qg, rows = _group_rows(q, kvh)
     block = tuning.reuse_block or (128 if b * kvh >= 256 else 64)
@@ -237,27 +278,23 @@ def _reuse_pallas(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, scale,
     splits = _splits(tuning.reuse_splits, b * kvh, k_max, block, tuning.target_programs)
     split_len = pl.cdiv(pl.cdiv(k_max, splits), block) * block
     splits = pl.cdiv(k_max, split_len)
-    s_len, ih = k_cache.shape[1], idx.shape[1]
-    kernel = functools.partial(_reuse_kernel, block=block, split_len=split_len, k_max=k_max, scale=scale, group=group)
-    out_specs, out_shape = _reuse_partials(b, kvh, splits, rows, d)
+    kernel = functools.partial(_reuse_kernel, layout=layout, block=block, split_len=split_len, k_max=k_max,
+                               scale=scale, group=group)
+    scalars = [(_vector(b), kv_len), (_vector(b), counts), (_vector(kvh), head_map_row),
+               (pl.BlockSpec((None, idx.shape[1], k_max), lambda i, j, s: (i, 0, 0)), idx)]
+    in_specs, args = _operands(layout, table, scalars, qg, k, v)
+    out_specs, out_shape = zip(_partial(b, kvh, splits, rows, d), _partial(b, kvh, splits, rows),
+                               _partial(b, kvh, splits, rows))
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
-        in_specs=[
-            pl.BlockSpec((b,), lambda i, j, s: (0,)),
-            pl.BlockSpec((b,), lambda i, j, s: (0,)),
-            pl.BlockSpec((kvh,), lambda i, j, s: (0,)),
-            pl.BlockSpec((None, ih, k_max), lambda i, j, s: (i, 0, 0)),
-            pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0)),
-            pl.BlockSpec((None, s_len, None, d), lambda i, j, s: (i, 0, j, 0)),
-            pl.BlockSpec((None, s_len, None, d), lambda i, j, s: (i, 0, j, 0)),
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=in_specs,
+        out_specs=list(out_specs),
+        out_shape=list(out_shape),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=tuning.reuse_stages),
         interpret=interpret,
-        name="kascade_reuse_decode",
-    )(kv_len, counts, head_map_row, idx, qg, k_cache, v_cache)
+        name=f"{layout.name}_reuse_decode",
+    )(*args)
     out, _ = _combine(acc[:, :, :, :group], m[..., :group], l[..., :group])
     return _ungroup(out, b, group, q.dtype)
 
@@ -270,35 +307,32 @@ def reuse_decode(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, *, scal
     attended); idx [batch, idx_heads, k_max] int32, distinct indices, -1 past counts; counts [batch] int32;
     head_map_row [kv_heads] int32 in [0, idx_heads). Reference: `reference.sparse_decode_reference`.
     """
-    pallas = use_pallas(impl, interpret, _pallas_supported(q, k_cache, v_cache))
+    pallas = use_pallas(impl, interpret, pallas_supported(q, k_cache, v_cache))
     b, hq, kvh, d, _ = _check_common(q, k_cache, v_cache, kv_len, pallas)
-    if idx.ndim != 3 or idx.shape[0] != b or idx.shape[2] < 1:
-        raise ValueError(f"idx must be [batch={b}, idx_heads, k_max>=1], got shape {idx.shape}")
-    if jnp.shape(counts) != (b,):
-        raise ValueError(f"counts must have shape [batch]=({b},), got {jnp.shape(counts)}")
-    if jnp.shape(head_map_row) != (kvh,):
-        raise ValueError(f"head_map_row must have shape [kv_heads]=({kvh},), got {jnp.shape(head_map_row)}")
+    _check_reuse(b, kvh, idx, counts, head_map_row)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     head_map_row = jnp.asarray(head_map_row, jnp.int32)
     if not pallas:
         return ref.sparse_decode_reference(q, k_cache, v_cache, kv_len, idx, head_map_row, scale=scale)
     k_cache, v_cache = _pad_keys(k_cache, 16), _pad_keys(v_cache, 16)
-    return _reuse_pallas(q, k_cache, v_cache, jnp.asarray(kv_len, jnp.int32), jnp.asarray(idx, jnp.int32),
-                         jnp.asarray(counts, jnp.int32), head_map_row, scale, interpret, tuning)
+    return _reuse_pallas(q, k_cache, v_cache, None, jnp.asarray(kv_len, jnp.int32), Layout(k_cache.shape[1]),
+                         jnp.asarray(idx, jnp.int32), jnp.asarray(counts, jnp.int32), head_map_row, scale, interpret,
+                         tuning)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Anchor, pass 1: logits and per-head lse over the whole cache (and the dense output for anchor layer 0).
+# The whole-cache pass: anchor logits and per-head lse (and the dense output for anchor layer 0), or dense decode.
 
 
-def _stream_kernel(kvlen_ref, q_ref, k_ref, *refs, block: int, split_len: int, s_len: int, scale: float,
-                   group: int, dense_out: bool, write_logits: bool = True):
-    if dense_out and write_logits:
-        v_ref, logits_ref, m_ref, l_ref, acc_ref = refs
-    elif dense_out:  # dense split-K decode only (`dense_decode`): no logits written
-        (v_ref, m_ref, l_ref, acc_ref), logits_ref = refs, None
-    else:
-        logits_ref, m_ref, l_ref = refs
+def _stream_kernel(kvlen_ref, *refs, layout: Layout, block: int, split_len: int, scale: float, group: int,
+                   dense_out: bool, write_logits: bool):
+    table_ref = refs[0] if layout.has_table else None
+    refs = list(refs[layout.has_table:])
+    q_ref, k_ref = refs.pop(0), refs.pop(0)
+    v_ref = refs.pop(0) if dense_out else None
+    logits_ref = refs.pop(0) if write_logits else None
+    m_ref, l_ref = refs.pop(0), refs.pop(0)
+    acc_ref = refs.pop(0) if dense_out else None
     b, s = pl.program_id(0), pl.program_id(2)
     start = s * split_len
     end = jnp.minimum(start + split_len, kvlen_ref[b])
@@ -309,18 +343,19 @@ def _stream_kernel(kvlen_ref, q_ref, k_ref, *refs, block: int, split_len: int, s
 
     def body(i, carry):
         off = start + i * block
-        off_c = jnp.minimum(off, s_len - block)  # the last block of a ragged cache is re-read, overlap masked
+        off_c = jnp.minimum(off, layout.s_len - block)  # the last block of a ragged cache is re-read, overlap masked
         pos = off_c + jnp.arange(block)
         valid = (pos >= off) & (pos < end)
-        k = k_ref[pl.ds(off_c, block), :]  # [block, d]
+        at = layout.block(table_ref, off_c, block, pos)
+        k = layout.load(k_ref, at, valid)  # [block, d]
         qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
-        if logits_ref is not None:
+        if write_logits:
             plgpu.store(logits_ref.at[:, pl.ds(off_c, block)], qk, mask=real[:, None] & valid[None, :])
         m_new, alpha, p, l_new = _online_step(carry[0], carry[1], qk)
         if not dense_out:
             return m_new, l_new
-        v = v_ref[pl.ds(off_c, block), :]
+        v = layout.load(v_ref, at, valid)
         acc_new = carry[2] * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return m_new, l_new, acc_new
 
@@ -334,52 +369,43 @@ def _stream_kernel(kvlen_ref, q_ref, k_ref, *refs, block: int, split_len: int, s
         plgpu.store(acc_ref, carry[2], mask=real[:, None])
 
 
-def _stream_pallas(q, k_cache, v_cache, kv_len, scale, dense_out: bool, interpret, tuning: DecodeTuning,
-                   write_logits: bool = True):
-    """-> (logits [batch, kv_heads, rows, keys] fp32 (rows >= group allocated but never written; None with
-    write_logits=False), lse [batch, kv_heads, group], dense out [batch, 1, q_heads, d] | None)."""
+def _stream_pallas(q, k, v, table, kv_len, layout: Layout, scale, *, dense_out: bool, write_logits: bool, interpret,
+                   tuning: DecodeTuning):
+    """-> (logits [batch, kv_heads, rows, s_len] fp32 (rows >= group allocated but never written) | None,
+    lse [batch, kv_heads, group], dense out [batch, 1, q_heads, d] | None)."""
     if not (write_logits or dense_out):
         raise ValueError("_stream_pallas needs write_logits or dense_out")
     b, _, hq, d = q.shape
-    s_len, kvh = k_cache.shape[1], k_cache.shape[2]
+    s_len, kvh = layout.s_len, k.shape[2]
     group = hq // kvh
     qg, rows = _group_rows(q, kvh)
     block = min(tuning.stream_block, 1 << (s_len.bit_length() - 1))  # s_len >= 16 (padded by the caller)
     splits = _splits(tuning.stream_splits, b * kvh, s_len, block, tuning.target_programs)
     split_len = pl.cdiv(pl.cdiv(s_len, splits), block) * block
     splits = pl.cdiv(s_len, split_len)
-    kernel = functools.partial(_stream_kernel, block=block, split_len=split_len, s_len=s_len, scale=scale,
+    kernel = functools.partial(_stream_kernel, layout=layout, block=block, split_len=split_len, scale=scale,
                                group=group, dense_out=dense_out, write_logits=write_logits)
-    cache_spec = pl.BlockSpec((None, s_len, None, d), lambda i, j, s: (i, 0, j, 0))
-    part_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, s: (i, j, s, 0))
-    in_specs = [pl.BlockSpec((b,), lambda i, j, s: (0,)),
-                pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0)), cache_spec]
-    args = [kv_len, qg, k_cache]
-    out_specs = [pl.BlockSpec((None, None, rows, s_len), lambda i, j, s: (i, j, 0, 0)), part_spec, part_spec]
-    out_shape = [jax.ShapeDtypeStruct((b, kvh, rows, s_len), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32)]
+    in_specs, args = _operands(layout, table, [(_vector(b), kv_len)], qg, k, v if dense_out else None)
+    outs = [_partial(b, kvh, splits, rows), _partial(b, kvh, splits, rows)]
+    if write_logits:
+        outs.insert(0, (pl.BlockSpec((None, None, rows, s_len), lambda i, j, s: (i, j, 0, 0)),
+                        jax.ShapeDtypeStruct((b, kvh, rows, s_len), jnp.float32)))
     if dense_out:
-        in_specs.append(cache_spec)
-        args.append(v_cache)
-        out_specs.append(pl.BlockSpec((None, None, None, rows, d), lambda i, j, s: (i, j, s, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32))
-    if not write_logits:
-        out_specs, out_shape = out_specs[1:], out_shape[1:]
-    outs = pl.pallas_call(
+        outs.append(_partial(b, kvh, splits, rows, d))
+    out_specs, out_shape = zip(*outs)
+    outs = list(pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
         in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        out_specs=list(out_specs),
+        out_shape=list(out_shape),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.stream_warps, num_stages=tuning.stream_stages),
         interpret=interpret,
-        name="kascade_anchor_scores" if write_logits else "kascade_dense_decode",
-    )(*args)
-    if not write_logits:
-        outs = [None, *outs]
-    logits, m, l = outs[:3]
-    acc = outs[3][:, :, :, :group] if dense_out else None
+        name=f"{layout.name}_anchor_scores" if write_logits else f"{layout.name}_dense_decode",
+    )(*args))
+    logits = outs.pop(0) if write_logits else None
+    m, l = outs.pop(0), outs.pop(0)
+    acc = outs.pop(0)[:, :, :, :group] if dense_out else None
     out, lse = _combine(acc, m[..., :group], l[..., :group])
     if dense_out:
         out = _ungroup(out, b, group, q.dtype)
@@ -413,14 +439,13 @@ def _scores_to_bits(scores, kv_len, pad_to: int):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Anchor, pass 2: exact top-`count` of the pooled scores (kernels_pallas/topk.py).
+# Exact top-`count` of the pooled scores (kernels_pallas/topk.py).
 
 
 def _select(bits_fn, kv_len, counts, k_max: int, rows: int, keys: int, interpret, tuning: DecodeTuning):
     """bits_fn(pad_unit) -> bits [batch, heads, keys padded to pad_unit]; returns idx [batch, heads, k_max]."""
     chunks, unit = topk.row_pad(keys, tuning.target_programs, rows)
-    return topk.select_topk_bits(bits_fn(unit), kv_len, counts, k_max, chunks=chunks, interpret=interpret,
-                                 version=tuning.select_version)
+    return topk.select_topk_bits(bits_fn(unit), kv_len, counts, k_max, chunks=chunks, interpret=interpret)
 
 
 def select_topk(scores, kv_len, counts, k_max: int, *, interpret=False, tuning: DecodeTuning = DEFAULT_TUNING):
@@ -437,7 +462,54 @@ def select_topk(scores, kv_len, counts, k_max: int, *, interpret=False, tuning: 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Anchor: the whole pipeline.
+# The roles, for either layout, and the public entry points of the contiguous one.
+
+
+def _anchor_args(kvh: int, d: int, s_len: int, kv_len, *, topk_frac, min_k, k_max, head_map_row, pool, scale):
+    """Checks and derives anchor_decode's arguments -> (head_map_row, scale, kv_len, counts, k_eff)."""
+    if pool not in _POOLS:
+        raise ValueError(f"pool must be one of {_POOLS}, got {pool!r}")
+    ref.frac_numerator(topk_frac)  # raises on a bad topk_frac
+    if not isinstance(min_k, int) or min_k < 0:
+        raise ValueError(f"min_k must be an int >= 0, got {min_k!r}")
+    if not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
+    if head_map_row is None:
+        head_map_row = jnp.zeros((kvh,), jnp.int32) if pool == "all" else jnp.arange(kvh, dtype=jnp.int32)
+    elif jnp.shape(head_map_row) != (kvh,):
+        raise ValueError(f"head_map_row must have shape [kv_heads]=({kvh},), got {jnp.shape(head_map_row)}")
+    head_map_row = jnp.asarray(head_map_row, jnp.int32)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    k_eff = min(k_max, s_len)
+    counts = jnp.minimum(ref.decode_counts(kv_len, topk_frac, min_k), k_eff).astype(jnp.int32)
+    return head_map_row, scale, kv_len, counts, k_eff
+
+
+def _anchor_pallas(q, k, v, table, kv_len, layout: Layout, k_view, s_len: int, counts, k_eff: int, head_map_row, *,
+                   dense_out, pool, scale, interpret, tuning: DecodeTuning, sinks: int, window: int):
+    """The anchor pipeline on either layout -> (out, idx, counts); k_view(): the contiguous K cache (pre_softmax)."""
+    b, _, hq, _ = q.shape
+    kvh = k.shape[2]
+    if pool == "pre_softmax":
+        scores = ref.pooled_scores_decode_reference(q, k_view(), kv_len, pool=pool, scale=scale)
+        # logits can be negative: shift to >= 0 (order kept; values within an ulp may merge into ties)
+        scores = scores - jnp.min(jnp.where(jnp.isfinite(scores), scores, jnp.inf), axis=-1, keepdims=True)
+        scores = _force(scores, kv_len, sinks, window)
+        bits_fn = functools.partial(_scores_to_bits, scores, kv_len)
+        dense = None
+        if dense_out:
+            _, _, dense = _stream_pallas(q, k, v, table, kv_len, layout, scale, dense_out=True, write_logits=False,
+                                         interpret=interpret, tuning=tuning)
+    else:
+        logits, lse, dense = _stream_pallas(q, k, v, table, kv_len, layout, scale, dense_out=dense_out,
+                                            write_logits=True, interpret=interpret, tuning=tuning)
+        bits_fn = functools.partial(_pooled_bits, logits[..., :s_len], lse, kv_len, hq // kvh, pool, sinks, window)
+    idx = _select(bits_fn, kv_len, counts, k_eff, b * (1 if pool == "all" else kvh), s_len, interpret, tuning)
+    if dense_out:
+        return dense, idx, counts
+    out = _reuse_pallas(q, k, v, table, kv_len, layout, idx, counts, head_map_row, scale, interpret, tuning)
+    return out, idx, counts
 
 
 def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, k_max: int, head_map_row=None,
@@ -452,27 +524,12 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
     (the first `sinks` and the last `window` valid keys score `reference.FORCED_SCORE` before the select).
     """
     ref.check_forced(sinks, window)
-    pallas = use_pallas(impl, interpret, _pallas_supported(q, k_cache, v_cache))
+    pallas = use_pallas(impl, interpret, pallas_supported(q, k_cache, v_cache))
     b, hq, kvh, d, group = _check_common(q, k_cache, v_cache, kv_len, pallas)
-    if pool not in _POOLS:
-        raise ValueError(f"pool must be one of {_POOLS}, got {pool!r}")
-    ref.frac_numerator(topk_frac)  # raises on a bad topk_frac
-    if not isinstance(min_k, int) or min_k < 0:
-        raise ValueError(f"min_k must be an int >= 0, got {min_k!r}")
-    if not isinstance(k_max, int) or k_max < 1:
-        raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
-    ih = 1 if pool == "all" else kvh
-    if head_map_row is None:
-        head_map_row = jnp.zeros((kvh,), jnp.int32) if ih == 1 else jnp.arange(kvh, dtype=jnp.int32)
-    elif jnp.shape(head_map_row) != (kvh,):
-        raise ValueError(f"head_map_row must have shape [kv_heads]=({kvh},), got {jnp.shape(head_map_row)}")
-    head_map_row = jnp.asarray(head_map_row, jnp.int32)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    kv_len = jnp.asarray(kv_len, jnp.int32)
     s_len = k_cache.shape[1]
-    k_eff = min(k_max, s_len)
-    counts = jnp.minimum(ref.decode_counts(kv_len, topk_frac, min_k), k_eff).astype(jnp.int32)
-
+    head_map_row, scale, kv_len, counts, k_eff = _anchor_args(
+        kvh, d, s_len, kv_len, topk_frac=topk_frac, min_k=min_k, k_max=k_max, head_map_row=head_map_row, pool=pool,
+        scale=scale)
     if not pallas:
         scores = ref.pooled_scores_decode_reference(q, k_cache, kv_len, pool=pool, scale=scale, sinks=sinks,
                                                     window=window)
@@ -482,47 +539,27 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
         else:
             out = ref.sparse_decode_reference(q, k_cache, v_cache, kv_len, idx, head_map_row, scale=scale)
         return out, idx, counts
-
     kp, vp = _pad_keys(k_cache, 16), _pad_keys(v_cache, 16)
-    if pool == "pre_softmax":
-        scores = ref.pooled_scores_decode_reference(q, k_cache, kv_len, pool=pool, scale=scale)
-        # logits can be negative: shift to >= 0 (order kept; values within an ulp may merge into ties)
-        scores = scores - jnp.min(jnp.where(jnp.isfinite(scores), scores, jnp.inf), axis=-1, keepdims=True)
-        scores = _force(scores, kv_len, sinks, window)
-        bits_fn = functools.partial(_scores_to_bits, scores, kv_len)
-        dense = None
-        if dense_out:
-            _, _, dense = _stream_pallas(q, kp, vp, kv_len, scale, True, interpret, tuning, write_logits=False)
-    else:
-        logits, lse, dense = _stream_pallas(q, kp, vp, kv_len, scale, dense_out, interpret, tuning)
-        bits_fn = functools.partial(_pooled_bits, logits[..., :s_len], lse, kv_len, group, pool, sinks, window)
-    idx = _select(bits_fn, kv_len, counts, k_eff, b * ih, s_len, interpret, tuning)
-    if dense_out:
-        return dense, idx, counts
-    out = _reuse_pallas(q, kp, vp, kv_len, idx, counts, head_map_row, scale, interpret, tuning)
-    return out, idx, counts
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Dense decode: the anchor-0 pass without its logits, a split-K ("flash-decoding") alternative to cuDNN.
+    return _anchor_pallas(q, kp, vp, None, kv_len, Layout(kp.shape[1]), lambda: k_cache, s_len, counts, k_eff,
+                          head_map_row, dense_out=dense_out, pool=pool, scale=scale, interpret=interpret,
+                          tuning=tuning, sinks=sinks, window=window)
 
 
 def dense_decode(q, k_cache, v_cache, kv_len, *, scale=None, impl="auto", interpret=False,
                  tuning: DecodeTuning = DEFAULT_TUNING):
-    """Exact dense decode attention over keys [0, kv_len) -> out [batch, 1, q_heads, d].
+    """Exact dense decode attention over keys [0, kv_len) -> out [batch, 1, q_heads, d]; kv_len 0 gives zeros.
 
-    The whole-cache pass of anchor layer 0 (`_stream_kernel` with dense_out) without writing logits: grid
-    (batch, kv_heads, splits) with the splits chosen so that about `tuning.target_programs` programs run even at
-    batch 1 (cuDNN's decode may launch too few blocks there to saturate HBM), each K/V row read once per KV head
-    for the whole GQA group, then the log-sum-exp combine of the splits. A sequence with kv_len 0 gets zeros.
-    Reference: `reference.attention_reference(q, k, v, kv_len - 1, kv_len)`.
+    The whole-cache pass of anchor layer 0 without its logits: a split-K ("flash-decoding") alternative to cuDNN,
+    whose decode may launch too few blocks at batch 1 to saturate HBM. Reference:
+    `reference.attention_reference(q, k, v, kv_len - 1, kv_len)`.
     """
-    pallas = use_pallas(impl, interpret, _pallas_supported(q, k_cache, v_cache))
+    pallas = use_pallas(impl, interpret, pallas_supported(q, k_cache, v_cache))
     _, _, _, d, _ = _check_common(q, k_cache, v_cache, kv_len, pallas)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     kv_len = jnp.asarray(kv_len, jnp.int32)
     if not pallas:
         return ref.attention_reference(q, k_cache, v_cache, kv_len - 1, kv_len, scale=scale)
     kp, vp = _pad_keys(k_cache, 16), _pad_keys(v_cache, 16)
-    _, _, out = _stream_pallas(q, kp, vp, kv_len, scale, True, interpret, tuning, write_logits=False)
+    _, _, out = _stream_pallas(q, kp, vp, None, kv_len, Layout(kp.shape[1]), scale, dense_out=True,
+                               write_logits=False, interpret=interpret, tuning=tuning)
     return out

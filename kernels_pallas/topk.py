@@ -6,47 +6,22 @@ ties at the threshold taken lowest index first, which is `lax.top_k`'s order, so
 `reference.select_topk_reference` on the same scores.
 
 Why not a plain radix select: a 4-bit radix select needs 8 passes over the scores with 16 compares per element
-per pass, and one program per row (too few programs at small batch). Instead, four launches:
-1. `_sample_kernel` (grid batch x heads): radix-select two ranks of a strided sample of `SAMPLE` scores, chosen
-   4.5 standard deviations either side of the target quantile, giving a value window [lo, hi] that holds the
-   k-th largest score with overwhelming probability.
-2. `_count_kernel` (grid batch x heads x chunks, all of the GPU): per chunk, #(x > hi) and #(lo <= x <= hi).
-3. `_compact_kernel` (same grid): if the window holds the k-th score (checked exactly from the counts), write the
-   indices of every x > hi, and copy the window's (value, index) pairs in index order to a small buffer.
-4. `_finish_kernel` (grid batch x heads): radix select inside the buffer (passes whose bits lo and hi share are
-   skipped) and append the chosen indices. If the check failed (it is exact, so this is only ever slow, never
-   wrong) the row falls back to a full radix select over all of its scores.
-So the scores are read twice in full, by wide grids, and everything serial touches a few thousand elements.
-`version=3` (opt-in via `DecodeTuning.select_version`, same results) trims the sample and compact stages; timed on
-the H200 it did not help: its finish re-gathers the ~4.4 % window 5 to 8 times, one program per row (0.45 ms).
-
-`version=4` (the default since the H200 run of 2026-11-29: select 0.37 ms at batch 64 / 128K, v2 0.94, v3 0.85;
-same results, exact in interpret mode and on the H200) moves the narrowing into the wide pass, so that nothing serial
-touches more than ~1-2K elements:
-- sample: gathers its SAMPLE strided scores once inside the kernel (all loads in flight; no XLA gather fusion),
-  then radix-selects 3-bit digits over bits 30..16 (5 passes x 8 candidates per target: 5/8 of v3's compares;
-  the 1/128-binade rounding widens the window by ~1.6 % of the value, a few % of its width).
-- count: also counts 8 equal-width sub-buckets of [lo, hi] in bit space (16 for rows over LONG_ROW keys) and
-  prefetches the next block. #(x < e) is summed as the sign bit of x - e: 2 int instructions per edge and key,
-  where `acc + (x >= e)` compiles to 3 (setp, add, predicated mov). The radix loops below count the same way.
-- compact: picks the sub-bucket holding the k-th score from the per-chunk counts (exact: #(x > hi) < k <=
-  #(x >= lo)), writes every id above it straight to the output and only the sub-bucket's ids (~1/8 of the window:
-  ~500-950 at 128K for exponential, log-normal and peaky scores) to a buffer in the same output row, so one
-  scatter store per key serves both (Triton converts each scatter's pointers and mask through shared memory);
-  one packed scan and one packed sum per 1024 keys, the next block prefetched, no value buffer.
-- finish: gathers the sub-bucket's values once (<= FAST_BLOCKS blocks of 512, all loads in flight) and
-  radix-selects from registers, running only the passes from the first digit where the sub-bucket's edges differ
-  (typically 5 of 8, no wasted reductions). Larger sub-buckets (ties) loop over the buffer; a missed window, or a
-  sub-bucket over the buffer, takes the full-row fallback (`pl.when`: it costs nothing when not taken).
-Predictions at batch 64 / 128K (512 rows x 131072 keys, 268 MB of bits, k = 13107), from SASS instruction
-counts (Triton 3.9, sm_90) scaled by v3's measured times:
-- sample: 3.2K instructions per thread (v3 6.8K, 0.078 ms) -> ~0.04 ms; v3's XLA gather fusion
-  (`loop_select_fusion_1`, 0.048 ms, we think) is gone.
-- count: 21.8 instructions per key (v3 10.4, memory-bound at 0.067 ms) -> ~0.07-0.09 ms.
-- compact: 40 per key (v3 61.5, 0.253 ms) -> ~0.12-0.17 ms.
-- finish: ~0.02-0.03 ms (v3 0.449 ms: one program per row re-gathering ~5.8K values 5-8 times).
-Select ~0.26-0.34 ms in all (v3 0.85 + 0.048), plus the final 0.013 ms mask/slice. At batch 8 / 128K ~0.05 ms
-(v3 0.156 + gather); at 8K a few microseconds per stage.
+per pass, and one program per row (too few programs at small batch). Instead, four launches, so that the scores are
+read twice in full by wide grids and nothing serial touches more than ~1-2K elements:
+1. `_sample_kernel` (grid batch x heads): gathers a strided sample of `SAMPLE` scores once, then radix-selects two
+   of its ranks (3-bit digits over bits 30..16), 4.5 standard deviations either side of the target quantile: a
+   value window [lo, hi] that holds the k-th largest score with overwhelming probability.
+2. `_count_kernel` (grid batch x heads x chunks, all of the GPU): per chunk, #(x > hi) and #(x >= e) for the edges
+   of 8 equal-width sub-buckets of [lo, hi] in bit space (16 for rows over LONG_ROW keys).
+3. `_compact_kernel` (same grid): picks the sub-bucket holding the k-th score from the counts (exact: #(x > hi) <
+   k <= #(x >= lo)), writes every id above it to the output and the sub-bucket's ids (~1/8 of the window) to a
+   buffer in the same output row, one scatter store per key for both.
+4. `_finish_kernel` (grid batch x heads): gathers the sub-bucket's values once and radix-selects from registers,
+   only the passes from the first digit where its edges differ. Larger sub-buckets (ties) loop over the buffer; a
+   missed window, or a sub-bucket over the buffer, takes the full-row fallback (exact, only ever slow; `pl.when`:
+   free when not taken).
+Counts #(x < e) are summed as the sign bit of x - e: 2 int instructions per edge and key, where `acc + (x >= e)`
+compiles to 3. Timings and the earlier versions (dropped: slower, same results): benchmarks/notes_decode.md.
 """
 
 from __future__ import annotations
@@ -65,26 +40,23 @@ SAMPLE = 4096  # sampled scores per row
 SLACK = 1024  # extra slots past every output buffer: lanes that store nothing point there (see _emit)
 _INT_MAX = 2**31 - 1
 _MAX_FINITE = 0x7F7FFFFF  # bits of the largest finite fp32
-MIN_CAP = 8192  # window buffer floor (tests lower it to reach the window path on small rows)
+MIN_CAP = 1024  # window buffer floor (tests lower it to reach the window path on small rows)
 FALLBACK = True  # tests switch it off (at trace time) to prove that the window path alone is exact
-SUB_SHIFT = 3  # version 4: the count pass splits the window into 2**SUB_SHIFT equal-width sub-buckets (bit space),
+SUB_SHIFT = 3  # the count pass splits the window into 2**SUB_SHIFT equal-width sub-buckets (bit space),
 LONG_ROW = 262144  # and into twice as many for rows longer than this (keeps the sub-bucket within FAST_BLOCKS)
-FAST_BLOCKS = 4  # version 4 finish: sub-buckets of up to this many blocks are selected from registers
-SAMPLE_SHIFTS_V4 = (28, 25, 22, 19, 16)  # version 4 sample: 3-bit digits over bits 30..16 (1/128 of a binade)
-V4_BLOCKS = dict(sample=256, count=1024, compact=1024, finish=512)  # version 4 (tests shrink `finish`)
-V4_WARPS = dict(sample=8, count=8, compact=4, finish=8)
+FAST_BLOCKS = 4  # finish: sub-buckets of up to this many blocks are selected from registers
+SAMPLE_SHIFTS = (28, 25, 22, 19, 16)  # sample: 3-bit digits over bits 30..16 (1/128 of a binade)
+BLOCKS = dict(sample=256, count=1024, compact=1024, finish=512)  # (tests shrink `finish`)
+WARPS = dict(sample=8, count=8, compact=4, finish=8)
 
 
-def _radix_select(load, n_blocks, targets, block: int, lo=None, hi=None, shifts=SHIFTS, radix: int = 16,
-                  sign_count: bool = False):
+def _radix_select(load, n_blocks, targets, block: int, shifts=SHIFTS, radix: int = 16):
     """For each target t: the largest V with #(x >= V) >= t, and #(x > V). `load(i)` -> (x [block], ids [block]).
 
-    Counts are per-lane accumulators [radix * len(targets), block] (no reduction inside the loop). With lo/hi (the
-    answer is known to lie in [lo, hi]), passes whose bits lo and hi share are skipped; the last never is.
-    With fewer `shifts` the values are the answers' top bits only (lower bits 0) and #(x > V) is not computed.
-    radix < 16 (digits of fewer bits) only with such partial `shifts`. sign_count (version 4) counts x < candidate
-    as the sign bit of x - candidate (2 int ops, not 3). It is exact for x >= -1 and candidates >= 0, which holds
-    whenever the answer exists (a missing answer gives garbage either way, and is never used).
+    Counts are per-lane accumulators [radix * len(targets), block] (no reduction inside the loop), #(x < candidate)
+    summed as the sign bit of x - candidate: exact for x >= -1 and candidates >= 0, which holds whenever the answer
+    exists (a missing answer gives garbage either way, and is never used). With fewer `shifts` the values are the
+    answers' top bits only (lower bits 0) and #(x > V) is not computed; radix < 16 (digits of fewer bits) only then.
     """
     nt = len(targets)
     lanes = jnp.arange(radix * nt, dtype=jnp.int32)
@@ -95,30 +67,18 @@ def _radix_select(load, n_blocks, targets, block: int, lo=None, hi=None, shifts=
         pref = prefixes[0]
         for t in range(1, nt):
             pref = jnp.where(which == t, prefixes[t], pref)
-        thr = pref + (digit << shift)  # [16 * nt]
-        skip = None
-        nb = n_blocks
-        if lo is not None and shift:
-            skip = (lo >> shift) == (hi >> shift)
-            nb = (1 - skip.astype(jnp.int32)) * n_blocks  # (a where() here lowers to an i1 loop bound)
+        thr = pref + (digit << shift)  # [radix * nt]
 
         def body(i, acc, thr=thr):
             x, _ = load(i)
-            if sign_count:
-                return acc + lax.shift_right_logical(x[None, :] - thr[:, None], 31)
-            return acc + (x[None, :] >= thr[:, None]).astype(jnp.int32)
+            return acc + lax.shift_right_logical(x[None, :] - thr[:, None], 31)
 
-        acc = lax.fori_loop(0, nb, body, jnp.zeros((radix * nt, block), jnp.int32))
-        cnt = jnp.sum(acc, axis=1)  # [radix * nt]: #(x >= candidate)
-        if sign_count:
-            cnt = nb * block - cnt
+        acc = lax.fori_loop(0, n_blocks, body, jnp.zeros((radix * nt, block), jnp.int32))
+        cnt = n_blocks * block - jnp.sum(acc, axis=1)  # [radix * nt]: #(x >= candidate)
         jstars = []
         for t in range(nt):
             jstar = jnp.sum(((which == t) & (cnt >= targets[t])).astype(jnp.int32)) - 1
-            new = prefixes[t] + (jstar << shift)
-            if skip is not None:
-                new = jnp.where(skip, (lo >> shift) << shift, new)
-            prefixes[t] = new
+            prefixes[t] = prefixes[t] + (jstar << shift)
             jstars.append(jstar)
     if shifts[-1]:
         return prefixes, None
@@ -153,143 +113,29 @@ def _sample_positions(n, j):
     return j * (n // SAMPLE) + (j * (n % SAMPLE)) // SAMPLE
 
 
-def _sample_kernel(kvlen_ref, thi_ref, tlo_ref, bits_ref, lo_ref, hi_ref, *, block: int, version: int):
+def _sample_kernel(kvlen_ref, thi_ref, tlo_ref, bits_ref, lo_ref, hi_ref, samp_ref, *, block: int, interpret: bool):
+    """Gather the strided sample once (all SAMPLE loads in flight) into samp_ref, then radix-select lo and hi from
+    that contiguous copy."""
     b = pl.program_id(0)
-    n = jnp.maximum(kvlen_ref[b], 1)
+    n = jnp.clip(kvlen_ref[b], 1, bits_ref.shape[0])  # (the GPU has no bounds checks)
+    samp_ref[...] = bits_ref[_sample_positions(n, jnp.arange(SAMPLE, dtype=jnp.int32))]
+    if not interpret:  # other threads of the program read what this one wrote (interpret mode has no barrier)
+        plgpu.debug_barrier()
     t_hi, t_lo = thi_ref[b], tlo_ref[b]
 
-    radix = 16
-    if version >= 4:  # 3-bit digits, bits 30..16: 5 passes x 8 candidates per target, 5/8 of version 3's compares
-        shifts, radix = SAMPLE_SHIFTS_V4, 8
+    def load(i):
+        return samp_ref[pl.ds(i * block, block)], None
 
-        def load(i):
-            return bits_ref[pl.ds(i * block, block)], None
-    elif version >= 3:  # bits_ref holds the gathered sample [SAMPLE]: contiguous loads, and 16 bits are enough
-        shifts = SHIFTS[:4]
-
-        def load(i):
-            return bits_ref[pl.ds(i * block, block)], None
-    else:
-        shifts = SHIFTS
-
-        def load(i):
-            pos = _sample_positions(n, i * block + jnp.arange(block))
-            return bits_ref[pos], pos
-
-    (v_hi, v_lo), _ = _radix_select(load, SAMPLE // block, (t_hi, t_lo), block, shifts=shifts, radix=radix,
-                                    sign_count=version >= 4)
+    (v_hi, v_lo), _ = _radix_select(load, SAMPLE // block, (t_hi, t_lo), block, shifts=SAMPLE_SHIFTS, radix=8)
     # lo/hi only have to bracket the k-th score (the count check is exact): round hi up to the end of its bucket
-    v_hi = v_hi + ((1 << shifts[-1]) - 1)
+    v_hi = v_hi + ((1 << SAMPLE_SHIFTS[-1]) - 1)
     hi = jnp.where(t_hi >= 1, v_hi, _INT_MAX)
     lo = jnp.where(t_lo <= SAMPLE, v_lo, 0)
-    if version >= 4:  # a sample with fewer than t_lo valid scores gives a negative lo: never let -1 keys in
-        lo = jnp.maximum(lo, 0)
-        hi = jnp.minimum(hi, _MAX_FINITE)  # no finite score lies above: keeps hi + 1 and the sub-edges in int32
-        lo = jnp.minimum(lo, hi)  # (a sample short of valid scores can give anything: keep 0 <= lo <= hi)
+    lo = jnp.maximum(lo, 0)  # a sample with fewer than t_lo valid scores gives a negative lo: never let -1 keys in
+    hi = jnp.minimum(hi, _MAX_FINITE)  # no finite score lies above: keeps hi + 1 and the sub-edges in int32
+    lo = jnp.minimum(lo, hi)  # (a sample short of valid scores can give anything: keep 0 <= lo <= hi)
     lo_ref[...] = jnp.full((1,), lo, jnp.int32)
     hi_ref[...] = jnp.full((1,), hi, jnp.int32)
-
-
-def _count_kernel(lo_ref, hi_ref, bits_ref, cgt_ref, cwin_ref, *, block: int, chunk_len: int):
-    c = pl.program_id(2)
-    lo, hi = lo_ref[0], hi_ref[0]
-
-    def body(i, carry):
-        gt, win = carry
-        x = bits_ref[pl.ds(c * chunk_len + i * block, block)]
-        return gt + (x > hi).astype(jnp.int32), win + ((x >= lo) & (x <= hi)).astype(jnp.int32)
-
-    zeros = jnp.zeros((block,), jnp.int32)
-    gt, win = lax.fori_loop(0, chunk_len // block, body, (zeros, zeros))
-    cgt_ref[...] = jnp.full((1,), jnp.sum(gt), jnp.int32)
-    cwin_ref[...] = jnp.full((1,), jnp.sum(win), jnp.int32)
-
-
-def _window_ok(k, cgt, cwin, cap: int):
-    tot_gt, tot_win = jnp.sum(cgt), jnp.sum(cwin)
-    return (tot_gt < k) & (k <= tot_gt + tot_win) & (tot_win <= cap), tot_gt, tot_win
-
-
-def _compact_kernel(cnt_ref, lo_ref, hi_ref, cgt_ref, cwin_ref, bits_ref, idx_ref, *buf_refs,
-                    block: int, chunk_len: int, cap: int, k_max: int, version: int):
-    bufi_ref = buf_refs[-1]  # version 2 also keeps the values (buf_refs[0]); version 3 re-gathers them later
-    b, c = pl.program_id(0), pl.program_id(2)
-    k = cnt_ref[b]
-    lo, hi = lo_ref[0], hi_ref[0]
-    cgt, cwin = cgt_ref[...], cwin_ref[...]  # [chunks]
-    ok, _, _ = _window_ok(k, cgt, cwin, cap)
-    before = jnp.arange(cgt.shape[0]) < c
-    off_gt = jnp.sum(jnp.where(before, cgt, 0))
-    off_win = jnp.sum(jnp.where(before, cwin, 0))
-    lanes = jnp.arange(block)
-
-    def body(i, carry):
-        n_gt, n_win = carry
-        pos = c * chunk_len + i * block + lanes
-        x = bits_ref[pl.ds(c * chunk_len + i * block, block)]
-        gt = (x > hi).astype(jnp.int32)
-        win = ((x >= lo) & (x <= hi)).astype(jnp.int32)
-        if version >= 3:  # one scan of both flags packed in 16-bit halves (a block holds < 2**16 keys)
-            both = (gt << 16) | win
-            excl = jnp.cumsum(both) - both
-            r_gt = off_gt + n_gt + (excl >> 16)
-            r_win = off_win + n_win + (excl & 0xFFFF)
-        else:
-            r_gt = off_gt + n_gt + jnp.cumsum(gt) - gt
-            r_win = off_win + n_win + jnp.cumsum(win) - win
-        plgpu.store(idx_ref.at[jnp.where(gt > 0, r_gt, k_max + lanes)], pos, mask=gt > 0)
-        wslot = jnp.where(win > 0, r_win, cap + lanes)
-        if version < 3:
-            plgpu.store(buf_refs[0].at[wslot], x, mask=win > 0)
-        plgpu.store(bufi_ref.at[wslot], pos, mask=win > 0)
-        return n_gt + jnp.sum(gt), n_win + jnp.sum(win)
-
-    lax.fori_loop(0, ok.astype(jnp.int32) * (chunk_len // block), body, (jnp.int32(0), jnp.int32(0)))
-
-
-def _finish_kernel(cnt_ref, lo_ref, hi_ref, cgt_ref, cwin_ref, *refs, block: int, n_row_blocks: int, cap: int,
-                   k_max: int, version: int):
-    if version >= 3:
-        bufi_ref, bits_ref, _, idx_ref = refs  # the third is aliased with idx_ref (holds the compact writes)
-        bufv_ref = None
-    else:
-        bufv_ref, bufi_ref, bits_ref, _, idx_ref = refs
-    b = pl.program_id(0)
-    k = cnt_ref[b]
-    lo, hi = lo_ref[0], hi_ref[0]
-    ok, tot_gt, tot_win = _window_ok(k, cgt_ref[...], cwin_ref[...], cap)
-    lanes = jnp.arange(block)
-
-    # Window path: the (need)-th largest of the buffered window values is the k-th of the row.
-    n_items = ok.astype(jnp.int32) * tot_win
-    need = k - tot_gt
-
-    def load_buf(i):
-        pos = i * block + lanes
-        live = pos < n_items
-        ids = bufi_ref[pl.ds(i * block, block)]
-        if bufv_ref is None:  # re-gather the window's values (index-ordered, so mostly nearby)
-            vals = bits_ref[jnp.where(live, ids, 0)]
-        else:
-            vals = bufv_ref[pl.ds(i * block, block)]
-        return jnp.where(live, vals, -1), ids
-
-    nb = pl.cdiv(n_items, block)
-    (thr,), (n_gt,) = _radix_select(load_buf, nb, (need,), block, lo=lo, hi=hi)
-    _emit(load_buf, nb, thr, n_gt, jnp.where(ok, need, 0), idx_ref, tot_gt, k_max, block)
-
-    # Fallback (window missed the k-th score): full radix select over the row.
-    def load_row(i):
-        return bits_ref[pl.ds(i * block, block)], i * block + lanes
-
-    nb_row = (1 - ok.astype(jnp.int32)) * (n_row_blocks if FALLBACK else 0)
-    (thr_r,), (n_gt_r,) = _radix_select(load_row, nb_row, (k,), block)
-    _emit(load_row, nb_row, thr_r, n_gt_r, jnp.where(ok, 0, k), idx_ref, 0, k_max, block)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Version 4: the count pass also splits the window into equal-width sub-buckets, so compact buffers only the ids
-# of the sub-bucket that holds the k-th score, and the finish selects inside it from registers.
 
 
 def _sub_edge(lo, hi, j, sub_shift: int):
@@ -303,20 +149,9 @@ def _sub_edge(lo, hi, j, sub_shift: int):
     return jnp.where(t > hi, hi + 1, t)
 
 
-def _sample4_kernel(kvlen_ref, thi_ref, tlo_ref, bits_ref, lo_ref, hi_ref, samp_ref, *, block: int,
-                    interpret: bool):
-    """Gather the strided sample once (all SAMPLE loads in flight) into samp_ref, then radix-select lo and hi
-    from that contiguous copy (`_sample_kernel`, 3-bit digits)."""
-    n = jnp.clip(kvlen_ref[pl.program_id(0)], 1, bits_ref.shape[0])  # (the GPU has no bounds checks)
-    samp_ref[...] = bits_ref[_sample_positions(n, jnp.arange(SAMPLE, dtype=jnp.int32))]
-    if not interpret:  # other threads of the program read what this one wrote (interpret mode has no barrier)
-        plgpu.debug_barrier()
-    _sample_kernel(kvlen_ref, thi_ref, tlo_ref, samp_ref, lo_ref, hi_ref, block=block, version=4)
-
-
 def _radix_select_from(load, n_blocks, target, block: int, lo, hi):
-    """One target of `_radix_select` with lo/hi, but the passes whose bits lo and hi share are never run (a loop
-    from the first differing 4-bit digit), so they cost no reduction either. Returns (V, #(x > V)).
+    """One target of `_radix_select`, known to lie in [lo, hi]: the passes whose bits lo and hi share are never run
+    (a loop from the first differing 4-bit digit), so they cost no reduction either. Returns (V, #(x > V)).
     Needs 0 <= lo <= V <= hi <= _MAX_FINITE and x >= -1, so that no x - candidate overflows."""
     digit = jnp.arange(16, dtype=jnp.int32)
     shift_of = lambda p: jnp.maximum(27 - 4 * p, 0)  # SHIFTS[p]
@@ -343,7 +178,7 @@ def _radix_select_from(load, n_blocks, target, block: int, lo, hi):
     return v, jnp.sum(jnp.where(digit == jstar + 1, cnt, 0))
 
 
-def _count4_kernel(lo_ref, hi_ref, bits_ref, cge_ref, cgt_ref, *, block: int, chunk_len: int, sub_shift: int):
+def _count_kernel(lo_ref, hi_ref, bits_ref, cge_ref, cgt_ref, *, block: int, chunk_len: int, sub_shift: int):
     """Per chunk: cge[j] = #(x >= edge_j) for every sub-bucket edge (edge_0 = lo) and cgt = #(x > hi).
 
     Counts #(x < e) as the sign bit of x - e (no overflow: x >= -1 and e <= hi + 1 <= _MAX_FINITE + 1): two int
@@ -390,7 +225,7 @@ def _sub_window(k, lo, hi, cge, cgt, cap: int):
     return ok, sub_lo, sub_hi, above, sub
 
 
-def _compact4_kernel(cnt_ref, lo_ref, hi_ref, cge_ref, cgt_ref, bits_ref, out_ref, *, block: int, chunk_len: int,
+def _compact_kernel(cnt_ref, lo_ref, hi_ref, cge_ref, cgt_ref, bits_ref, out_ref, *, block: int, chunk_len: int,
                      cap: int, k_max: int, buf: int, interpret: bool):
     """out [idx: k_max | pad | buffer: cap | slack]: ids of x > sub_hi go to idx, the sub-bucket's ids (in index
     order) to the buffer. One scatter store per key for both (each store costs a layout conversion)."""
@@ -423,7 +258,7 @@ def _compact4_kernel(cnt_ref, lo_ref, hi_ref, cge_ref, cgt_ref, bits_ref, out_re
     lax.fori_loop(0, ok.astype(jnp.int32) * n_blocks, body, (jnp.int32(0), jnp.int32(0), x0))
 
 
-def _finish4_kernel(cnt_ref, lo_ref, hi_ref, cge_ref, cgt_ref, bits_ref, _, out_ref, *, block: int,
+def _finish_kernel(cnt_ref, lo_ref, hi_ref, cge_ref, cgt_ref, bits_ref, _, out_ref, *, block: int,
                     n_row_blocks: int, cap: int, k_max: int, buf: int):
     """Radix select inside the buffered sub-bucket: from registers if it fits FAST_BLOCKS blocks (the usual case:
     its values are gathered once), else looping over the buffer; the full row if the window or the buffer missed."""
@@ -466,24 +301,26 @@ def _finish4_kernel(cnt_ref, lo_ref, hi_ref, cge_ref, cgt_ref, bits_ref, _, out_
             def load_row(i):
                 return bits_ref[pl.ds(i * block, block)], i * block + lanes
 
-            (thr, ), (n_gt, ) = _radix_select(load_row, n_row_blocks, (k,), block, sign_count=True)
+            (thr, ), (n_gt, ) = _radix_select(load_row, n_row_blocks, (k,), block)
             _emit(load_row, n_row_blocks, thr, n_gt, k, out_ref, 0, dummy, block)
 
 
-def _select_v4(bits, kv_len, counts, k_max: int, chunks: int, interpret):
-    """Version 4 of `select_topk_bits`: -> [batch, heads, width] int32 whose first k_max columns hold the ids."""
+def select_topk_bits(bits, kv_len, counts, k_max: int, *, chunks: int, interpret=False):
+    """bits [batch, heads, keys_padded] int32 (-1 = ineligible; keys_padded a multiple of chunks * 2048),
+    kv_len [batch], counts [batch] (<= k_max) -> idx [batch, heads, k_max] int32, -1 past counts."""
     b, ih, s_pad = bits.shape
     n_sub = 1 << (SUB_SHIFT + (s_pad > LONG_ROW))
-    count_block, compact_block, fin_block = V4_BLOCKS["count"], V4_BLOCKS["compact"], V4_BLOCKS["finish"]
+    count_block, compact_block, fin_block = BLOCKS["count"], BLOCKS["compact"], BLOCKS["finish"]
     chunk_len = s_pad // chunks
     assert chunk_len % count_block == 0 and chunk_len % compact_block == 0, (s_pad, chunks)
     slack = max(SLACK, compact_block, fin_block)  # every lane that stores nothing needs its own slack slot
-    # The buffer holds one sub-bucket (~1/n_sub of the window), but is sized for a whole window (as version 3's),
-    # so that ties piled into one sub-bucket still take the window path (the finish then loops over blocks).
+    # The buffer holds one sub-bucket (~1/n_sub of the window), but is sized for a whole window,
+    # so that ties piled into one sub-bucket still take the window path (the finish then loops over blocks). The
+    # window holds ~9 sd of SAMPLE ranks (at most ~6.6% of the row, at q = 0.5) + 2 * 4 / SAMPLE.
     window_max = (9.0 * math.sqrt(SAMPLE * 0.25) + 10.0) / SAMPLE
     row_cap = pl.cdiv(s_pad, fin_block) * fin_block
     cap = min(pl.cdiv(int(1.3 * window_max * s_pad) + 1, fin_block) * fin_block, row_cap)
-    cap = max(cap, min(MIN_CAP, 1024, row_cap))
+    cap = max(cap, min(MIN_CAP, row_cap))
     # Only rows the finish holds in registers take the whole row as their window: sub-buckets of [0, _MAX_FINITE]
     # split nothing (the scores' bits fill one or two of them), so longer rows use the sample even below cap.
     t_hi, t_lo = window_targets(kv_len, counts, min(cap, FAST_BLOCKS * fin_block))
@@ -491,25 +328,25 @@ def _select_v4(bits, kv_len, counts, k_max: int, chunks: int, interpret):
     vec = pl.BlockSpec((b,), lambda *_: (0,))
 
     lo, hi, _ = pl.pallas_call(
-        functools.partial(_sample4_kernel, block=V4_BLOCKS["sample"], interpret=bool(interpret)),
+        functools.partial(_sample_kernel, block=BLOCKS["sample"], interpret=bool(interpret)),
         grid=(b, ih),
         in_specs=[vec, vec, vec, row(s_pad)],
         out_specs=[row(1), row(1), row(SAMPLE)],
         out_shape=[jax.ShapeDtypeStruct((b, ih, 1), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((b, ih, SAMPLE),
                                                                                            jnp.int32)],
-        compiler_params=plgpu.CompilerParams(num_warps=V4_WARPS["sample"], num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=WARPS["sample"], num_stages=2),
         interpret=interpret, name="kascade_topk_sample",
     )(kv_len, t_hi, t_lo, bits)
 
     cge, cgt = pl.pallas_call(
-        functools.partial(_count4_kernel, block=count_block, chunk_len=chunk_len, sub_shift=n_sub.bit_length() - 1),
+        functools.partial(_count_kernel, block=count_block, chunk_len=chunk_len, sub_shift=n_sub.bit_length() - 1),
         grid=(b, ih, chunks),
         in_specs=[row(1), row(1), row(s_pad)],
         out_specs=[pl.BlockSpec((None, None, None, n_sub), lambda i, j, c: (i, j, c, 0)),
                    pl.BlockSpec((None, None, 1), lambda i, j, c: (i, j, c))],
         out_shape=[jax.ShapeDtypeStruct((b, ih, chunks, n_sub), jnp.int32),
                    jax.ShapeDtypeStruct((b, ih, chunks), jnp.int32)],
-        compiler_params=plgpu.CompilerParams(num_warps=V4_WARPS["count"], num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=WARPS["count"], num_stages=3),
         interpret=interpret, name="kascade_topk_count",
     )(lo, hi, bits)
 
@@ -518,28 +355,29 @@ def _select_v4(bits, kv_len, counts, k_max: int, chunks: int, interpret):
     out_shape = jax.ShapeDtypeStruct((b, ih, width), jnp.int32)
     stats = [vec, row(1), row(1), row(chunks, n_sub), row(chunks)]
     out = pl.pallas_call(
-        functools.partial(_compact4_kernel, block=compact_block, chunk_len=chunk_len, cap=cap, k_max=k_max,
+        functools.partial(_compact_kernel, block=compact_block, chunk_len=chunk_len, cap=cap, k_max=k_max,
                           buf=buf, interpret=bool(interpret)),
         grid=(b, ih, chunks),
         in_specs=stats + [row(s_pad)],
         out_specs=row(width),
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=V4_WARPS["compact"], num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=WARPS["compact"], num_stages=2),
         interpret=interpret, name="kascade_topk_compact",
     )(counts, lo, hi, cge, cgt, bits)
 
     out = pl.pallas_call(
-        functools.partial(_finish4_kernel, block=fin_block, n_row_blocks=s_pad // fin_block, cap=cap, k_max=k_max,
+        functools.partial(_finish_kernel, block=fin_block, n_row_blocks=s_pad // fin_block, cap=cap, k_max=k_max,
                           buf=buf),
         grid=(b, ih),
         in_specs=stats + [row(s_pad), row(width)],
         out_specs=row(width),
         out_shape=out_shape,
         input_output_aliases={6: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=V4_WARPS["finish"], num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=WARPS["finish"], num_stages=2),
         interpret=interpret, name="kascade_topk_finish",
     )(counts, lo, hi, cge, cgt, bits, out)
-    return out
+    # Ranks >= count were never written: mask them here (fuses with the slice).
+    return jnp.where(jnp.arange(k_max)[None, None, :] < counts[:, None, None], out[..., :k_max], -1)
 
 
 def window_targets(kv_len, counts, cap: int):
@@ -562,86 +400,3 @@ def row_pad(keys: int, target_programs: int, rows: int, count_block: int = 2048)
     return chunks, chunks * count_block
 
 
-def select_topk_bits(bits, kv_len, counts, k_max: int, *, chunks: int, interpret=False, version: int = 4):
-    """bits [batch, heads, keys_padded] int32 (-1 = ineligible; keys_padded a multiple of chunks * 2048),
-    kv_len [batch], counts [batch] (<= k_max) -> idx [batch, heads, k_max] int32, -1 past counts.
-
-    version 2 is the first measured version (benchmarks/decode_v2.md). version 3 (same results, timed: no gain)
-    gathers the sample once into a contiguous array and radix-selects only its top 16 bits, scans the two
-    compaction flags in one packed cumsum, keeps no value buffer (finish re-gathers values through the indices)
-    and lowers the buffer floor so short rows also take the window path (notes_decode.md, next steps 1-3).
-    version 4 (same results, the default: 0.37 ms at batch 64 / 128K on the H200) buffers only the window's sub-bucket holding the k-th score (see the
-    module docstring).
-    """
-    if version not in (2, 3, 4):
-        raise ValueError(f"select version must be 2, 3 or 4, got {version!r}")
-    if version == 4:
-        idx_raw = _select_v4(bits, kv_len, counts, k_max, chunks, interpret)
-        return jnp.where(jnp.arange(k_max)[None, None, :] < counts[:, None, None], idx_raw[..., :k_max], -1)
-    b, ih, s_pad = bits.shape
-    count_block, compact_block, sel_block = 2048, 1024, 512
-    chunk_len = s_pad // chunks
-    assert chunk_len % count_block == 0 and chunk_len % compact_block == 0, (s_pad, chunks)
-    # The window holds ~9 sd of SAMPLE ranks (at most ~6.6% of the row, at q = 0.5) + 2 * 4 / SAMPLE.
-    window_max = (9.0 * math.sqrt(SAMPLE * 0.25) + 10.0) / SAMPLE
-    row_cap = pl.cdiv(s_pad, sel_block) * sel_block
-    cap = min(pl.cdiv(int(1.3 * window_max * s_pad) + 1, sel_block) * sel_block, row_cap)
-    cap = max(cap, min(MIN_CAP if version < 3 else min(MIN_CAP, 1024), row_cap))
-    t_hi, t_lo = window_targets(kv_len, counts, cap)
-    params = plgpu.CompilerParams(num_warps=8, num_stages=2)
-    row = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, j, *_: (i, j) + (0,) * len(shape))
-    vec = pl.BlockSpec((b,), lambda *_: (0,))
-
-    if version >= 3:
-        pos = _sample_positions(jnp.maximum(kv_len, 1)[:, None], jnp.arange(SAMPLE, dtype=jnp.int32)[None, :])
-        sample_src = jnp.take_along_axis(bits, jnp.broadcast_to(pos[:, None, :], (b, ih, SAMPLE)), axis=2)
-    else:
-        sample_src = bits
-    lo, hi = pl.pallas_call(
-        functools.partial(_sample_kernel, block=sel_block, version=version),
-        grid=(b, ih),
-        in_specs=[vec, vec, vec, row(sample_src.shape[2])],
-        out_specs=[row(1), row(1)],
-        out_shape=[jax.ShapeDtypeStruct((b, ih, 1), jnp.int32)] * 2,
-        compiler_params=params, interpret=interpret, name="kascade_topk_sample",
-    )(kv_len, t_hi, t_lo, sample_src)
-
-    per_chunk = pl.BlockSpec((None, None, 1), lambda i, j, c: (i, j, c))
-    cgt, cwin = pl.pallas_call(
-        functools.partial(_count_kernel, block=count_block, chunk_len=chunk_len),
-        grid=(b, ih, chunks),
-        in_specs=[row(1), row(1), row(s_pad)],
-        out_specs=[per_chunk, per_chunk],
-        out_shape=[jax.ShapeDtypeStruct((b, ih, chunks), jnp.int32)] * 2,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), interpret=interpret,
-        name="kascade_topk_count",
-    )(lo, hi, bits)
-
-    n_bufs = 1 if version >= 3 else 2
-    idx_shape = jax.ShapeDtypeStruct((b, ih, k_max + SLACK), jnp.int32)
-    buf_shape = jax.ShapeDtypeStruct((b, ih, cap + SLACK), jnp.int32)
-    outs = pl.pallas_call(
-        functools.partial(_compact_kernel, block=compact_block, chunk_len=chunk_len, cap=cap, k_max=k_max,
-                          version=version),
-        grid=(b, ih, chunks),
-        in_specs=[vec, row(1), row(1), row(chunks), row(chunks), row(s_pad)],
-        out_specs=[row(k_max + SLACK)] + [row(cap + SLACK)] * n_bufs,
-        out_shape=[idx_shape] + [buf_shape] * n_bufs,
-        compiler_params=plgpu.CompilerParams(num_warps=8 if version >= 3 else 4, num_stages=2), interpret=interpret,
-        name="kascade_topk_compact",
-    )(counts, lo, hi, cgt, cwin, bits)
-    idx_raw, bufs = outs[0], list(outs[1:])
-
-    idx_raw = pl.pallas_call(
-        functools.partial(_finish_kernel, block=sel_block, n_row_blocks=s_pad // sel_block, cap=cap, k_max=k_max,
-                          version=version),
-        grid=(b, ih),
-        in_specs=[vec, row(1), row(1), row(chunks), row(chunks)] + [row(cap + SLACK)] * n_bufs + [row(s_pad),
-                                                                                                   row(k_max + SLACK)],
-        out_specs=row(k_max + SLACK),
-        out_shape=idx_shape,
-        input_output_aliases={6 + n_bufs: 0},
-        compiler_params=params, interpret=interpret, name="kascade_topk_finish",
-    )(counts, lo, hi, cgt, cwin, *bufs, bits, idx_raw)
-    # Ranks >= count were never written: mask them here (fuses with the slice).
-    return jnp.where(jnp.arange(k_max)[None, None, :] < counts[:, None, None], idx_raw[..., :k_max], -1)

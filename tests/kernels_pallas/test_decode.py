@@ -3,7 +3,10 @@
 CPU tier: interpret mode at tiny shapes (ragged kv_len, budgets that do not divide any block, group 3 and 4,
 d 64, bf16 and fp16, Gaussian and peaky inputs). GPU tier (`-m gpu`): 32 q heads, 8 kv heads, d 128, 32K, batch 8.
 Index sets must equal the reference's up to near-ties: where they differ, the differing keys' reference scores
-must agree within a relative 1e-4 (fp32 rounding of the fused pooling).
+must agree within a relative 1e-4 (fp32 rounding of the fused pooling). Outputs: every (sequence, head) row's RMS
+error within TOL of the output's RMS, a few times the measured noise (bf16 <= 4.0e-3, fp16 <= 5.4e-4 over seeds
+0-3); the seed is fixed. A 3% softmax-scale error or one index dropped from one sequence fails (checked by
+planting each in the kernels); the head-mapped reuse runs on Gaussian inputs, where every selected key counts.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from kernels_pallas import decode as dec
 from kernels_pallas import reference as ref
 from kernels_pallas import topk
 
-SEED = int(np.random.default_rng().integers(1 << 30))
+SEED = 0
+TOL = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}  # per-row error / output RMS
 
 
 def _inputs(seed, b, s, hq, kvh, d, dtype, peaky):
@@ -36,10 +40,11 @@ def _inputs(seed, b, s, hq, kvh, d, dtype, peaky):
     return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(kv_len))
 
 
-def _rel(a, r):
+def _row_err(a, r):
+    """The largest RMS error of a row (one sequence, one head) over the RMS of the whole reference output."""
     a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
     assert np.all(np.isfinite(a))
-    return float(np.linalg.norm(a - r) / np.linalg.norm(r))
+    return float(np.sqrt(np.mean((a - r) ** 2, axis=-1)).max() / np.sqrt(np.mean(r ** 2)))
 
 
 def _assert_same_selection(idx, ref_idx, scores, counts, kv_len):
@@ -60,13 +65,12 @@ def _assert_same_selection(idx, ref_idx, scores, counts, kv_len):
                 assert gap <= 1e-4 * abs(sc[theirs].min()), (b, h, only_a, only_r, gap)
 
 
-def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa", interpret=True, tol=2e-2, full=True,
-                  select_version=dec.DEFAULT_TUNING.select_version):
+def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa", interpret=True, full=True):
     """Anchor (indices + sparse output) vs the references; with `full` also anchor-0 and reuse through a head map."""
+    tol = TOL[jnp.dtype(dtype)]
     q, k, v, kv_len = _inputs(seed, b, s, hq, kvh, d, dtype, peaky)
     k_max = ref.max_budget(s, frac, min_k)
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, pool=pool, interpret=interpret,
-              tuning=dec.DecodeTuning(select_version=select_version))
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, pool=pool, interpret=interpret)
     impl = "pallas"
     out, idx, counts = jax.jit(lambda *a: dec.anchor_decode(*a, impl=impl, **kw))(q, k, v, kv_len)
     ih = 1 if pool == "all" else kvh
@@ -76,33 +80,33 @@ def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa",
     ref_idx = ref.select_topk_reference(scores, ref_counts[:, None], k_max)
     _assert_same_selection(idx, ref_idx, scores, np.asarray(counts), np.asarray(kv_len))
     hm_self = jnp.zeros((kvh,), jnp.int32) if ih == 1 else jnp.arange(kvh, dtype=jnp.int32)
-    assert _rel(out, ref.sparse_decode_reference(q, k, v, kv_len, idx, hm_self)) < tol
+    assert _row_err(out, ref.sparse_decode_reference(q, k, v, kv_len, idx, hm_self)) < tol
     if not full:
         return
     out0, idx0, _ = jax.jit(lambda *a: dec.anchor_decode(*a, impl=impl, dense_out=True, **kw))(q, k, v, kv_len)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx0))
-    assert _rel(out0, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < tol
-    # reuse through a non-trivial head map, on the reference's indices
+    assert _row_err(out0, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < tol
+    # reuse through a non-trivial head map, on the reference's indices of Gaussian inputs (no dominant keys)
+    q, k, v, kv_len = _inputs(seed + 1, b, s, hq, kvh, d, dtype, peaky=False)
+    ref_counts = ref.decode_counts(kv_len, frac, min_k)
+    ref_idx = ref.select_topk_reference(ref.pooled_scores_decode_reference(q, k, kv_len, pool=pool),
+                                        ref_counts[:, None], k_max)
     hm = jnp.asarray(np.random.default_rng(seed).integers(0, ih, size=kvh), jnp.int32)
     r_out = jax.jit(lambda *a: dec.reuse_decode(*a, impl=impl, interpret=interpret))(q, k, v, kv_len, ref_idx, ref_counts, hm)
-    assert _rel(r_out, ref.sparse_decode_reference(q, k, v, kv_len, ref_idx, hm)) < tol
+    assert _row_err(r_out, ref.sparse_decode_reference(q, k, v, kv_len, ref_idx, hm)) < tol
 
 
 @pytest.mark.parametrize("case", [
     dict(b=2, s=300, hq=6, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.1, min_k=16),  # group 3
     dict(b=2, s=203, hq=8, kvh=2, d=64, dtype=jnp.float16, peaky=False, frac=0.3, min_k=7, pool="all", full=False),
-    dict(b=2, s=150, hq=8, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.2, min_k=5, full=False,
-         select_version=2),  # the whole pipeline with the earlier select (the default is version 4)
+    dict(b=2, s=150, hq=8, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.2, min_k=5, full=False),
 ])
 def test_anchor_and_reuse_match_reference(case):
-    print("seed", SEED)
     _check_anchor(SEED, **case)
 
 
-@pytest.mark.parametrize("version", [2, 3, 4])
-def test_select_window_path_exact(monkeypatch, version):
+def test_select_window_path_exact(monkeypatch):
     """Rows longer than the buffer go through the sampled window; with the fallback off it must still be exact."""
-    print("seed", SEED)
     monkeypatch.setattr(topk, "FALLBACK", False)
     monkeypatch.setattr(topk, "MIN_CAP", 512)
     rng = np.random.default_rng(SEED)
@@ -113,8 +117,7 @@ def test_select_window_path_exact(monkeypatch, version):
     counts = ref.decode_counts(kv_len, 0.2, 64)
     sc = jnp.where(jnp.arange(s)[None, None] < kv_len[:, None, None], jnp.asarray(sc), -jnp.inf)
     k_max = ref.max_budget(s, 0.2, 64)
-    tuning = dec.DecodeTuning(select_version=version)
-    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=tuning))
+    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True))
     ref_idx = np.asarray(ref.select_topk_reference(sc, counts[:, None], k_max))
     for bi in range(b):  # identical sets, ties included (both take the lowest index first)
         assert set(idx[bi, 0][idx[bi, 0] >= 0].tolist()) == set(ref_idx[bi, 0][ref_idx[bi, 0] >= 0].tolist())
@@ -135,8 +138,8 @@ def _select_rows(rng, b, h, s, quantise):
     return jnp.where(jnp.arange(s)[None, None] < kv_len[:, None, None], jnp.asarray(sc), -jnp.inf), kv_len
 
 
-def _assert_exact(sc, kv_len, counts, k_max, tuning):
-    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=tuning))
+def _assert_exact(sc, kv_len, counts, k_max):
+    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True))
     ref_idx = np.asarray(ref.select_topk_reference(sc, counts[:, None], k_max))
     n_valid = np.asarray(jnp.sum(jnp.isfinite(sc), axis=-1))
     for bi in range(idx.shape[0]):
@@ -148,32 +151,29 @@ def _assert_exact(sc, kv_len, counts, k_max, tuning):
 
 
 @pytest.mark.parametrize("finish_block, long_row", [(512, None), (256, 4096), (32, None)])
-def test_select_v4_window_path_exact(monkeypatch, finish_block, long_row):
-    """Version 4 with the fallback off: several chunks per row (chunk offsets), ragged lengths, budgets that divide
+def test_select_chunked_window_path_exact(monkeypatch, finish_block, long_row):
+    """With the fallback off: several chunks per row (chunk offsets), ragged lengths, budgets that divide
     no block, masked keys, ties. Smaller finish blocks make the buffered sub-bucket span several blocks (selected
     from registers up to FAST_BLOCKS, by the looping path beyond); long_row=4096 gives these rows 16 sub-buckets."""
-    print("seed", SEED)
     monkeypatch.setattr(topk, "FALLBACK", False)
-    monkeypatch.setattr(topk, "V4_BLOCKS", dict(topk.V4_BLOCKS, finish=finish_block))
+    monkeypatch.setattr(topk, "BLOCKS", dict(topk.BLOCKS, finish=finish_block))
     if long_row:
         monkeypatch.setattr(topk, "LONG_ROW", long_row)
     rng = np.random.default_rng(SEED)
     b, h = 2, 2
-    tuning = dec.DecodeTuning(select_version=4)
     # 9000 keys: two count/compact chunks per row; 3000: rows of <= 2048 keys are their own window, longer ones
     # take the sample (positions repeat) although they fit the buffer.
     cases = [(9000, False, 0.1, 64), (9000, True, 0.13, 37)] + [(3000, False, 0.05, 3)] * (long_row is None)
     for s, quantise, frac, min_k in cases:
         sc, kv_len = _select_rows(rng, b, h, s, quantise)
         counts = ref.decode_counts(kv_len, frac, min_k)
-        _assert_exact(sc, kv_len, counts, ref.max_budget(s, frac, min_k), tuning)
+        _assert_exact(sc, kv_len, counts, ref.max_budget(s, frac, min_k))
 
 
-def test_select_v4_fallback_exact():
+def test_select_fallback_exact():
     """Rows where the sampled window misses the k-th score (sample positions planted high) or where one value is
     shared by the whole row (sub-bucket over the buffer) take the full-row fallback, which must be exact too.
     An empty row (kv_len 0, budget 0) selects nothing."""
-    print("seed", SEED)
     rng = np.random.default_rng(SEED)
     s = 8192  # >= SAMPLE: sample position j is 2 * j
     sc = rng.exponential(size=(3, 1, s)).astype(np.float32)
@@ -182,7 +182,7 @@ def test_select_v4_fallback_exact():
     kv_len = jnp.asarray([s, s - 333, 0], jnp.int32)
     sc = jnp.where(jnp.arange(s)[None, None] < kv_len[:, None, None], jnp.asarray(sc), -jnp.inf)
     counts = jnp.asarray([s // 2 + 101, 1000, 0], jnp.int32)  # row 0: the k-th lies among the unplanted keys
-    _assert_exact(sc, kv_len, counts, s // 2 + 200, dec.DecodeTuning(select_version=4))
+    _assert_exact(sc, kv_len, counts, s // 2 + 200)
 
 
 def test_reference_impl_and_auto_on_cpu():
@@ -227,12 +227,6 @@ def test_errors():
         dec.reuse_decode(q, k, v, kv_len, idx, cnt[:1], hm)
     with pytest.raises(ValueError, match="reuse_block"):
         dec.DecodeTuning(reuse_block=48)
-    with pytest.raises(ValueError, match="select_version"):
-        dec.DecodeTuning(select_version=1)
-    with pytest.raises(ValueError, match="select_version"):
-        dec.DecodeTuning(select_version=5)
-    with pytest.raises(ValueError, match="select version must be 2, 3 or 4"):
-        topk.select_topk_bits(jnp.zeros((1, 1, 2048), jnp.int32), kv_len[:1], cnt[:1], 8, chunks=1, version=1)
 
 
 def test_triton_modules_verify_for_sm90(triton_sm90_modules):
@@ -243,27 +237,15 @@ def test_triton_modules_verify_for_sm90(triton_sm90_modules):
     q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
     kc = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b,), jnp.int32)
-    for version in (2, 3, 4):
-        tuning = dec.DecodeTuning(select_version=version)
-        fn = lambda q, k, v, l, t=tuning: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600,
-                                                            impl="pallas", tuning=t)
-        jax.jit(fn).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
+    fn = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600, impl="pallas")
+    jax.jit(fn).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
     fn0 = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600, impl="pallas",
                                                dense_out=True)
     jax.jit(fn0).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
-    assert len(verified) == 3 * 6 + 5  # stream, 4 select kernels, reuse; anchor-0 has no reuse
+    assert len(verified) == 6 + 5  # stream, 4 select kernels, reuse; anchor-0 has no reuse
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("peaky", [False, True])
 def test_gpu_realistic(peaky):
-    print("seed", SEED)
     _check_anchor(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("peaky", [False, True])
-def test_gpu_select_v4(peaky):
-    print("seed", SEED)
-    _check_anchor(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128, interpret=False, full=False,
-                  select_version=4)

@@ -1,6 +1,8 @@
 """Split-K Pallas dense decode (kernels_pallas.decode.dense_decode) against the dense reference, and the
 DenseStrategy(decode_kernel="pallas") switch: CPU interpret mode at tiny shapes, Triton lowering verified for sm_90,
-and a GPU tier at a realistic shape against cuDNN."""
+and a GPU tier at a realistic shape against cuDNN. Outputs: every (sequence, head) row's RMS error within TOL of the
+output's RMS, a few times the measured noise (bf16 <= 3.9e-3, fp16 <= 4.9e-4 over seeds 0-3), fixed seeds; a 3%
+softmax-scale error in the kernel fails every case (checked by planting it)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,11 @@ from kernels_pallas import reference as ref
 from kernels_pallas.dense import dense_attention
 
 
-def _inputs(rng, b, s, hq, kvh, d, dtype, peaky):
+TOL = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}  # per-row error / output RMS
+
+
+def _inputs(seed, b, s, hq, kvh, d, dtype, peaky):
+    rng = np.random.default_rng(seed)
     q = rng.standard_normal((b, 1, hq, d)).astype(np.float32)
     k = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
     v = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
@@ -29,10 +35,11 @@ def _inputs(rng, b, s, hq, kvh, d, dtype, peaky):
     return jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(kv_len)
 
 
-def _rel(a, r):
+def _row_err(a, r):
+    """The largest RMS error of a row (one sequence, one head) over the RMS of the whole reference output."""
     a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
     assert np.all(np.isfinite(a))
-    return float(np.linalg.norm(a - r) / np.linalg.norm(r))
+    return float(np.sqrt(np.mean((a - r) ** 2, axis=-1)).max() / np.sqrt(np.mean(r ** 2)))
 
 
 @pytest.mark.parametrize("case", [
@@ -40,14 +47,14 @@ def _rel(a, r):
     dict(b=1, s=520, hq=8, kvh=2, d=64, dtype=jnp.float16, peaky=False),   # batch 1: several splits per KV head
     dict(b=2, s=12, hq=4, kvh=4, d=64, dtype=jnp.bfloat16, peaky=False),   # a cache shorter than one block (padded)
 ])
-def test_dense_decode_matches_reference(rng, case):
+def test_dense_decode_matches_reference(case):
     peaky, vs_anchor = case.pop("peaky"), case.pop("vs_anchor", False)
-    q, k, v, kv_len = _inputs(rng, peaky=peaky, **case)
+    q, k, v, kv_len = _inputs(0, peaky=peaky, **case)
     tuning = dec.DecodeTuning(stream_block=16, target_programs=16)  # several splits at these tiny shapes
     out = jax.jit(lambda *a: dec.dense_decode(*a, impl="pallas", interpret=True, tuning=tuning))(q, k, v, kv_len)
     want = ref.attention_reference(q, k, v, kv_len - 1, kv_len)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert _rel(out, want) < 1e-2
+    assert _row_err(out, want) < TOL[out.dtype]
     if not vs_anchor:
         return
     # the same numbers as the anchor-0 pass that also writes logits (same kernel body, same splits)
@@ -56,13 +63,13 @@ def test_dense_decode_matches_reference(rng, case):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out0, np.float32))
 
 
-def test_dense_decode_zero_length_row_and_errors(rng):
-    q, k, v, _ = _inputs(rng, 2, 40, 4, 2, 64, jnp.bfloat16, False)
+def test_dense_decode_zero_length_row_and_errors():
+    q, k, v, _ = _inputs(1, 2, 40, 4, 2, 64, jnp.bfloat16, False)
     kv_len = jnp.asarray([0, 40], jnp.int32)
     out = dec.dense_decode(q, k, v, kv_len, impl="pallas", interpret=True,
                            tuning=dec.DecodeTuning(stream_block=16, target_programs=8))
     assert np.all(np.asarray(out[0], np.float32) == 0)
-    assert _rel(out[1:], ref.attention_reference(q, k, v, kv_len - 1, kv_len)[1:]) < 1e-2
+    assert _row_err(out[1:], ref.attention_reference(q, k, v, kv_len - 1, kv_len)[1:]) < TOL[out.dtype]
     with pytest.raises(ValueError, match="q must be"):
         dec.dense_decode(jnp.concatenate([q, q], axis=1), k, v, kv_len, impl="pallas", interpret=True)
     with pytest.raises(ValueError, match="head_dim"):
@@ -71,12 +78,12 @@ def test_dense_decode_zero_length_row_and_errors(rng):
         dense_attention(q, k, v, kv_len - 1, kv_len, phase="decode", chunk_at_zero=False, decode_kernel="triton")
 
 
-def test_dense_strategy_decode_kernel(rng):
+def test_dense_strategy_decode_kernel():
     from models.attention import AttentionInputs, DenseStrategy
 
     with pytest.raises(ValueError, match="decode_kernel"):
         DenseStrategy(decode_kernel="flash")
-    q, k, v, kv_len = _inputs(rng, 2, 64, 4, 2, 64, jnp.float32, True)
+    q, k, v, kv_len = _inputs(2, 2, 64, 4, 2, 64, jnp.float32, True)
     inputs = AttentionInputs(q=q, k_cache=k, v_cache=v, q_start=kv_len - 1, kv_len=kv_len, seq_len=kv_len,
                              phase="decode", chunk_at_zero=False)
     a, _ = DenseStrategy().attend(0, inputs, None)
@@ -96,9 +103,9 @@ def test_dense_decode_triton_verifies_for_sm90(triton_sm90_modules):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [1, 8])
-def test_gpu_dense_decode_vs_cudnn(rng, b):
-    q, k, v, kv_len = _inputs(rng, b, 32768, 32, 8, 128, jnp.bfloat16, True)
+def test_gpu_dense_decode_vs_cudnn(b):
+    q, k, v, kv_len = _inputs(3, b, 32768, 32, 8, 128, jnp.bfloat16, True)
     out = jax.jit(lambda *a: dec.dense_decode(*a, impl="pallas"))(q, k, v, kv_len)
     cudnn = jax.jit(lambda *a: dense_attention(*a[:3], a[3] - 1, a[3], phase="decode", chunk_at_zero=False))(q, k, v, kv_len)
-    assert _rel(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-2
-    assert _rel(out, cudnn) < 1e-2
+    assert _row_err(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < TOL[out.dtype]
+    assert _row_err(out, cudnn) < TOL[out.dtype]

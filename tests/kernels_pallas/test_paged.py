@@ -3,6 +3,9 @@
 CPU tier: interpret mode at tiny shapes, ragged kv_len, page sizes 16 and 64, pages scattered at random over a pool
 with spare (dirty) pages, bf16 and fp32, peaky inputs so that the Top-k matters. The references are the contiguous
 ones on the same K/V laid out contiguously (not the gather path of paged.py), so the page mapping is what is tested.
+Outputs: every (sequence, head) row's RMS error within a few times the measured noise of the output's RMS (bf16
+1e-2, measured <= 4.6e-3; fp32 1e-5, measured <= 9.4e-7), fixed seeds; dense and reuse decode on Gaussian inputs
+(no dominant keys), where a 3% softmax-scale error or one dropped index shows (checked by planting each).
 GPU tier (`-m gpu`): 32 q heads, 8 kv heads, d 128, 32K, batch 8, page sizes 16 and 64.
 """
 
@@ -17,19 +20,20 @@ from kernels_pallas import decode as dec
 from kernels_pallas import paged
 from kernels_pallas import reference as ref
 
-SEED = int(np.random.default_rng().integers(1 << 30))
+SEED = 0
 
 
-def _paged_inputs(seed, b, s, hq, kvh, d, ps, dtype, spare=3):
+def _paged_inputs(seed, b, s, hq, kvh, d, ps, dtype, spare=3, peaky=True):
     """Contiguous q, k, v [batch, s, ...] plus the same K/V scattered over pages of a shuffled pool."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((b, 1, hq, d)).astype(np.float32)
     k = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
     v = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
     qm = q.reshape(b, kvh, hq // kvh, d).mean(axis=2)
-    for bi in range(b):  # peaky: a few keys aligned with the group's mean query
-        for h in range(kvh):
-            k[bi, rng.integers(0, s, 5), h] = 3.0 * qm[bi, h]
+    if peaky:  # a few keys aligned with the group's mean query (they take most of the attention)
+        for bi in range(b):
+            for h in range(kvh):
+                k[bi, rng.integers(0, s, 5), h] = 3.0 * qm[bi, h]
     kv_len = rng.integers(s // 3, s + 1, size=b).astype(np.int32)
     kv_len[0] = s
     max_pages = s // ps
@@ -50,31 +54,30 @@ def _paged_inputs(seed, b, s, hq, kvh, d, ps, dtype, spare=3):
     return cast(q), cast(k), cast(v), cast(kp), cast(vp), jnp.asarray(table), jnp.asarray(kv_len)
 
 
-def _rel(a, r):
+def _row_err(a, r):
+    """The largest RMS error of a row (one sequence, one head) over the RMS of the whole reference output."""
     a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
     assert np.all(np.isfinite(a))
-    return float(np.linalg.norm(a - r) / np.linalg.norm(r))
+    return float(np.sqrt(np.mean((a - r) ** 2, axis=-1)).max() / np.sqrt(np.mean(r ** 2)))
 
 
-CASES = [(16, jnp.bfloat16, 3e-2), (64, jnp.float32, 1e-5)]
+CASES = [(16, jnp.bfloat16, 1e-2), (64, jnp.float32, 1e-5)]
 
 
 @pytest.mark.parametrize("ps,dtype,tol", CASES)
 @pytest.mark.parametrize("block", [128, 16])  # 128: blocks over several pages (gather); 16: within a page
 def test_dense_decode_interpret(ps, dtype, tol, block):
-    print("seed", SEED)
-    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED, 3, 128, 4, 2, 64, ps, dtype)
+    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED, 3, 128, 4, 2, 64, ps, dtype, peaky=False)
     out = paged.dense_decode(q, kp, vp, table, kv_len, interpret=True,
                              tuning=dec.DecodeTuning(stream_block=block))
     want = ref.attention_reference(q, k, v, kv_len - 1, kv_len)
     assert out.shape == want.shape and out.dtype == q.dtype
-    assert _rel(out, want) < tol
+    assert _row_err(out, want) < tol
 
 
 @pytest.mark.parametrize("ps,dtype,tol", CASES)
 def test_reuse_decode_interpret(ps, dtype, tol):
-    print("seed", SEED)
-    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 1, 3, 128, 6, 2, 64, ps, dtype)
+    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 1, 3, 128, 6, 2, 64, ps, dtype, peaky=False)
     rng = np.random.default_rng(SEED + 1)
     k_max = 40
     idx = np.full((3, 2, k_max), -1, np.int32)
@@ -87,12 +90,11 @@ def test_reuse_decode_interpret(ps, dtype, tol):
     hm = jnp.asarray([1, 0], jnp.int32)
     out = paged.reuse_decode(q, kp, vp, table, kv_len, jnp.asarray(idx), jnp.asarray(counts), hm, interpret=True)
     want = ref.sparse_decode_reference(q, k, v, kv_len, jnp.asarray(idx), hm)
-    assert _rel(out, want) < tol
+    assert _row_err(out, want) < tol
 
 
 @pytest.mark.parametrize("ps,dtype,tol,dense_out", [c + (i == 1,) for i, c in enumerate(CASES)])
 def test_anchor_decode_interpret(ps, dtype, tol, dense_out):
-    print("seed", SEED)
     q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 2, 2, 128, 4, 2, 64, ps, dtype)
     kw = dict(topk_frac=0.2, min_k=8, k_max=ref.max_budget(128, 0.2, 8), dense_out=dense_out)
     out, idx, counts = paged.anchor_decode(q, kp, vp, table, kv_len, interpret=True, **kw)
@@ -109,22 +111,21 @@ def test_anchor_decode_interpret(ps, dtype, tol, dense_out):
                 sc = scores[bi, h]
                 gap = sc[sorted(theirs - mine)].max() - sc[sorted(mine - theirs)].min()
                 assert gap <= 1e-3 * abs(sc[sorted(theirs)].min()), (bi, h, mine ^ theirs)
-    assert _rel(out, want) < tol
+    assert _row_err(out, want) < tol
 
 
 def test_non_power_of_two_length_interpret():
     """s = 80 over pages of 16 (5 pages): a 64-key block spans 4 pages and the last one is re-read at a clamped
     offset (block 128 caps to 64); dense decode and anchor decode (logits + reuse) against the references."""
-    print("seed", SEED)
     q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 4, 3, 80, 4, 2, 64, 16, jnp.float32)
     tuning = dec.DecodeTuning(stream_block=128)
     out = paged.dense_decode(q, kp, vp, table, kv_len, interpret=True, tuning=tuning)
-    assert _rel(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
+    assert _row_err(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
     kw = dict(topk_frac=0.25, min_k=8, k_max=ref.max_budget(80, 0.25, 8))
     out, _, counts = paged.anchor_decode(q, kp, vp, table, kv_len, interpret=True, tuning=tuning, **kw)
     want, _, ref_counts = dec.anchor_decode(q, k, v, kv_len, impl="reference", **kw)
     np.testing.assert_array_equal(counts, ref_counts)
-    assert _rel(out, want) < 1e-4
+    assert _row_err(out, want) < 1e-5
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
@@ -132,7 +133,6 @@ def test_non_power_of_two_length_interpret():
 def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl):
     """Pages are reused dirty: a previous owner's inf/NaN past kv_len (in the last page of each sequence, and in
     every unused page, page 0 included, which is where a -1 entry is clamped) must not reach the output."""
-    print("seed", SEED)
     rng = np.random.default_rng(SEED + 5)
     b, s, kvh, d, ps = 3, 128, 2, 64, 16
     q = rng.standard_normal((b, 1, 4, d)).astype(np.float32)
@@ -159,11 +159,11 @@ def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl):
     args = (jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tb), kv_len)
     for block in (16, 64):  # within a page (one load) and over four pages (gathered rows)
         out = paged.dense_decode(*args, tuning=dec.DecodeTuning(stream_block=block), **kw)
-        assert _rel(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
+        assert _row_err(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
     akw = dict(topk_frac=0.25, min_k=8, k_max=ref.max_budget(128, 0.25, 8))
     out, _, _ = paged.anchor_decode(*args, **akw, **kw)
     want, _, _ = dec.anchor_decode(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_len, impl="reference", **akw)
-    assert _rel(out, want) < 1e-4
+    assert _row_err(out, want) < 1e-5
 
 
 def test_gather_pages_and_errors():
@@ -189,7 +189,6 @@ def test_paged_kernels_gpu(ps):
     made on the device (peaky keys planted), pages a random permutation of the pool, ragged kv_len."""
     import jax
 
-    print("seed", SEED)
     s, b, hq, kvh, d = 32768, 8, 32, 8, 128
     kq, kk, kv, kp_, kt = jax.random.split(jax.random.PRNGKey(SEED), 5)
     q = jax.random.normal(kq, (b, 1, hq, d), jnp.bfloat16)
@@ -207,7 +206,7 @@ def test_paged_kernels_gpu(ps):
     kp, vp = to_pool(k), to_pool(v)
     kv_len = jnp.asarray(np.random.default_rng(SEED).integers(s // 2, s + 1, b), jnp.int32)
     out = paged.dense_decode(q, kp, vp, table, kv_len, impl="pallas")
-    assert _rel(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 2e-2
+    assert _row_err(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-2
     kw = dict(topk_frac=0.1, min_k=128, k_max=ref.max_budget(s, 0.1, 128))
     for dense_out in (False, True):
         o, idx, counts = paged.anchor_decode(q, kp, vp, table, kv_len, impl="pallas", dense_out=dense_out, **kw)
@@ -216,10 +215,10 @@ def test_paged_kernels_gpu(ps):
         a, c = np.asarray(idx).reshape(-1, idx.shape[-1]), np.asarray(idx_c).reshape(-1, idx.shape[-1])
         same = np.mean([set(x[x >= 0].tolist()) == set(y[y >= 0].tolist()) for x, y in zip(a, c)])
         assert same >= 0.99
-        assert _rel(o, o_c) < 2e-2
+        assert _row_err(o, o_c) < 1e-2
     hm = jnp.arange(kvh, dtype=jnp.int32)[::-1]
     o = paged.reuse_decode(q, kp, vp, table, kv_len, idx, counts, hm, impl="pallas")
-    assert _rel(o, dec.reuse_decode(q, k, v, kv_len, idx, counts, hm, impl="pallas")) < 2e-2
+    assert _row_err(o, dec.reuse_decode(q, k, v, kv_len, idx, counts, hm, impl="pallas")) < 1e-2
 
 def test_triton_modules_verify_for_sm90(triton_sm90_modules):
     """Lower the paged kernels for CUDA on the CPU and verify the Triton modules (catches GPU-only lowering errors,
