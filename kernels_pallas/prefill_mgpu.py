@@ -227,10 +227,14 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
                 return acc, m_new, l_i
 
-            def flush(step, _):  # keep the producer's ring in step when this warpgroup needs fewer blocks
+            def flush(step, _):  # the producer loads the blocks the other warpgroup needs: take them and hand back
                 slot = lax.rem(step, jnp.array(steps, step.dtype))
+                # (waiting is needed only to keep this warpgroup's view of the barrier phases exact: the interpreter
+                # checks it when the barriers are freed)
+                plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 if with_out:
+                    plgpu.barrier_wait(v_bar.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
                 schedule_barrier()
                 schedule_barrier()
@@ -263,13 +267,21 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
             for i in range(steps):
                 pl.when(i < prog_kv_steps)(lambda i=i: load(jnp.int32(i), i))
 
-            @pl.loop(0, jnp.maximum(prog_kv_steps - steps, 0))
-            def _(j):
-                slot = lax.rem(j, jnp.array(steps, j.dtype))
-                plgpu.barrier_wait(k_free.at[slot])
+            def consumed(j):  # wait until both compute warpgroups are done with step j's buffers
+                plgpu.barrier_wait(k_free.at[lax.rem(j, steps)])
                 if with_out:
-                    plgpu.barrier_wait(v_free.at[slot])
-                load(j + steps, slot)
+                    plgpu.barrier_wait(v_free.at[lax.rem(j, steps)])
+
+            last = jnp.maximum(prog_kv_steps - steps, 0)
+
+            @pl.loop(0, last)
+            def _(j):
+                consumed(j)
+                load(j + steps, lax.rem(j, steps))
+
+            # Observe the last phases too: the interpreter checks, when a barrier is freed, that every thread that
+            # waits on it saw all its phases.
+            pl.loop(last, prog_kv_steps)(consumed)
 
     def entry(*refs):
         if with_out:
@@ -427,12 +439,18 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
             for i in range(steps):
                 pl.when(i < n_steps)(lambda i=i: load(jnp.int32(i), i))
 
-            @pl.loop(0, jnp.maximum(n_steps - steps, 0))
-            def _(j):
-                slot = lax.rem(j, jnp.array(steps, j.dtype))
+            def consumed(j):
                 for w in range(wgs):
-                    plgpu.barrier_wait(k_free.at[w * steps + slot])
-                load(j + steps, slot)
+                    plgpu.barrier_wait(k_free.at[w * steps + lax.rem(j, steps)])
+
+            last = jnp.maximum(n_steps - steps, 0)
+
+            @pl.loop(0, last)
+            def _(j):
+                consumed(j)
+                load(j + steps, lax.rem(j, steps))
+
+            pl.loop(last, n_steps)(consumed)  # (observe the last phases, as in the flash pass)
 
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((b, kvh, nt, t), jnp.float32),

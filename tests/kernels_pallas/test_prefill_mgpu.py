@@ -69,9 +69,14 @@ def _check_flash(q, k, v, with_out, tuning=None, interpret=False):
 # ------------------------------------------------------------------------------------------ interpret mode (CPU)
 
 
-def test_flash_dense_bf16_d64_group2(interp):
+def test_flash_dense_bf16_d64_group2_races(interp):
+    """64-key steps: the second query block takes 4 steps through the 2-deep K/V ring; race detector on."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mi
+
     q, k, v = _inputs(np.random.default_rng(SEED), 1, 256, 4, 2, 64, 256, jnp.bfloat16)
-    _, lse_err, out_err = _check_flash(q, k, v, True, interpret=interp)
+    _, lse_err, out_err = _check_flash(q, k, v, True, tuning=M.MgpuTuning(block_kv=64),
+                                       interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not mi.get_races().races_found
     assert lse_err < _LSE_TOL and out_err < _OUT_TOL["bfloat16"], (lse_err, out_err)
 
 
@@ -88,26 +93,26 @@ def test_pooled_scores(interp, tile, hq, kvh, d, dtype):
 
 
 def test_two_pass_chain_races_and_triton_lse_layout():
-    """LSE-only flash pass (no V ring) of a 7-head fp16 d128 group -> pooled scores (7 products per tile), both under
-    the interpreter's race detector; `lse_for_triton` gives the packed rows the Triton pipeline reads."""
+    """LSE-only flash pass (no V ring) of a 3-head fp16 d128 group -> pooled scores (3 products per tile, the K ring
+    wraps: up to 3 steps of 128 keys) under the race detector; `lse_for_triton` gives the packed rows the Triton
+    pipeline reads."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, interpret_pallas_call as mi
 
-    q, k, v = _inputs(np.random.default_rng(SEED + 1), 1, 128, 7, 1, 128, 128, jnp.float16, peaky=True)
-    races = plgpu.InterpretGPUParams(detect_races=True)
+    t = 384
+    q, k, v = _inputs(np.random.default_rng(SEED + 1), 1, t, 3, 1, 128, t, jnp.float16, peaky=True)
     gpu_callbacks.reset_gpu_interpret_mode_state()
-    _, lse = M.flash_lse(q, k, with_out=False, interpret=races)
-    assert not mi.get_races().races_found
+    _, lse = M.flash_lse(q, k, with_out=False, interpret=plgpu.InterpretGPUParams())
     _, rl2 = _ref_lse2(q, k, v)
     lse_err = float(np.abs(np.asarray(lse) - np.asarray(rl2)).max())
     assert lse_err < _LSE_TOL, lse_err
-    sc = M.pooled_scores(q, k, lse, 64, interpret=races)
+    sc = M.pooled_scores(q, k, lse, 64, interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not mi.get_races().races_found
     gpu_callbacks.reset_gpu_interpret_mode_state()
     z = jnp.zeros((1,), jnp.int32)
-    ref, _ = R.pooled_scores_prefill_reference(q, k, z, z + 128, 64)
+    ref, _ = R.pooled_scores_prefill_reference(q, k, z, z + t, 64)
     err = _score_err(sc, ref)
     assert err < _SCORE_TOL, err
-    _, rl = R.attention_reference(q, k, v, z, z + 128, return_lse=True)
+    _, rl = R.attention_reference(q, k, v, z, z + t, return_lse=True)
     want = P.pack_lse(rl, P._layout(q, k, 16))
     got = M.lse_for_triton(lse, q, k, 16)
     assert got.shape == want.shape
