@@ -150,13 +150,15 @@ _GPU_SHAPES = [(14, 2, 64), (32, 8, 128)]
 @pytest.mark.parametrize("peaky", [False, True])
 @pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
 @pytest.mark.parametrize("p_in_regs", [None, False])
-def test_gpu_flash_4k(peaky, hq, kvh, d, p_in_regs):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_flash_4k(peaky, hq, kvh, d, p_in_regs, dtype):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    q, k, v = _inputs(np.random.default_rng(SEED), 1, 4096, hq, kvh, d, 4096, jnp.bfloat16, peaky=peaky)
+    q, k, v = _inputs(np.random.default_rng(SEED), 1, 4096, hq, kvh, d, 4096, dtype, peaky=peaky)
     tuning = M.MgpuTuning(p_in_regs=p_in_regs)
     _, lse_err, out_err = _check_flash(q, k, v, True, tuning=tuning)
-    assert lse_err < 1e-3 and out_err < _OUT_TOL["bfloat16"], (lse_err, out_err)  # (approx exp2/log2 on GPU)
+    # (approx exp2/log2 on the GPU: looser LSE bound than interpret mode)
+    assert lse_err < 1e-3 and out_err < _OUT_TOL[jnp.dtype(dtype).name], (lse_err, out_err)
     _, lse_err, _ = _check_flash(q, k, None, False, tuning=tuning)
     assert lse_err < 1e-3, lse_err
 
