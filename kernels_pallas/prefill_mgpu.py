@@ -428,7 +428,9 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
         @pl.when(wg == wgs)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, h, :, tt], q_smem, q_bar)
+            for s in range(n_sub):  # (one [n, d] box each: a swizzled d-128 box with the n_sub axis has too many
+                # dimensions for one TMA copy)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, h, s, tt], q_smem.at[s], q_bar)
             plgpu.copy_gmem_to_smem(lse_ref.at[bi, h, :, tt], lse_smem, q_bar)
 
             def load(j, slot):
@@ -457,7 +459,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
         scratch_types=dict(
             q_smem=_swizzled((n_sub, n, d), q.dtype), lse_smem=plgpu.SMEM((n_sub, n), jnp.float32),
             k_smem=_swizzled((wgs, steps, bk, d), q.dtype), o_smem=plgpu.SMEM((wgs, 3, bk), jnp.float32),
-            q_bar=plgpu.Barrier(num_arrivals=2), k_bar=plgpu.Barrier(num_barriers=wgs * steps),
+            q_bar=plgpu.Barrier(num_arrivals=n_sub + 1), k_bar=plgpu.Barrier(num_barriers=wgs * steps),
             k_free=plgpu.Barrier(num_barriers=wgs * steps)),
         grid=(nt, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interp,

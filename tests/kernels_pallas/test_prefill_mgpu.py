@@ -140,6 +140,25 @@ def test_unsupported_raises_one_line(case, needle):
     assert M.supported(jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 2, 64), jnp.bfloat16), 16)
 
 
+@pytest.mark.parametrize("hq,kvh,d,tile,dtype", [(32, 8, 128, 32, jnp.bfloat16), (12, 2, 128, 64, jnp.float16),
+                                                  (14, 2, 64, 16, jnp.bfloat16)])
+def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
+    """The Mosaic GPU lowering on the CPU (layout inference and the dialect lowering run in Python, for sm_90a) at
+    realistic shapes: shared-memory budget, wgmma shapes, TMA boxes (a swizzled d-128 Q box with the sub-group axis
+    once exceeded the 5 dimensions of one copy). Interpret mode checks none of these; ptxas and the run still need
+    the GPU."""
+    q = jax.ShapeDtypeStruct((1, 4096, hq, d), dtype)
+    k = jax.ShapeDtypeStruct((1, 4096, kvh, d), dtype)
+    lse = jax.ShapeDtypeStruct((1, hq, 4096), jnp.float32)
+    calls = [(lambda q, k, v: M.flash_lse(q, k, v), (q, k, k)),
+             (lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(p_in_regs=False, block_kv=64)), (q, k, k)),
+             (lambda q, k: M.flash_lse(q, k, with_out=False), (q, k)),
+             (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse))]
+    for f, args in calls:
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
 # ------------------------------------------------------------------------------------------ GPU tier (H200)
 
 
