@@ -6,8 +6,8 @@ compute warpgroups of `block_q` rows each, one TMA producer warpgroup, a `max_co
 (b) `pooled_scores`: for every query tile and KV head, sum over the tile's rows and the GQA group of the
 post-softmax probabilities exp2(s * scale2 - lse_row) of each key strictly before the tile; -inf elsewhere
 (`reference.pooled_scores_prefill_reference`). Computed transposed, S^T = K_blk . Q_tile^T (wgmma M = 64 keys per
-compute warpgroup, N = tile rows x heads), so pooling over the tile's rows is a reduction along the accumulator's
-rows-of-a-thread axis (no cross-warp reduction); the group's heads sit in N (or in a loop of sub-groups).
+compute warpgroup, N = tile rows x heads), so pooling over the tile's rows is a reduction within each thread quad
+of the accumulator (no cross-warp reduction); the group's heads sit in N (or in a loop of sub-groups).
 
 Decisions: wgmma accumulators start at zero (`run_scoped` ACC) and the PV product is added to the running output in
 registers, and in interpret mode P goes to wgmma through shared memory: the Mosaic GPU interpreter of JAX 0.11.2
@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import prefill as P
 
 _LOG2E = 1.4426950408889634
 _TILE_SIZES = (16, 32, 64)
@@ -124,7 +126,7 @@ def _swizzled(shape, dtype):
 def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | None = None, interpret=False):
     """q [1, T, q_heads, d], k/v [1, T, kv_heads, d] -> (out like q or None, lse [1, q_heads, T] fp32), lse the
     base-2 log-sum-exp of the base-2 logits s * scale * log2(e) over the causal keys (`prefill._dense_kernel`'s
-    convention; `pack_lse` gives its packed rows)."""
+    convention; `lse_for_triton` gives its packed rows)."""
     tuning = tuning or DEFAULT_TUNING
     _check(q, k, tuning=tuning)
     if with_out and (v is None or v.shape != k.shape or v.dtype != k.dtype):
@@ -334,7 +336,7 @@ def _rows(tile_size, group, cap) -> _Rows:
     return _Rows(tile_size, group, g_sub, group // g_sub)
 
 
-def pack_q(q, kv_heads, rows: _Rows):
+def _pack_q(q, kv_heads, rows: _Rows):
     """[1, T, q_heads, d] -> [1, kv_heads, n_sub, tiles, tile * g_sub, d] (row = tile_row * g_sub + head)."""
     b, t, _, d = q.shape
     nt = t // rows.tile
@@ -342,8 +344,8 @@ def pack_q(q, kv_heads, rows: _Rows):
     return x.reshape(b, kv_heads, rows.n_sub, nt, rows.n, d)
 
 
-def pack_lse(lse, kv_heads, rows: _Rows):
-    """`flash_lse`'s [1, q_heads, T] -> [1, kv_heads, n_sub, tiles, tile * g_sub], rows as `pack_q`."""
+def _pack_lse(lse, kv_heads, rows: _Rows):
+    """`flash_lse`'s [1, q_heads, T] -> [1, kv_heads, n_sub, tiles, tile * g_sub], rows as `_pack_q`."""
     b, _, t = lse.shape
     nt = t // rows.tile
     x = lse.reshape(b, kv_heads, rows.n_sub, rows.g_sub, nt, rows.tile).transpose(0, 1, 2, 4, 5, 3)
@@ -352,8 +354,6 @@ def pack_lse(lse, kv_heads, rows: _Rows):
 
 def lse_for_triton(lse, q, k, tile_size):
     """`flash_lse`'s [1, q_heads, T] -> the packed base-2 rows `prefill._scores_kernel` reads (`prefill._layout`)."""
-    from kernels_pallas import prefill as P
-
     lay = P._layout(q, k, tile_size)
     return P.pack_lse(jnp.transpose(lse, (0, 2, 1)) / _LOG2E, lay)
 
@@ -375,7 +375,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
     wgs = _COMPUTE_WGS
     step_k = wgs * bk  # keys per pipeline step (each compute warpgroup takes bk of them)
     steps = tuning.max_concurrent_steps
-    qp, lsep = pack_q(q, kvh, rows), pack_lse(lse, kvh, rows)
+    qp, lsep = _pack_q(q, kvh, rows), _pack_lse(lse, kvh, rows)
     interp = _interpret_params(interpret)
 
     def kernel(q_ref, lse_ref, k_ref, out_ref, q_smem, lse_smem, k_smem, o_smem, q_bar, k_bar, k_free):
