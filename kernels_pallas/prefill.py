@@ -497,6 +497,19 @@ def _select_kernel(c_ref, qs_ref, kvl_ref, cnt_ref, sc_ref, idx_in_ref, idx_ref,
     lax.fori_loop(jnp.maximum(k, 0) // block, (width + block - 1) // block, fill, jnp.int32(0))
 
 
+def _scores_call(lay: _Layout, scale, tuning, chunk, width_s, interpret, sinks=0, window=0):
+    """The pooled-score kernel over one chunk of `chunk` tiles: (chunk id [1], q_start, kv_len, qp, lse, k_cache) ->
+    [batch, kv_heads, chunk, width_s] fp32 (keys at or past each tile's start are not written)."""
+    return pl.pallas_call(
+        lambda *r: _scores_kernel(*r, lay=lay, scale2=scale * _LOG2E, block_k=tuning.scores_block_k, chunk=chunk,
+                                  transposed=tuning.scores_transposed, interpret=interpret, sinks=sinks,
+                                  window=window),
+        grid=(lay.batch, lay.kv_heads, chunk),
+        out_shape=jax.ShapeDtypeStruct((lay.batch, lay.kv_heads, chunk, width_s), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=lay.warps, num_stages=tuning.scores_stages),
+        interpret=interpret, name="kascade_prefill_pooled_scores")
+
+
 def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scale, k_max, pool, tuning, interpret,
                    sinks=0, window=0):
     """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]."""
@@ -508,14 +521,7 @@ def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scal
     n_chunks = -(-lay.n_tiles // chunk)
     n_pad = n_chunks * chunk
     counts_p = jnp.pad(counts, ((0, 0), (0, n_pad - lay.n_tiles)))
-    scores_call = pl.pallas_call(
-        lambda *r: _scores_kernel(*r, lay=lay, scale2=scale * _LOG2E, block_k=block_k, chunk=chunk,
-                                  transposed=tuning.scores_transposed, interpret=interpret, sinks=sinks,
-                                  window=window),
-        grid=(lay.batch, lay.kv_heads, chunk),
-        out_shape=jax.ShapeDtypeStruct((lay.batch, lay.kv_heads, chunk, width_s), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=lay.warps, num_stages=tuning.scores_stages),
-        interpret=interpret, name="kascade_prefill_pooled_scores")
+    scores_call = _scores_call(lay, scale, tuning, chunk, width_s, interpret, sinks, window)
     cap = tuning.select_cand
     cand_shape = [jax.ShapeDtypeStruct((lay.batch, idx_heads, chunk, cap), jnp.int32)] * (2 if cap else 0)
     select_call = pl.pallas_call(

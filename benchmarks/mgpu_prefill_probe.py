@@ -1,0 +1,212 @@
+"""Times the Mosaic GPU anchor-prefill passes (`kernels_pallas.prefill_mgpu`) against cuDNN and the Triton passes.
+
+Per context and head shape (batch 1): (a) the flash pass with output against cuDNN causal attention and the Triton
+dense pass, and LSE-only against the Triton LSE pass; (b) the pooled-score pass against the Triton score kernel
+over all tiles (its chunk loop, without the select). CUPTI median of --iters calls; `main` is the largest kernel of
+a call (the MGPU rows also pack Q and the LSE in XLA: `total` includes that). FLOP/s are matmul FLOPs (causal half)
+over the main kernel's time, as a fraction of the H200 dense bf16 ceiling (989 TFLOP/s datasheet; also of the
+819 TFLOP/s measured). Each row also checks the MGPU result
+against cuDNN / Triton (`err`). Needs a GPU; one line and exit status 1 anywhere else.
+
+  python benchmarks/mgpu_prefill_probe.py [--contexts 32768,131072] [--shapes 32/8/128,14/2/64,12/2/128]
+      [--tile 32] [--iters 3] [--mgpu "block_kv=64;block_kv=128,max_concurrent_steps=3"] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CEILING = 989e12  # H200 dense bf16 FLOP/s (datasheet)
+MEASURED = 819e12  # bf16 matmul measured on this H200 (../shared/docs/h200-baselines.md)
+
+
+def _mgpu_tuning(spec: str):
+    from kernels_pallas import prefill_mgpu as M
+
+    fields = {f.name: f for f in dataclasses.fields(M.MgpuTuning)}
+    over = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, val = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"mgpu_prefill_probe: unknown MgpuTuning field {name!r} (fields: {sorted(fields)})")
+        words = {"true": True, "false": False, "none": None}
+        if not (val.isdigit() or val.lower() in words):
+            raise SystemExit(f"mgpu_prefill_probe: {name} takes an integer, true, false or none, got {val!r}")
+        over[name] = int(val) if val.isdigit() else words[val.lower()]
+    return M.MgpuTuning(**over)
+
+
+def _flops(s, hq, d, tile, kind):
+    causal = s * s / 2
+    if kind == "dense":
+        return 4 * d * hq * causal
+    if kind == "lse":
+        return 2 * d * hq * causal
+    n_t = s // tile  # scores: keys strictly before each tile
+    return 2 * d * hq * tile * tile * n_t * (n_t - 1) / 2
+
+
+def _time(fn, args, iters):
+    from kascade_jax.bench.timing import cupti_time
+
+    total, per = cupti_time(fn, args, iters)
+    name, main = max(per.items(), key=lambda kv: kv[1])
+    return total, main, name
+
+
+def probe(s, hq, kvh, d, tile, iters, tunings, log=print):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas import prefill as P
+    from kernels_pallas import prefill_mgpu as M
+
+    ks = jax.random.split(jax.random.PRNGKey(s + hq), 3)
+    q = jax.random.normal(ks[0], (1, s, hq, d), jnp.float32).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (1, s, kvh, d), jnp.float32).astype(jnp.bfloat16) for kk in ks[1:])
+    scale = 1.0 / d ** 0.5
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), s, jnp.int32)
+    lay = P._layout(q, k, tile)
+    qp = jax.block_until_ready(P._pack_q(q, lay))
+    tt = P.DEFAULT_TUNING
+
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    tri_dense = jax.jit(lambda qp, k, v: P._dense_pass(qp, k, v, qs, kl, lay, scale, with_out=True, tuning=tt,
+                                                       interpret=False))
+    tri_lse = jax.jit(lambda qp, k: P._dense_pass(qp, k, k, qs, kl, lay, scale, with_out=False, tuning=tt,
+                                                  interpret=False)[0])
+    width = -(-s // max(tt.select_block, tt.scores_block_k)) * max(tt.select_block, tt.scores_block_k)
+    chunk = max(1, min(pl_next_pow2(lay.n_tiles), 1 << max(0, (P._SCORE_CHUNK_BYTES // (kvh * width * 4)).bit_length() - 1)))
+    n_chunks = -(-lay.n_tiles // chunk)
+    call = P._scores_call(lay, scale, tt, chunk, width, False)
+
+    def tri_scores(qp, lse, k):  # every chunk of tiles; one element of each kept, so none is dropped
+        def body(c, acc):
+            return acc + call(jnp.reshape(c, (1,)).astype(jnp.int32), qs, kl, qp, lse, k)[0, 0, -1, 0]
+        return jax.lax.fori_loop(0, n_chunks, body, jnp.float32(0))
+
+    tri_scores = jax.jit(tri_scores)
+    rows = []
+
+    def row(name, kind, fn, args, err=None):
+        try:
+            total, main, kname = _time(fn, args, iters)
+            frac = _flops(s, hq, d, tile, kind) / (main / 1e3) / CEILING
+            rows.append(dict(context=s, heads=f"{hq}/{kvh}/{d}", tile=tile, name=name, total_ms=total, main_ms=main,
+                             kernel=kname, frac=frac, err=err))
+        except Exception as e:  # keep going: a lowering failure of one variant must not hide the others
+            rows.append(dict(context=s, heads=f"{hq}/{kvh}/{d}", tile=tile, name=name, error=f"{type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:160] if str(e) else ''}"))
+            traceback.print_exc(limit=3)
+        log(rows[-1])
+
+    row("cudnn dense", "dense", cudnn, (q, k, v))
+    row("triton dense+lse", "dense", tri_dense, (qp, k, v))
+    row("triton lse", "lse", tri_lse, (qp, k))
+    lse_t = jax.block_until_ready(tri_lse(qp, k))
+    row("triton scores", "scores", tri_scores, (qp, lse_t, k))
+    ref_out = cudnn(q, k, v)
+    ref_sc = call(jnp.full((1,), n_chunks - 1, jnp.int32), qs, kl, qp, lse_t, k)  # the last chunk of tiles
+    for spec, tun in tunings:
+        tag = f"mgpu[{spec}]" if spec else "mgpu"
+        dense = jax.jit(lambda q, k, v, tun=tun: M.flash_lse(q, k, v, with_out=True, tuning=tun))
+        lse_only = jax.jit(lambda q, k, tun=tun: M.flash_lse(q, k, with_out=False, tuning=tun)[1])
+        scores = jax.jit(lambda q, k, l, tun=tun: M.pooled_scores(q, k, l, tile, tuning=tun))
+        errs, lse_m = _check_mgpu(dense, lse_only, scores, q, k, v, ref_out, lse_t, ref_sc, lay, tile, chunk, n_chunks)
+        row(f"{tag} dense+lse", "dense", dense, (q, k, v), err=errs[0])
+        row(f"{tag} lse", "lse", lse_only, (q, k), err=errs[1])
+        if lse_m is not None:
+            row(f"{tag} scores", "scores", scores, (q, k, lse_m), err=errs[2])
+        del lse_m
+    del q, k, v, qp, ref_out, ref_sc, lse_t
+    return rows
+
+
+def _check_mgpu(dense, lse_only, scores, q, k, v, ref_out, lse_t, ref_sc, lay, tile, chunk, n_chunks):
+    """Errors of the MGPU passes: output vs cuDNN (last 2048 rows, RMS relative to the slice's RMS), LSE vs the
+    Triton pass (max abs, base 2), scores vs the Triton kernel on the last chunk of tiles (max per-row RMS
+    relative to the row's RMS, keys before the tile). Returns ([3 errors or messages], MGPU LSE or None)."""
+    import jax.numpy as jnp
+
+    from kernels_pallas import prefill_mgpu as M
+
+    errs, lse = ["not run"] * 3, None
+    s = q.shape[1]
+    try:
+        out, _ = dense(q, k, v)
+        o, r = out.astype(jnp.float32)[0, -2048:], ref_out.astype(jnp.float32)[0, -2048:]
+        errs[0] = float(jnp.max(jnp.sqrt(jnp.mean((o - r) ** 2, -1)) / jnp.sqrt(jnp.mean(r ** 2))))
+        del out, o, r
+        lse = lse_only(q, k)
+        ok = jnp.isfinite(lse_t) & (jnp.arange(lay.rows_pad) < lay.rows)
+        errs[1] = float(jnp.max(jnp.where(ok, jnp.abs(M.lse_for_triton(lse, q, k, tile) - lse_t), 0.0)))
+        t0 = (n_chunks - 1) * chunk
+        a = scores(q, k, lse)[:, :, t0:t0 + chunk, :]
+        b = ref_sc[:, :, : a.shape[2], :s]
+        keep = jnp.arange(s)[None, None, None, :] < (t0 + jnp.arange(a.shape[2]))[None, None, :, None] * tile
+        num = jnp.sqrt(jnp.sum(jnp.where(keep, (a - b) ** 2, 0.0), -1))
+        den = jnp.sqrt(jnp.sum(jnp.where(keep, b ** 2, 0.0), -1))
+        errs[2] = float(jnp.max(jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)))
+    except Exception as e:
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        errs = [x if not isinstance(x, str) else msg for x in errs]
+        traceback.print_exc(limit=3)
+    return errs, lse
+
+
+def pl_next_pow2(n):
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def table(rows):
+    lines = [f"{'context':>8} {'heads':>9} {'pass':<34} {'main ms':>9} {'total ms':>9} {'of 989T':>7} {'of 819T':>7}"
+             f"  err / error"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['context']:>8} {r['heads']:>9} {r['name']:<34} {'-':>9} {'-':>9} {'-':>7} {'-':>7}  "
+                         f"{r['error']}")
+            continue
+        err = r["err"] if isinstance(r["err"], str) or r["err"] is None else f"{r['err']:.2e}"
+        lines.append(f"{r['context']:>8} {r['heads']:>9} {r['name']:<34} {r['main_ms']:>9.3f} {r['total_ms']:>9.3f} "
+                     f"{r['frac']:>7.3f} {r['frac'] * CEILING / MEASURED:>7.3f}  {err or ''}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--shapes", default="32/8/128,14/2/64,12/2/128", help="q_heads/kv_heads/head_dim,...")
+    ap.add_argument("--tile", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--mgpu", default="", help="MgpuTuning variants: 'field=v,field=v;field=v' (empty: defaults)")
+    ap.add_argument("--json", default="", help="also write the rows here")
+    a = ap.parse_args(argv)
+    import jax
+
+    if jax.default_backend() != "gpu":
+        print(f"mgpu_prefill_probe: needs an NVIDIA GPU (the JAX backend here is {jax.default_backend()!r})",
+              file=sys.stderr)
+        return 1
+    tunings = [(spec.strip(), _mgpu_tuning(spec)) for spec in a.mgpu.split(";")]
+    rows = []
+    for s in (int(x) for x in a.contexts.split(",")):
+        for shape in a.shapes.split(","):
+            hq, kvh, d = (int(x) for x in shape.split("/"))
+            rows += probe(s, hq, kvh, d, a.tile, a.iters, tunings)
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

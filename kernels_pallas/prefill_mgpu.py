@@ -1,0 +1,466 @@
+"""Mosaic GPU (Hopper: TMA, wgmma, warp-specialised) versions of the two anchor-prefill sweeps of `prefill.py`.
+
+(a) `flash_lse`: causal GQA flash attention with the per-row base-2 log-sum-exp of the scaled logits (and the dense
+output for anchor layer 0), built on the FA3 structure of `jax.experimental.pallas.ops.gpu.attention_mgpu`: two
+compute warpgroups of `block_q` rows each, one TMA producer warpgroup, a `max_concurrent_steps`-deep K/V ring.
+(b) `pooled_scores`: for every query tile and KV head, sum over the tile's rows and the GQA group of the
+post-softmax probabilities exp2(s * scale2 - lse_row) of each key strictly before the tile; -inf elsewhere
+(`reference.pooled_scores_prefill_reference`). Computed transposed, S^T = K_blk . Q_tile^T (wgmma M = 64 keys per
+compute warpgroup, N = tile rows x heads), so pooling over the tile's rows is a reduction within each thread quad
+of the accumulator (no cross-warp reduction); the group's heads sit in N (or in a loop of sub-groups).
+
+Decisions: wgmma accumulators start at zero (`run_scoped` ACC) and the PV product is added to the running output in
+registers, and in interpret mode P goes to wgmma through shared memory: the Mosaic GPU interpreter of JAX 0.11.2
+handles neither `run_state` (pre-initialised accumulators) nor a wgmma operand held in registers. On a GPU P stays
+in registers (`p_in_regs`). Scope: batch 1, q_start 0, kv_len = q_len, q_len a multiple of the blocks; everything
+else raises ValueError so that callers keep the Triton path (`supported`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import prefill as P
+
+_LOG2E = 1.4426950408889634
+_TILE_SIZES = (16, 32, 64)
+_HEAD_DIMS = (64, 128)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_COMPUTE_WGS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuTuning:
+    """Block sizes of the two kernels (untuned: the GPU session picks them)."""
+
+    block_q: int = 64  # query rows per compute warpgroup of the flash pass (two per program)
+    block_kv: int = 128  # keys per pipeline step of the flash pass
+    max_concurrent_steps: int = 2  # K/V (flash) or K (scores) ring depth
+    use_schedule_barrier: bool = True  # FA3's ping-pong of the two compute warpgroups
+    scores_block_k: int = 64  # keys per compute warpgroup per step of the scores pass (wgmma M: 64)
+    scores_row_cap: int = 128  # wgmma N cap (tile tokens x heads of one product) of the scores pass
+    p_in_regs: bool | None = None  # flash pass: P as a register wgmma operand; None: yes on GPU, no in interpret
+
+    def __post_init__(self):
+        if self.block_q != 64:
+            raise ValueError(f"block_q must be 64 (one wgmma M per warpgroup), got {self.block_q}")
+        if self.block_kv not in (64, 128, 256):
+            raise ValueError(f"block_kv must be 64, 128 or 256, got {self.block_kv}")
+        if self.scores_block_k != 64:
+            raise ValueError(f"scores_block_k must be 64, got {self.scores_block_k}")
+        if not 2 <= self.max_concurrent_steps <= 8:
+            raise ValueError(f"max_concurrent_steps must be in [2, 8], got {self.max_concurrent_steps}")
+        if self.scores_row_cap not in (64, 128, 256):
+            raise ValueError(f"scores_row_cap must be 64, 128 or 256, got {self.scores_row_cap}")
+
+
+DEFAULT_TUNING = MgpuTuning()
+
+
+def _interpret_params(interpret):
+    if interpret is True:
+        return plgpu.InterpretGPUParams()
+    return interpret or None
+
+
+def unsupported_reason(q, k, tile_size=None, *, q_start=None, kv_len=None, tuning: MgpuTuning | None = None):
+    """None if these operands are in scope, else a one-line reason naming the parameter."""
+    tuning = tuning or DEFAULT_TUNING
+    if q.ndim != 4 or k.ndim != 4:
+        return f"q and k must be 4-D [batch, len, heads, d], got {q.shape} and {k.shape}"
+    b, t, hq, d = q.shape
+    if b != 1:
+        return f"batch must be 1, got {b}"
+    if k.shape[0] != b or k.shape[3] != d:
+        return f"k {k.shape} does not match q {q.shape} in batch or head_dim"
+    if k.shape[1] != t:
+        return f"kv_len (k.shape[1]={k.shape[1]}) must equal q_len ({t})"
+    if hq % k.shape[2]:
+        return f"q_heads ({hq}) must be a multiple of kv_heads ({k.shape[2]})"
+    if d not in _HEAD_DIMS:
+        return f"head_dim must be one of {_HEAD_DIMS}, got {d}"
+    if jnp.dtype(q.dtype) not in _DTYPES or k.dtype != q.dtype:
+        return f"dtype must be bfloat16 or float16 (q and k alike), got {q.dtype} / {k.dtype}"
+    blk = max(_COMPUTE_WGS * tuning.block_q, tuning.block_kv, tuning.scores_block_k * _COMPUTE_WGS)
+    if t % blk:
+        return f"q_len must be a multiple of {blk}, got {t}"
+    if tile_size is not None and tile_size not in _TILE_SIZES:
+        return f"tile_size must be one of {_TILE_SIZES}, got {tile_size}"
+    for name, v, want in (("q_start", q_start, 0), ("kv_len", kv_len, t)):
+        if v is None:
+            continue
+        if isinstance(v, jax.core.Tracer):
+            return f"{name} must be concrete (host-checkable), got a tracer"
+        vv = jnp.asarray(v)
+        if vv.size != b or int(vv.reshape(-1)[0]) != want:
+            return f"{name} must be [{want}], got {v}"
+    return None
+
+
+def supported(q, k, tile_size=None, *, q_start=None, kv_len=None, tuning: MgpuTuning | None = None) -> bool:
+    """Whether `flash_lse` / `pooled_scores` take these operands (else keep the Triton path)."""
+    return unsupported_reason(q, k, tile_size, q_start=q_start, kv_len=kv_len, tuning=tuning) is None
+
+
+def _check(q, k, tile_size=None, tuning=None):
+    why = unsupported_reason(q, k, tile_size, tuning=tuning)
+    if why is not None:
+        raise ValueError(f"prefill_mgpu: {why}")
+
+
+def _swizzled(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (a) Causal flash pass: base-2 LSE [batch, q_heads, q_len] (+ dense output).
+
+
+def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | None = None, interpret=False):
+    """q [1, T, q_heads, d], k/v [1, T, kv_heads, d] -> (out like q or None, lse [1, q_heads, T] fp32), lse the
+    base-2 log-sum-exp of the base-2 logits s * scale * log2(e) over the causal keys (`prefill._dense_kernel`'s
+    convention; `lse_for_triton` gives its packed rows)."""
+    tuning = tuning or DEFAULT_TUNING
+    _check(q, k, tuning=tuning)
+    if with_out and (v is None or v.shape != k.shape or v.dtype != k.dtype):
+        raise ValueError(f"prefill_mgpu: v must match k {k.shape} {k.dtype} when with_out, got "
+                         f"{None if v is None else (v.shape, v.dtype)}")
+    b, t, hq, d = q.shape
+    kvh = k.shape[2]
+    group = hq // kvh
+    dtype = q.dtype
+    scale2 = (1.0 / math.sqrt(d) if scale is None else float(scale)) * _LOG2E
+    block_q, block_kv = tuning.block_q, tuning.block_kv
+    steps = min(tuning.max_concurrent_steps, t // block_kv)
+    interp = _interpret_params(interpret)
+    p_regs = tuning.p_in_regs if tuning.p_in_regs is not None else interp is None
+    wgs = _COMPUTE_WGS
+
+    def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+        bi = lax.axis_index("batch")
+        q_head = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        (qo_smem2, k_smem, v_smem, lse_smem2, p_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+
+        def schedule_barrier():
+            if tuning.use_schedule_barrier:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
+
+        q_blk = lax.axis_index("q_seq")
+        prog_kv_steps = pl.cdiv((q_blk + 1) * (wgs * block_q), jnp.array(block_kv, jnp.int32))
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            q_base = q_blk * (wgs * block_q) + wg * block_q
+            kv_steps = pl.cdiv(q_base + block_q, jnp.array(block_kv, jnp.int32))
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, block_q), q_head], qo_smem, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(kv_steps > 0)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
+
+            pl.when(wg == 1)(schedule_barrier)
+
+            def kv_loop(step, carry, causal=False):
+                acc, m_i, l_i = carry
+                slot = lax.rem(step, jnp.array(steps, step.dtype))
+
+                def compute_qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s * scale2
+                if causal:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(rows + q_base >= cols + step * block_kv, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                if not with_out:
+                    schedule_barrier()
+                    pl.when(step + 1 < kv_steps)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(
+                        step + 1, jnp.array(steps, step.dtype))]))
+                    return acc, m_new, l_i
+                p16 = p.astype(dtype)
+                if p_regs:
+                    p_op = p16
+                else:  # the interpreter reads wgmma operands from shared memory only
+                    p_op = p_smem2.at[wg]
+                    p_op[...] = p16
+                    plgpu.commit_smem()
+                acc, l_i, m_new = lax.optimization_barrier((acc, l_i, m_new))
+                if tuning.use_schedule_barrier:
+                    plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if tuning.use_schedule_barrier:
+                    plgpu.barrier_wait(sched)
+
+                def compute_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
+                    nxt = step + 1
+
+                    @pl.when(nxt < kv_steps)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.array(steps, step.dtype))])
+
+                    return acc_ref[...]
+
+                pv = pl.run_scoped(compute_pv, plgpu.ACC((block_q, d), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+                return acc, m_new, l_i
+
+            def flush(step, _):  # the producer loads the blocks the other warpgroup needs: take them and hand back
+                slot = lax.rem(step, jnp.array(steps, step.dtype))
+                # (waiting is needed only to keep this warpgroup's view of the barrier phases exact: the interpreter
+                # checks it when the barriers are freed)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                if with_out:
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                schedule_barrier()
+                schedule_barrier()
+
+            full = lax.div(q_base, jnp.array(block_kv, jnp.int32))
+            carry = lax.fori_loop(0, full, kv_loop, (acc, m_i, l_i))
+            acc, m_i, l_i = lax.fori_loop(full, kv_steps, lambda j, c: kv_loop(j, c, True), carry)
+            lax.fori_loop(kv_steps, prog_kv_steps, flush, None)
+            pl.when(wg == 0)(schedule_barrier)
+            lse_smem[...] = m_i + jnp.log2(l_i)
+            if with_out:
+                qo_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+            plgpu.commit_smem()
+            if with_out:
+                plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[bi, pl.ds(q_base, block_q), q_head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, q_head, pl.ds(q_base, block_q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(q_head, jnp.array(group, q_head.dtype))
+
+            def load(step, slot):
+                src = (bi, pl.ds(step * block_kv, block_kv), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
+                if with_out:
+                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
+
+            for i in range(steps):
+                pl.when(i < prog_kv_steps)(lambda i=i: load(jnp.int32(i), i))
+
+            def consumed(j):  # wait until both compute warpgroups are done with step j's buffers
+                plgpu.barrier_wait(k_free.at[lax.rem(j, steps)])
+                if with_out:
+                    plgpu.barrier_wait(v_free.at[lax.rem(j, steps)])
+
+            last = jnp.maximum(prog_kv_steps - steps, 0)
+
+            @pl.loop(0, last)
+            def _(j):
+                consumed(j)
+                load(j + steps, lax.rem(j, steps))
+
+            # Observe the last phases too: the interpreter checks, when a barrier is freed, that every thread that
+            # waits on it saw all its phases.
+            pl.loop(last, prog_kv_steps)(consumed)
+
+    def entry(*refs):
+        if with_out:
+            q_ref, k_ref, v_ref, out_ref, lse_ref = refs
+        else:
+            (q_ref, k_ref, lse_ref), v_ref, out_ref = refs, None, None
+        smem = [_swizzled((wgs, block_q, d), dtype), _swizzled((steps, block_kv, d), dtype),
+                _swizzled((steps, block_kv, d), dtype) if with_out else None,
+                plgpu.SMEM((wgs, block_q), jnp.float32),
+                _swizzled((wgs, block_q, block_kv), dtype) if with_out and not p_regs else None]
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
+            smem,
+            (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=wgs)),
+            (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
+            plgpu.Barrier(num_arrivals=wgs),
+            collective_axes="wg",
+        )
+
+    lse_type = jax.ShapeDtypeStruct((b, hq, t), jnp.float32)
+    out_type = [jax.ShapeDtypeStruct(q.shape, dtype), lse_type] if with_out else [lse_type]
+    res = plgpu.kernel(
+        entry, out_type=out_type, grid=(hq, t // (wgs * block_q), b), grid_names=("heads", "q_seq", "batch"),
+        num_threads=wgs + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interp,
+    )(*((q, k, v) if with_out else (q, k)))
+    return (res[0], res[1]) if with_out else (None, res[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (b) Pooled post-softmax scores of every tile over the keys strictly before it.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """How one tile's rows (tile tokens x GQA heads) are packed into wgmma N: row = tile_row * g_sub + head."""
+
+    tile: int
+    group: int
+    g_sub: int  # heads per product
+    n_sub: int  # products per tile
+
+    @property
+    def n(self) -> int:
+        return self.tile * self.g_sub
+
+
+def _rows(tile_size, group, cap) -> _Rows:
+    g_sub = max(s for s in range(1, group + 1) if group % s == 0 and tile_size * s <= max(cap, tile_size))
+    return _Rows(tile_size, group, g_sub, group // g_sub)
+
+
+def _pack_q(q, kv_heads, rows: _Rows):
+    """[1, T, q_heads, d] -> [1, kv_heads, n_sub, tiles, tile * g_sub, d] (row = tile_row * g_sub + head)."""
+    b, t, _, d = q.shape
+    nt = t // rows.tile
+    x = q.reshape(b, nt, rows.tile, kv_heads, rows.n_sub, rows.g_sub, d).transpose(0, 3, 4, 1, 2, 5, 6)
+    return x.reshape(b, kv_heads, rows.n_sub, nt, rows.n, d)
+
+
+def _pack_lse(lse, kv_heads, rows: _Rows):
+    """`flash_lse`'s [1, q_heads, T] -> [1, kv_heads, n_sub, tiles, tile * g_sub], rows as `_pack_q`."""
+    b, _, t = lse.shape
+    nt = t // rows.tile
+    x = lse.reshape(b, kv_heads, rows.n_sub, rows.g_sub, nt, rows.tile).transpose(0, 1, 2, 4, 5, 3)
+    return x.reshape(b, kv_heads, rows.n_sub, nt, rows.n)
+
+
+def lse_for_triton(lse, q, k, tile_size):
+    """`flash_lse`'s [1, q_heads, T] -> the packed base-2 rows `prefill._scores_kernel` reads (`prefill._layout`)."""
+    lay = P._layout(q, k, tile_size)
+    return P.pack_lse(jnp.transpose(lse, (0, 2, 1)) / _LOG2E, lay)
+
+
+def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None = None, interpret=False):
+    """q [1, T, q_heads, d], k [1, T, kv_heads, d], lse [1, q_heads, T] (`flash_lse`) -> [1, kv_heads, tiles, T]
+    fp32: per tile and KV head, the sum over the tile's rows and the group's heads of exp2(s * scale2 - lse_row) for
+    every key strictly before the tile, -inf at and after the tile start (`pooled_scores_prefill_reference`)."""
+    tuning = tuning or DEFAULT_TUNING
+    _check(q, k, tile_size, tuning)
+    b, t, hq, d = q.shape
+    kvh = k.shape[2]
+    if lse.shape != (b, hq, t) or lse.dtype != jnp.float32:
+        raise ValueError(f"prefill_mgpu: lse must be float32 [{b}, {hq}, {t}], got {lse.dtype} {lse.shape}")
+    rows = _rows(tile_size, hq // kvh, tuning.scores_row_cap)
+    n, n_sub, nt = rows.n, rows.n_sub, t // tile_size
+    scale2 = (1.0 / math.sqrt(d) if scale is None else float(scale)) * _LOG2E
+    bk = tuning.scores_block_k
+    wgs = _COMPUTE_WGS
+    step_k = wgs * bk  # keys per pipeline step (each compute warpgroup takes bk of them)
+    steps = tuning.max_concurrent_steps
+    qp, lsep = _pack_q(q, kvh, rows), _pack_lse(lse, kvh, rows)
+    interp = _interpret_params(interpret)
+
+    def kernel(q_ref, lse_ref, k_ref, out_ref, q_smem, lse_smem, k_smem, o_smem, q_bar, k_bar, k_free):
+        bi = lax.axis_index("batch")
+        h = lax.axis_index("kvh")
+        tt = nt - 1 - lax.axis_index("tile")  # later tiles have more keys: they start first
+        wg = lax.axis_index("wg")
+        e = tt * tile_size  # eligible keys [0, e)
+        n_steps = pl.cdiv(e, jnp.array(step_k, jnp.int32))
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_bar)
+            lses = [plgpu.load(lse_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0)) for s in range(n_sub)]
+            o_smem[wg, 2] = plgpu.layout_cast(jnp.full((bk,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+            def step(j, carry):
+                slot = lax.rem(j, jnp.array(steps, j.dtype))
+                bar = wg * steps + slot
+                plgpu.barrier_wait(k_bar.at[bar])
+                tot = plgpu.layout_cast(jnp.zeros((bk,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                for s in range(n_sub):
+                    def qk(acc_ref, s=s):
+                        plgpu.wgmma(acc_ref, k_smem.at[wg, slot], q_smem.at[s].transpose((1, 0)))
+                        return acc_ref[...]
+
+                    st = pl.run_scoped(qk, plgpu.ACC((bk, n), jnp.float32))
+                    p = jnp.exp2(st * scale2 - lax.broadcast_in_dim(lses[s], (bk, n), [1]))
+                    tot = tot + p.sum(axis=1)
+                plgpu.barrier_arrive(k_free.at[bar])
+                kidx = j * step_k + wg * bk + plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
+                                                                     layout=plgpu.Layout.WGMMA.reduce(1))
+                buf = lax.rem(j, 2)
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy that last read this buffer is done
+                o_smem[wg, buf] = jnp.where(kidx < e, tot, -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, buf], out_ref.at[bi, h, tt, pl.ds(j * step_k + wg * bk, bk)])
+                return carry
+
+            lax.fori_loop(0, n_steps, step, None)
+            plgpu.commit_smem()
+
+            @pl.loop(n_steps, t // step_k)
+            def _(j):  # keys at and after the tile start: -inf
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, 2], out_ref.at[bi, h, tt, pl.ds(j * step_k + wg * bk, bk)])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            for s in range(n_sub):  # (one [n, d] box each: a swizzled d-128 box with the n_sub axis has too many
+                # dimensions for one TMA copy)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, h, s, tt], q_smem.at[s], q_bar)
+            plgpu.copy_gmem_to_smem(lse_ref.at[bi, h, :, tt], lse_smem, q_bar)
+
+            def load(j, slot):
+                for w in range(wgs):
+                    plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(j * step_k + w * bk, bk), h], k_smem.at[w, slot],
+                                            k_bar.at[w * steps + slot])
+
+            for i in range(steps):
+                pl.when(i < n_steps)(lambda i=i: load(jnp.int32(i), i))
+
+            def consumed(j):
+                for w in range(wgs):
+                    plgpu.barrier_wait(k_free.at[w * steps + lax.rem(j, steps)])
+
+            last = jnp.maximum(n_steps - steps, 0)
+
+            @pl.loop(0, last)
+            def _(j):
+                consumed(j)
+                load(j + steps, lax.rem(j, steps))
+
+            pl.loop(last, n_steps)(consumed)  # (observe the last phases, as in the flash pass)
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((b, kvh, nt, t), jnp.float32),
+        scratch_types=dict(
+            q_smem=_swizzled((n_sub, n, d), q.dtype), lse_smem=plgpu.SMEM((n_sub, n), jnp.float32),
+            k_smem=_swizzled((wgs, steps, bk, d), q.dtype), o_smem=plgpu.SMEM((wgs, 3, bk), jnp.float32),
+            q_bar=plgpu.Barrier(num_arrivals=n_sub + 1), k_bar=plgpu.Barrier(num_barriers=wgs * steps),
+            k_free=plgpu.Barrier(num_barriers=wgs * steps)),
+        grid=(nt, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interp,
+    )(qp, lsep, k)

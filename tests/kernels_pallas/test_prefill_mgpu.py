@@ -1,0 +1,199 @@
+"""Mosaic GPU anchor-prefill passes (`kernels_pallas.prefill_mgpu`): Mosaic GPU interpret mode on CPU at tiny shapes,
+`-m gpu` at 4K on the H200, both against the pure-JAX references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import prefill as P
+from kernels_pallas import prefill_mgpu as M
+from kernels_pallas import reference as R
+from tests.kernels_pallas.test_prefill import _inputs, _row_err
+
+SEED = 20260  # fixed: whether a planted error is detected must not depend on the draw
+_LSE_TOL = 1e-4  # base-2 units; interpret mode measures ~1e-6 (fp32 exp2/log2 on identical bf16/fp16 inputs)
+_OUT_TOL = {"bfloat16": 1.5e-2, "float16": 2e-3}  # as test_prefill: a few times the rounding of the output dtype
+_SCORE_TOL = 1e-4  # pooled scores, per (tile, head) row relative to its RMS; interpret mode measures ~1e-6
+
+
+@pytest.fixture(autouse=True)
+def _fp32_reference_matmuls():
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
+@pytest.fixture
+def interp():
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    gpu_callbacks.reset_gpu_interpret_mode_state()  # a kernel that raised leaves the interpreter's state behind
+    yield plgpu.InterpretGPUParams()
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
+def _ref_lse2(q, k, v):
+    """Reference (out, base-2 lse [1, q_heads, T]) of causal attention from position 0."""
+    t = q.shape[1]
+    z = jnp.zeros((q.shape[0],), jnp.int32)
+    out, lse = R.attention_reference(q, k, v, z, z + t, return_lse=True)
+    return out, jnp.transpose(lse, (0, 2, 1)) * M._LOG2E
+
+
+def _score_err(sc, ref):
+    """-inf exactly where the reference has it, and the largest per-(tile, head) RMS error over the finite keys,
+    relative to that row's RMS (rows with no eligible key: tile 0)."""
+    a, r = np.asarray(sc, np.float64), np.asarray(ref, np.float64)
+    assert a.shape == r.shape
+    fin = np.isfinite(r)
+    assert np.array_equal(np.isneginf(a), ~fin), "-inf must mark exactly the keys at or after the tile start"
+    a, r = np.where(fin, a, 0.0), np.where(fin, r, 0.0)
+    d2, r2 = ((a - r) ** 2).sum(-1), (r ** 2).sum(-1)
+    n = fin.sum(-1)
+    rows = n > 0
+    return float(np.sqrt(d2[rows] / n[rows]).max() / np.sqrt(r2[rows] / n[rows]).min())
+
+
+def _check_flash(q, k, v, with_out, tuning=None, interpret=False):
+    out, lse = M.flash_lse(q, k, v, with_out=with_out, tuning=tuning, interpret=interpret)
+    ro, rl = _ref_lse2(q, k, k if v is None else v)
+    lse_err = float(np.abs(np.asarray(lse) - np.asarray(rl)).max())
+    out_err = _row_err(out, ro) if with_out else 0.0
+    return lse, lse_err, out_err
+
+
+# ------------------------------------------------------------------------------------------ interpret mode (CPU)
+
+
+def test_flash_dense_bf16_d64_group2_races(interp):
+    """64-key steps: the second query block takes 4 steps through the 2-deep K/V ring; race detector on."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mi
+
+    q, k, v = _inputs(np.random.default_rng(SEED), 1, 256, 4, 2, 64, 256, jnp.bfloat16)
+    _, lse_err, out_err = _check_flash(q, k, v, True, tuning=M.MgpuTuning(block_kv=64),
+                                       interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not mi.get_races().races_found
+    assert lse_err < _LSE_TOL and out_err < _OUT_TOL["bfloat16"], (lse_err, out_err)
+
+
+@pytest.mark.parametrize("tile,hq,kvh,d,dtype", [(32, 14, 2, 64, jnp.bfloat16), (16, 4, 2, 128, jnp.float16)])
+def test_pooled_scores(interp, tile, hq, kvh, d, dtype):
+    """Group 7 at tile 32 packs one head per product (7 products per tile); group 2 at tile 16 packs both (N = 32)."""
+    q, k, _ = _inputs(np.random.default_rng(SEED + tile), 1, 128, hq, kvh, d, 128, dtype, peaky=(tile == 16))
+    _, lse = _ref_lse2(q, k, k)
+    sc = M.pooled_scores(q, k, lse.astype(jnp.float32), tile, interpret=interp)
+    z = jnp.zeros((1,), jnp.int32)
+    ref, _ = R.pooled_scores_prefill_reference(q, k, z, z + 128, tile)
+    err = _score_err(sc, ref)
+    assert err < _SCORE_TOL, err
+
+
+def test_two_pass_chain_races_and_triton_lse_layout():
+    """LSE-only flash pass (no V ring) of a 3-head fp16 d128 group -> pooled scores (3 products per tile, the K ring
+    wraps: up to 3 steps of 128 keys) under the race detector; `lse_for_triton` gives the packed rows the Triton
+    pipeline reads."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, interpret_pallas_call as mi
+
+    t = 384
+    q, k, v = _inputs(np.random.default_rng(SEED + 1), 1, t, 3, 1, 128, t, jnp.float16, peaky=True)
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+    _, lse = M.flash_lse(q, k, with_out=False, interpret=plgpu.InterpretGPUParams())
+    _, rl2 = _ref_lse2(q, k, v)
+    lse_err = float(np.abs(np.asarray(lse) - np.asarray(rl2)).max())
+    assert lse_err < _LSE_TOL, lse_err
+    sc = M.pooled_scores(q, k, lse, 64, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not mi.get_races().races_found
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+    z = jnp.zeros((1,), jnp.int32)
+    ref, _ = R.pooled_scores_prefill_reference(q, k, z, z + t, 64)
+    err = _score_err(sc, ref)
+    assert err < _SCORE_TOL, err
+    _, rl = R.attention_reference(q, k, v, z, z + t, return_lse=True)
+    want = P.pack_lse(rl, P._layout(q, k, 16))
+    got = M.lse_for_triton(lse, q, k, 16)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=_LSE_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("case,needle", [
+    (dict(b=2), "batch"), (dict(t=192), "q_len"), (dict(d=96), "head_dim"), (dict(dtype=jnp.float32), "dtype"),
+    (dict(kv_len=64), "kv_len"), (dict(q_start=128), "q_start"), (dict(tile=8), "tile_size"),
+    (dict(kv_t=256), "kv_len"), (dict(hq=3), "q_heads"),
+])
+def test_unsupported_raises_one_line(case, needle):
+    b, t, hq, d = case.get("b", 1), case.get("t", 128), case.get("hq", 4), case.get("d", 64)
+    dtype = case.get("dtype", jnp.bfloat16)
+    q = jnp.zeros((b, t, hq, d), dtype)
+    k = jnp.zeros((b, case.get("kv_t", t), 2, d), dtype)
+    tile = case.get("tile", 16)
+    qs, kl = case.get("q_start", 0), case.get("kv_len", t)
+    assert not M.supported(q, k, tile, q_start=jnp.asarray([qs]), kv_len=jnp.asarray([kl]))
+    if "q_start" in case or "kv_len" in case and "kv_t" not in case:
+        return  # (the kernels take no q_start / kv_len: only the predicate sees them)
+    with pytest.raises(ValueError, match=needle) as e:
+        M.pooled_scores(q, k, jnp.zeros((b, hq, t), jnp.float32), tile)
+    assert "\n" not in str(e.value)
+    assert M.supported(jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 2, 64), jnp.bfloat16), 16)
+
+
+@pytest.mark.parametrize("hq,kvh,d,tile,dtype", [(32, 8, 128, 32, jnp.bfloat16), (12, 2, 128, 64, jnp.float16),
+                                                  (14, 2, 64, 16, jnp.bfloat16)])
+def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
+    """The Mosaic GPU lowering on the CPU (layout inference and the dialect lowering run in Python, for sm_90a) at
+    realistic shapes: shared-memory budget, wgmma shapes, TMA boxes (a swizzled d-128 Q box with the sub-group axis
+    once exceeded the 5 dimensions of one copy). Interpret mode checks none of these; ptxas and the run still need
+    the GPU."""
+    q = jax.ShapeDtypeStruct((1, 4096, hq, d), dtype)
+    k = jax.ShapeDtypeStruct((1, 4096, kvh, d), dtype)
+    lse = jax.ShapeDtypeStruct((1, hq, 4096), jnp.float32)
+    calls = [(lambda q, k, v: M.flash_lse(q, k, v), (q, k, k)),
+             (lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(p_in_regs=False, block_kv=64)), (q, k, k)),
+             (lambda q, k: M.flash_lse(q, k, with_out=False), (q, k)),
+             (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse))]
+    for f, args in calls:
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------------------------------ GPU tier (H200)
+
+
+_GPU_SHAPES = [(14, 2, 64), (32, 8, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peaky", [False, True])
+@pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
+@pytest.mark.parametrize("p_in_regs", [None, False])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_flash_4k(peaky, hq, kvh, d, p_in_regs, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, v = _inputs(np.random.default_rng(SEED), 1, 4096, hq, kvh, d, 4096, dtype, peaky=peaky)
+    tuning = M.MgpuTuning(p_in_regs=p_in_regs)
+    _, lse_err, out_err = _check_flash(q, k, v, True, tuning=tuning)
+    # (approx exp2/log2 on the GPU: looser LSE bound than interpret mode)
+    assert lse_err < 1e-3 and out_err < _OUT_TOL[jnp.dtype(dtype).name], (lse_err, out_err)
+    _, lse_err, _ = _check_flash(q, k, None, False, tuning=tuning)
+    assert lse_err < 1e-3, lse_err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peaky", [False, True])
+@pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_gpu_pooled_scores_4k(peaky, hq, kvh, d, tile):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    t = 4096
+    q, k, _ = _inputs(np.random.default_rng(SEED + tile), 1, t, hq, kvh, d, t, jnp.bfloat16, peaky=peaky)
+    _, lse = M.flash_lse(q, k, with_out=False)
+    sc = M.pooled_scores(q, k, lse, tile)
+    z = jnp.zeros((1,), jnp.int32)
+    ref, _ = R.pooled_scores_prefill_reference(q, k, z, z + t, tile)
+    err = _score_err(sc, ref)
+    assert err < 2e-3, err
