@@ -60,7 +60,17 @@ case "${1:-}" in
         echo "note: pytest-xdist not installed in $VENV (./launch.sh setup installs it): running in one process" >&2
       fi
     fi
-    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} "$@"
+    # The suite is bound by XLA's CPU compiles of interpret-mode kernels, not by running them: compile at XLA's lowest
+    # effort (JAX_DISABLE_MOST_OPTIMIZATIONS; the tests check values, not speed), and share one persistent cache of
+    # compiled programs between the workers and the CLIs the tests start, in a fresh folder per run (its file lock,
+    # on once a size limit is set, keeps a reader from seeing a half-written entry). Measured on the 2-core box:
+    # docs/testing.md.
+    export JAX_DISABLE_MOST_OPTIMIZATIONS=${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}
+    JCACHE=$(mktemp -d "${TMPDIR:-/tmp}/kascade-test-jaxcache.XXXXXX")
+    trap 'rm -rf "$JCACHE"' EXIT
+    export JAX_COMPILATION_CACHE_DIR=$JCACHE JAX_COMPILATION_CACHE_MAX_SIZE=$((8 << 30)) \
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} "$@"
     ;;
   gpu-test)
     # On a GPU VM: ./launch.sh setup; .venv/bin/python -m pip install -e ".[cuda12,test]" (or cuda13); then this.
