@@ -61,15 +61,13 @@ case "${1:-}" in
       fi
     fi
     # The suite is bound by XLA's CPU compiles of interpret-mode kernels, not by running them: compile at XLA's lowest
-    # effort (JAX_DISABLE_MOST_OPTIMIZATIONS; the tests check values, not speed), and share one persistent cache of
-    # compiled programs between the workers and the CLIs the tests start, in a fresh folder per run (its file lock,
-    # on once a size limit is set, keeps a reader from seeing a half-written entry). Measured on the 2-core box:
-    # docs/testing.md.
+    # effort (JAX_DISABLE_MOST_OPTIMIZATIONS; the tests check values, not speed), and keep a persistent cache of
+    # compiled programs in a fresh folder per run, one subfolder per worker (tests/conftest.py) shared with the CLIs
+    # its tests start. Measured on the 2-core box: docs/testing.md.
     export JAX_DISABLE_MOST_OPTIMIZATIONS=${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}
-    JCACHE=$(mktemp -d "${TMPDIR:-/tmp}/kascade-test-jaxcache.XXXXXX")
-    trap 'rm -rf "$JCACHE"' EXIT
-    export JAX_COMPILATION_CACHE_DIR=$JCACHE JAX_COMPILATION_CACHE_MAX_SIZE=$((8 << 30)) \
-      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+    KASCADE_TEST_JAX_CACHE=$(mktemp -d "${TMPDIR:-/tmp}/kascade-test-jaxcache.XXXXXX")
+    trap 'rm -rf "$KASCADE_TEST_JAX_CACHE"' EXIT
+    export KASCADE_TEST_JAX_CACHE
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} "$@"
     ;;
   gpu-test)

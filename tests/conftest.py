@@ -7,6 +7,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+if os.environ.get("KASCADE_TEST_JAX_CACHE"):
+    # launch.sh test: a persistent compile cache per worker (set before jax is imported, inherited by the CLIs the
+    # tests start). Per worker, not shared: JAX writes entries unlocked, and its locking mode rescans the folder on
+    # every write (the suite slowed down with it on the 2-core box).
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["KASCADE_TEST_JAX_CACHE"],
+                                                           os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 
 @pytest.fixture
 def rng(request):
