@@ -28,7 +28,8 @@ CHECK = flags.DEFINE_boolean("paged_check", True, "Check paged against contiguou
 OUT = flags.DEFINE_string("paged_out", "benchmarks", "Output folder for paged.json / paged.md.")
 STREAM_BLOCK = flags.DEFINE_integer("paged_stream_block", 128, "Keys per step of the paged whole-cache pass (dense, "
                                     "anchor scores); <= page size: one contiguous load per block, else a row gather.")
-MAX_GB = flags.DEFINE_float("paged_max_cache_gb", 100.0, "Skip shapes whose contiguous + paged K/V exceed this (GB).")
+MAX_GB = flags.DEFINE_float("paged_max_cache_gb", 100.0,
+                            "Skip shapes whose peak K/V (one layout's K and V plus one paged pool) exceeds this (GB).")
 
 
 def int_list(flag: str, values) -> list[int]:

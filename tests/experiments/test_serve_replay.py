@@ -23,6 +23,30 @@ def test_bench_paged_check_interpret():
     assert all(c["rel"] < 2e-2 for c in res) and res[1]["same_sets"] >= 0.99
 
 
+def test_bench_paged_row_holds_one_layout_at_a_time():
+    """bench_one times the contiguous kernels, then frees the contiguous K/V while it builds the pools: no
+    [batch, s, kv_heads, d] cache is alive while a paged kernel is timed (the 128K batch-64 row needs this). The
+    kernels run in interpret mode under a timer that records what is alive (CUPTI needs a GPU)."""
+    import jax
+
+    shape = BenchShape(q_heads=4, kv_heads=2, head_dim=64, num_layers=4, num_anchors=2)
+    b, s = 2, 96
+    seen = []
+
+    def timer(fn, args, iters):
+        jax.block_until_ready(fn(*args))
+        alive = sum(a.shape == (b, s, 2, 64) for a in jax.live_arrays())
+        seen.append((len(args), alive))
+        return 1.0 + len(seen) / 10, {}  # the n-th call "takes" 1 + n/10 ms
+
+    row = paged.bench_one(b, s, 16, 0.2, 16, 1, shape, log=lambda *_: None, interpret=True, dense_impl=None,
+                          timer=timer)
+    assert [n for n, _ in seen] == [4, 4, 4, 6, 5, 5, 5, 7]  # contiguous dense, A0, A, R; then paged
+    assert all(alive >= 2 for _, alive in seen[:4]) and all(alive == 0 for _, alive in seen[4:]), seen
+    assert row["A_contig"] == 1.3 and row["A_paged"] == 1.7 and abs(row["A_ratio"] - 1.7 / 1.3) < 1e-12
+    assert abs(row["weighted_ratio"] - row["weighted_paged"] / row["weighted_contig"]) < 1e-12
+
+
 def test_replay_and_report(tmp_path):
     from models.attention import DenseStrategy
     from models.engine import Engine
