@@ -83,9 +83,7 @@ def probe(s, hq, kvh, d, tile, iters, tunings, log=print):
                                                        interpret=False))
     tri_lse = jax.jit(lambda qp, k: P._dense_pass(qp, k, k, qs, kl, lay, scale, with_out=False, tuning=tt,
                                                   interpret=False)[0])
-    width = -(-s // max(tt.select_block, tt.scores_block_k)) * max(tt.select_block, tt.scores_block_k)
-    chunk = max(1, min(pl_next_pow2(lay.n_tiles), 1 << max(0, (P._SCORE_CHUNK_BYTES // (kvh * width * 4)).bit_length() - 1)))
-    n_chunks = -(-lay.n_tiles // chunk)
+    width, chunk, n_chunks = P._score_chunking(lay, tt)
     call = P._scores_call(lay, scale, tt, chunk, width, False)
 
     def tri_scores(qp, lse, k):  # every chunk of tiles; one element of each kept, so none is dropped
@@ -160,10 +158,6 @@ def _check_mgpu(dense, lse_only, scores, q, k, v, ref_out, lse_t, ref_sc, lay, t
         errs = [x if not isinstance(x, str) else msg for x in errs]
         traceback.print_exc(limit=3)
     return errs, lse
-
-
-def pl_next_pow2(n):
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def table(rows):

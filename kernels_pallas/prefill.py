@@ -510,15 +510,22 @@ def _scores_call(lay: _Layout, scale, tuning, chunk, width_s, interpret, sinks=0
         interpret=interpret, name="kascade_prefill_pooled_scores")
 
 
+def _score_chunking(lay: _Layout, tuning) -> tuple[int, int, int]:
+    """(width_s, chunk, n_chunks) of the pooled scores: rows padded to whole blocks of the score and select kernels,
+    and a power-of-two number of tiles per chunk whose fp32 scores fit in _SCORE_CHUNK_BYTES."""
+    block = max(tuning.select_block, tuning.scores_block_k)
+    width_s = -(-lay.max_len // block) * block
+    per_tile = lay.batch * lay.kv_heads * width_s * 4
+    chunk = max(1, min(pl.next_power_of_2(lay.n_tiles), 1 << max(0, (_SCORE_CHUNK_BYTES // per_tile).bit_length() - 1)))
+    return width_s, chunk, -(-lay.n_tiles // chunk)
+
+
 def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scale, k_max, pool, tuning, interpret,
                    sinks=0, window=0):
     """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]."""
-    block_k, block_s = tuning.scores_block_k, tuning.select_block
-    width_s = -(-lay.max_len // max(block_s, block_k)) * max(block_s, block_k)  # whole blocks of both kernels
+    width_s, chunk, n_chunks = _score_chunking(lay, tuning)
+    block_s = tuning.select_block
     idx_heads = lay.kv_heads if pool == "gqa" else 1
-    per_tile = lay.batch * lay.kv_heads * width_s * 4
-    chunk = max(1, min(pl.next_power_of_2(lay.n_tiles), 1 << max(0, (_SCORE_CHUNK_BYTES // per_tile).bit_length() - 1)))
-    n_chunks = -(-lay.n_tiles // chunk)
     n_pad = n_chunks * chunk
     counts_p = jnp.pad(counts, ((0, 0), (0, n_pad - lay.n_tiles)))
     scores_call = _scores_call(lay, scale, tuning, chunk, width_s, interpret, sinks, window)

@@ -110,16 +110,19 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print,
     row = dict(batch=b, context=s, page_size=page_size, stream_block=stream_block, topk_frac=frac, k=int(counts[0]),
                **shape.record())
     names = ("dense", "A0", "A", "R")
+
+    def time_layout(tag, fns, cache_args):  # cache_args lives only in this call: the caller can free the cache after
+        for n, fn in zip(names, fns):
+            args = cache_args + ((idx, counts) if n == "R" else ())
+            row[f"{n}_{tag}"], row[f"{n}_{tag}_kernels"] = timer(fn, args, iters)
+
     contig = (
         jax.jit(lambda q, k, v, l: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=l,
                                                                 implementation=dense_impl)),
         jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, dense_out=True, **kw)),
         an,
         jax.jit(lambda q, k, v, l, i, c: dec.reuse_decode(q, k, v, l, i, c, hm, **impl)))
-    for n, fn in zip(names, contig):
-        args = (q, k, v, kv_len) + ((idx, counts) if n == "R" else ())
-        row[f"{n}_contig"], row[f"{n}_contig_kernels"] = timer(fn, args, iters)
-    del args
+    time_layout("contig", contig, (q, k, v, kv_len))
     kp, table = paged_copy(k, page_size, 1)
     del k  # the contiguous K goes before the V pool is built
     vp, _ = paged_copy(v, page_size, 1)  # same seed: the same permutation
@@ -129,9 +132,7 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print,
         jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, dense_out=True, tuning=tuning, **kw)),
         jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, tuning=tuning, **kw)),
         jax.jit(lambda q, k, v, t, l, i, c: pg.reuse_decode(q, k, v, t, l, i, c, hm, **impl)))
-    for n, fn in zip(names, paged):
-        args = (q, kp, vp, table, kv_len) + ((idx, counts) if n == "R" else ())
-        row[f"{n}_paged"], row[f"{n}_paged_kernels"] = timer(fn, args, iters)
+    time_layout("paged", paged, (q, kp, vp, table, kv_len))
     for n in names:
         row[f"{n}_ratio"] = row[f"{n}_paged"] / row[f"{n}_contig"]
     for tag in ("contig", "paged"):
