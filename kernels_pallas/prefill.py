@@ -205,11 +205,17 @@ def _check_pallas(q, k_cache, v_cache):
             raise ValueError(f"cache dtype {c.dtype} must equal q dtype {q.dtype}")
 
 
+def _group_split(group: int, tile_size: int, row_cap: int) -> int:
+    """Heads of a GQA group packed with one tile's tokens as matrix rows: the largest divisor of the group whose
+    tile_size x heads rows fit in row_cap (at least one head)."""
+    return max(s for s in range(1, group + 1) if group % s == 0 and tile_size * s <= max(row_cap, tile_size))
+
+
 def _layout(q, k_cache, tile_size, row_cap=_ROW_CAP) -> _Layout:
     b, t, hq, d = q.shape
     kvh = k_cache.shape[2]
     g = hq // kvh
-    g_sub = max(s for s in range(1, g + 1) if g % s == 0 and tile_size * s <= max(row_cap, tile_size))
+    g_sub = _group_split(g, tile_size, row_cap)
     rows = tile_size * g_sub
     return _Layout(batch=b, q_len=t, kv_heads=kvh, group=g, d=d, max_len=k_cache.shape[1], tile=tile_size,
                    n_tiles=-(-t // tile_size), g_sub=g_sub, n_sub=g // g_sub, rows=rows,

@@ -332,7 +332,7 @@ class _Rows:
 
 
 def _rows(tile_size, group, cap) -> _Rows:
-    g_sub = max(s for s in range(1, group + 1) if group % s == 0 and tile_size * s <= max(cap, tile_size))
+    g_sub = P._group_split(group, tile_size, cap)
     return _Rows(tile_size, group, g_sub, group // g_sub)
 
 
