@@ -225,6 +225,11 @@ class _TokenizerAdapter:
 
 _WORDS_SOURCE = 'words = [f"{adj}-{noun}" for adj in adjs for noun in nouns]\nwords = sorted(list(set(words)))\n'
 _WORDS_PATCH = "words = _kascade_adj_noun_words(adjs, nouns)\n"
+# variable_tracking.generate_chains draws names until it has enough distinct ones but then slices the list with its
+# duplicates in it, so any repeated name ends in an IndexError (1 in ~1800 three-letter ICL chains; it stopped a 32K
+# test run). Keeping the first distinct names draws the same random numbers: every sample it built before is unchanged.
+_CHAINS_SOURCE = "    vars_ret = []\n    chains_ret = []\n"
+_CHAINS_PATCH = "    vars_all = list(dict.fromkeys(vars_all))[:num_chains * (num_hops+1)]\n" + _CHAINS_SOURCE
 
 
 def _module_shims(gen_constants) -> dict:
@@ -280,6 +285,8 @@ def _module(task: str) -> dict:
     if spec.script == "niah" and _WORDS_SOURCE in source:  # otherwise the original (slow, same result) runs
         source = source.replace(_WORDS_SOURCE, _WORDS_PATCH)
         g["_kascade_adj_noun_words"] = _AdjNounWords
+    if spec.script == "variable_tracking" and _CHAINS_SOURCE in source:
+        source = source.replace(_CHAINS_SOURCE, _CHAINS_PATCH, 1)
     argv = [path, "--save_dir", os.devnull, "--save_name", task, "--tokenizer_path", "kascade_jax",
             "--tokenizer_type", "kascade_jax", "--max_seq_length", "4096", "--tokens_to_generate",
             str(spec.max_new_tokens), "--num_samples", "1", "--random_seed", str(PACKAGE_SEED),
