@@ -44,8 +44,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from kascade_jax.config import KascadeConfig
-from kernels_pallas.dense import dense_attention
+from kernels_pallas.dense import dense_attention, on_gpu
 from kernels_pallas.paged import gather_pages
+from kernels_pallas.prefill import dense_prefill, dense_prefill_supported
 from kernels_pallas.reference import (
     attention_reference,
     decode_counts,
@@ -248,15 +249,34 @@ def _contiguous_view(inputs):
                                v_cache=gather_pages(inputs.v_cache, pt, inputs.kv_len), page_table=None)
 
 
-_SUFFIX_BLOCK = 32  # query rows per block of the dense-suffix attention (bounds its materialised scores)
+_SUFFIX_BLOCK = 32  # query rows per block of the reference dense-suffix attention (bounds its materialised scores)
 
 
-def _dense_suffix(inputs, out, n: int):
+def _suffix_attention(qw, k, v, pos0, kv_len, interpret: bool = False):
+    """Dense causal attention of the suffix window qw [batch, w, q_heads, d] at positions pos0 [batch].
+
+    On a GPU (bf16/fp16, head_dim 64/128) one Pallas flash pass (`kernels_pallas.prefill.dense_prefill`; `interpret`
+    runs it on the CPU for tests). Elsewhere the reference in blocks of 32 rows, so at most [batch, q_heads, 32, keys]
+    scores exist at once: on the H200 that path cost a 512-token suffix about as much as the rest of the 0.5B's
+    sparse prefill."""
+    if (interpret or on_gpu()) and dense_prefill_supported(qw, k):
+        return dense_prefill(qw, k, v, pos0, kv_len, impl="pallas", interpret=interpret)
+    w = qw.shape[1]
+    blk = _SUFFIX_BLOCK if w % _SUFFIX_BLOCK == 0 else w  # whole blocks (model chunks are multiples of 64)
+
+    def block(i):
+        qs = lax.dynamic_slice_in_dim(qw, i * blk, blk, axis=1)
+        return attention_reference(qs, k, v, pos0 + i * blk, kv_len)
+
+    dense = lax.map(block, jnp.arange(w // blk))  # [blocks, batch, blk, q_heads, d]
+    return jnp.moveaxis(dense, 0, 1).reshape(qw.shape)
+
+
+def _dense_suffix(inputs, out, n: int, interpret: bool = False):
     """Replace the rows of the last `n` prompt tokens of every sequence by dense causal attention.
 
     A static window of w = min(q_len, n rounded up to 32) rows per sequence, placed so that it holds the part of
-    [seq_len - n, seq_len) that lies in this chunk (a suffix that straddles two chunks is covered by both);
-    attention_reference in blocks of 32 rows, so at most [batch, q_heads, 32, keys] scores exist at once.
+    [seq_len - n, seq_len) that lies in this chunk (a suffix that straddles two chunks is covered by both).
     """
     q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
     b, t = q.shape[:2]
@@ -265,14 +285,8 @@ def _dense_suffix(inputs, out, n: int):
     start = jnp.clip(seq_len - n - inputs.q_start, 0, t - w)  # [batch] window start within the chunk
     take = jax.vmap(lambda x, s: lax.dynamic_slice_in_dim(x, s, w, axis=0))
     qw, pos0 = take(q, start), inputs.q_start + start
-    blk = _SUFFIX_BLOCK if w % _SUFFIX_BLOCK == 0 else w  # whole blocks (model chunks are multiples of 64)
-
-    def block(i):
-        qs = lax.dynamic_slice_in_dim(qw, i * blk, blk, axis=1)
-        return attention_reference(qs, k, v, pos0 + i * blk, inputs.kv_len)
-
-    dense = lax.map(block, jnp.arange(w // blk))  # [blocks, batch, blk, q_heads, d]
-    dense = jnp.moveaxis(dense, 0, 1).reshape(qw.shape)
+    kv_len = jnp.broadcast_to(jnp.asarray(inputs.kv_len, jnp.int32), (b,))
+    dense = _suffix_attention(qw, k, v, pos0, kv_len, interpret)
     rows = pos0[:, None] + jnp.arange(w)[None, :]
     keep = (rows >= seq_len[:, None] - n) & (rows < seq_len[:, None])
     new = jnp.where(keep[:, :, None, None], dense.astype(out.dtype), take(out, start))

@@ -130,6 +130,28 @@ def test_dense_suffix_rows(rng):
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_dense_suffix_flash_pass_matches_the_reference(rng):
+    """The GPU's dense-suffix path (one Pallas flash pass over the window, here in interpret mode) equals the blocked
+    reference on ragged bf16 prompts, in the chunk that holds the suffix and in one the suffix straddles."""
+    from kascade_jax import strategies  # noqa: PLC0415
+
+    q, k, v = (x.astype(jnp.bfloat16) for x in random_layer(rng, 2, 256, 4, 2, 64))
+    lens, n = [256, 203], 100
+    for q0, q1 in ((128, 256), (0, 128)):  # the second prompt's suffix starts at 103: it straddles the chunks
+        inputs = prefill_inputs((q, k, v), q0, q1 - q0, lens)
+        out = jnp.asarray(rng.normal(size=inputs.q.shape), jnp.bfloat16)  # stands in for the sparse output
+        want = strategies._dense_suffix(inputs, out, n)
+        got = strategies._dense_suffix(inputs, out, n, interpret=True)
+        pos = q0 + np.arange(q1 - q0)
+        for bi, L in enumerate(lens):
+            sfx = (pos >= L - n) & (pos < L)
+            np.testing.assert_array_equal(np.asarray(got[bi, ~sfx]), np.asarray(out[bi, ~sfx]))
+            np.testing.assert_allclose(np.asarray(got[bi, sfx], np.float32), np.asarray(want[bi, sfx], np.float32),
+                                       atol=2e-2, rtol=2e-2)
+            assert sfx.sum() == 0 or not np.allclose(np.asarray(got[bi, sfx], np.float32),
+                                                     np.asarray(out[bi, sfx], np.float32), atol=0.1)
+
+
 def test_levers_through_pallas_strategy_match_reference(rng):
     """kernels='pallas' (interpret mode on CPU runs their references) and 'reference' give the same outputs."""
     num_layers, kvh, group, d, max_len = 3, 2, 2, 64, 128
