@@ -258,7 +258,8 @@ def fidelity_section(fid: dict) -> str:
         else:
             worst_head = "-"
         top1 = f.get("top1")
-        lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | {f['documents']} | "
+        docs = f["documents"] if "state" not in f else f"{f['documents_done']} of {f['documents']} (cut; --resume goes on)"
+        lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | {docs} | "
                      f"{f['failures']} | {num(f['kl'], '.4f')} | {num(None if top1 is None else 100 * top1, '.1f')} | "
                      f"{num(f['kl_late'], '.4f')} | {mean} | {worst} | {worst_head} | {dmean} | {dworst} |")
         if f.get("errors"):

@@ -208,6 +208,9 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "pda_pf20_s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, prefill_dense_anchors=True,
                        prefill_topk_frac=0.2),
     "pf30": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, prefill_topk_frac=0.3),
+    # issue 21 session 5: the 0.5B's ds512s lost -2.8 on test; its decode keeps 0.53-0.69 of the oracle mass in
+    # layers 20-23 (fidelity), so dense prefill with a 20% decode budget beside plain dps
+    "dps_dec20": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, decode_topk_frac=0.2),
 }
 
 

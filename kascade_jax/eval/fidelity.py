@@ -234,10 +234,19 @@ def _document_pass(model, doc, dense, strategies: dict[str, Any], *, mass: bool)
 
 
 # ----------------------------------------------------------------------------- driver
+_PER_DOC = ("kl", "top1", "kl_late", "top1_late", "mass", "dmass")
+
+
 def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, Any], *, dense=None,
-                      mass: bool = True, progress: bool = True, log=None) -> dict[str, dict]:
+                      mass: bool = True, progress: bool = True, log=None, prior: dict[str, dict] | None = None,
+                      on_document=None) -> dict[str, dict]:
     """Per strategy name: mean KL, top-1 agreement (all prefill tokens and their second half), per-layer prefill
-    and decode mass; failures counted with their first errors. `log(str)`: one line per document (its time)."""
+    and decode mass; failures counted with their first errors. `log(str)`: one line per document (its time).
+
+    Resumable: every result carries `documents_done` and, until the last document, `state` (the per-document
+    numbers, JSON-able). `on_document(results)` is called after each document with the results so far; `prior`
+    (name -> such a partial result, all at the same `documents_done`) continues from there, and the final
+    numbers equal one uninterrupted run's."""
     import time  # noqa: PLC0415
 
     from tqdm.auto import tqdm  # noqa: PLC0415
@@ -245,11 +254,17 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
     if dense is None:
         from models.attention import DenseStrategy  # noqa: PLC0415
         dense = DenseStrategy()
+    start = _prior_start(prior, strategies, len(documents))
     acc = {name: dict(kl=[], top1=[], kl_late=[], top1_late=[], mass=[], dmass=[], failures=0, errors=[])
            for name in strategies}
+    if start:
+        for name in strategies:
+            st = prior[name]["state"]
+            acc[name].update({k: [np.asarray(x) for x in st[k]] if k in ("mass", "dmass") else list(st[k])
+                              for k in _PER_DOC}, failures=int(st["failures"]), errors=list(st["errors"]))
     t_all = time.perf_counter()
-    for n, doc in enumerate(tqdm(documents, desc="fidelity", disable=not progress, leave=False)):
-        t0 = time.perf_counter()
+    for n in tqdm(range(start, len(documents)), desc="fidelity", disable=not progress, leave=False):
+        doc, t0 = documents[n], time.perf_counter()
         try:
             res = _document_pass(model, doc, dense, strategies, mass=mass)
         except Exception as e:  # noqa: BLE001 - the dense pass (or the document) failed: every strategy fails it
@@ -261,10 +276,10 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
                 a["errors"].append(f"{type(r).__name__}: {r}")
                 continue
             half = len(r["kl"]) // 2
-            a["kl"].append(r["kl"].mean())
-            a["top1"].append(r["agree"].mean())
-            a["kl_late"].append(r["kl"][half:].mean())
-            a["top1_late"].append(r["agree"][half:].mean())
+            a["kl"].append(float(r["kl"].mean()))
+            a["top1"].append(float(r["agree"].mean()))
+            a["kl_late"].append(float(r["kl"][half:].mean()))
+            a["top1_late"].append(float(r["agree"][half:].mean()))
             if r["mass"] is not None:
                 a["mass"].append(r["mass"])
             if r["dmass"] is not None:
@@ -273,26 +288,46 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
             failed = sum(isinstance(r, Exception) for r in res.values())
             log(f"fidelity: document {n + 1}/{len(documents)} ({len(doc)} tokens) in {time.perf_counter() - t0:.1f} s"
                 f" ({time.perf_counter() - t_all:.0f} s in all), {failed} of {len(res)} strategies failed")
-    out = {}
-    for name, a in acc.items():
-        mh = np.mean(a["mass"], axis=0) if a["mass"] else None  # [layers, 2, kv_heads]
-        m = None if mh is None else mh.mean(axis=-1)  # [layers, 2]
-        dh = np.mean(a["dmass"], axis=0) if a["dmass"] else None  # [layers, 2, kv_heads]
-        dm = None if dh is None else dh.mean(axis=-1)
-        out[name] = dict(documents=len(documents), failures=a["failures"], errors=a["errors"][:5],
-                         kl=float(np.mean(a["kl"])) if a["kl"] else float("nan"),
-                         top1=float(np.mean(a["top1"])) if a["top1"] else float("nan"),
-                         kl_late=float(np.mean(a["kl_late"])) if a["kl_late"] else float("nan"),
-                         top1_late=float(np.mean(a["top1_late"])) if a["top1_late"] else float("nan"),
-                         top1_per_doc=[float(x) for x in a["top1"]], kl_per_doc=[float(x) for x in a["kl"]],
-                         mass_selected=None if m is None else m[:, 0].tolist(),
-                         mass_oracle=None if m is None else m[:, 1].tolist(),
-                         mass_ratio=None if m is None else (m[:, 0] / np.maximum(m[:, 1], 1e-12)).tolist(),
-                         mass_ratio_heads=None if mh is None else
-                         (mh[:, 0] / np.maximum(mh[:, 1], 1e-12)).tolist(),  # [layers][kv_heads]
-                         decode_mass_selected=None if dm is None else dm[:, 0].tolist(),
-                         decode_mass_oracle=None if dm is None else dm[:, 1].tolist(),
-                         decode_mass_ratio=None if dm is None else (dm[:, 0] / np.maximum(dm[:, 1], 1e-12)).tolist(),
-                         decode_mass_ratio_heads=None if dh is None else
-                         (dh[:, 0] / np.maximum(dh[:, 1], 1e-12)).tolist())
+        if on_document is not None and n + 1 < len(documents):
+            on_document({name: _summary(a, len(documents), n + 1) for name, a in acc.items()})
+    return {name: _summary(a, len(documents), len(documents)) for name, a in acc.items()}
+
+
+def _prior_start(prior, strategies, documents: int) -> int:
+    """Documents already done by `prior` (0 without one); a prior that does not cover every strategy at one count
+    of the same document list is refused rather than mixed."""
+    if not prior:
+        return 0
+    done = {prior[name]["documents_done"] if name in prior and "state" in prior[name]
+            and prior[name]["documents"] == documents else None for name in strategies}
+    if len(done) != 1 or None in done:
+        raise ValueError(f"a fidelity prior must hold every strategy at one documents_done, got "
+                         f"{ {n: (prior.get(n) or {}).get('documents_done') for n in strategies} }")
+    return int(done.pop())
+
+
+def _summary(a: dict, documents: int, done: int) -> dict:
+    mh = np.mean(a["mass"], axis=0) if a["mass"] else None  # [layers, 2, kv_heads]
+    m = None if mh is None else mh.mean(axis=-1)  # [layers, 2]
+    dh = np.mean(a["dmass"], axis=0) if a["dmass"] else None  # [layers, 2, kv_heads]
+    dm = None if dh is None else dh.mean(axis=-1)
+    out = dict(documents=documents, documents_done=done, failures=a["failures"], errors=a["errors"][:5],
+               kl=float(np.mean(a["kl"])) if a["kl"] else float("nan"),
+               top1=float(np.mean(a["top1"])) if a["top1"] else float("nan"),
+               kl_late=float(np.mean(a["kl_late"])) if a["kl_late"] else float("nan"),
+               top1_late=float(np.mean(a["top1_late"])) if a["top1_late"] else float("nan"),
+               top1_per_doc=[float(x) for x in a["top1"]], kl_per_doc=[float(x) for x in a["kl"]],
+               mass_selected=None if m is None else m[:, 0].tolist(),
+               mass_oracle=None if m is None else m[:, 1].tolist(),
+               mass_ratio=None if m is None else (m[:, 0] / np.maximum(m[:, 1], 1e-12)).tolist(),
+               mass_ratio_heads=None if mh is None else
+               (mh[:, 0] / np.maximum(mh[:, 1], 1e-12)).tolist(),  # [layers][kv_heads]
+               decode_mass_selected=None if dm is None else dm[:, 0].tolist(),
+               decode_mass_oracle=None if dm is None else dm[:, 1].tolist(),
+               decode_mass_ratio=None if dm is None else (dm[:, 0] / np.maximum(dm[:, 1], 1e-12)).tolist(),
+               decode_mass_ratio_heads=None if dh is None else
+               (dh[:, 0] / np.maximum(dh[:, 1], 1e-12)).tolist())
+    if done < documents:
+        out["state"] = dict({k: [np.asarray(x).tolist() for x in a[k]] if k in ("mass", "dmass") else list(a[k])
+                             for k in _PER_DOC}, failures=a["failures"], errors=list(a["errors"]))
     return out

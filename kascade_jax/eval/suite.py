@@ -349,8 +349,8 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
         rows = list(old_rows)
         kept = {block_key(r) for r in rows}
         records = [x for x in old_records if block_key(x) in kept]
-        fid = {k: v for k, v in (old_fid or {}).items()
-               if block_key(dict(v, task="fidelity")) in kept}
+        fid = {k: v for k, v in (old_fid or {}).items()  # finished blocks, and a cut fidelity block's documents
+               if block_key(dict(v, task="fidelity")) in kept or "state" in v}
     done = {block_key(r) for r in rows}
 
     def finished(task, ctx, r):
@@ -377,16 +377,30 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
             if not todo:
                 continue
             docs = fidelity_lib.prose_documents(tokenizer, n_docs, length, seed=spec.seed, split=spec.split)
+            keys = {r.label + " " + r.config: r for r in todo}
+            # a cut run's documents (every strategy of the block at one count, the same document list) go on
+            prior = {k: fid[f"{k} @ {length}"] for k in keys if "state" in fid.get(f"{k} @ {length}", {})}
+            if (len(prior) != len(keys) or len({p["documents_done"] for p in prior.values()}) != 1
+                    or any(p["documents"] != n_docs for p in prior.values())):
+                prior = None
+            elif log is not None:
+                log(f"fidelity: resuming after document {next(iter(prior.values()))['documents_done']}/{n_docs}")
+
+            def keep(res, final):
+                for key, f in res.items():
+                    r = keys[key]
+                    fid[f"{key} @ {length}"] = dict(f, strategy=r.label, config=r.config, context_length=length)
+                if not final and on_block is not None:
+                    on_block(rows, records, fid)
+
             t0 = time.perf_counter()
-            res = fidelity_lib.evaluate_fidelity(model, docs, {r.label + " " + r.config: r.strategy for r in todo},
-                                                 progress=progress, log=log)
+            res = fidelity_lib.evaluate_fidelity(model, docs, {k: r.strategy for k, r in keys.items()},
+                                                 progress=progress, log=log, prior=prior,
+                                                 on_document=lambda res: keep(res, False))
             wall = time.perf_counter() - t0
-            for r in todo:
-                key = r.label + " " + r.config
-                if key not in res:
-                    continue
+            keep(res, True)
+            for key, r in keys.items():
                 f = res[key]
-                fid[f"{key} @ {length}"] = dict(f, strategy=r.label, config=r.config, context_length=length)
                 rows.append(dict(model=spec.model, task="fidelity", family="fidelity", context_length=length,
                                  strategy=r.label, config=r.config, topk_frac=r.topk_frac, anchors=r.anchors,
                                  examples=n_docs, failures=f["failures"], score=100 * f["top1"],

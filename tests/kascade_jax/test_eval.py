@@ -491,3 +491,41 @@ def test_pooled_run_mixes_tasks_in_one_batch_and_records_throughput(monkeypatch)
     assert len(calls) == 1 and calls[0][0] == 4  # both tasks' prompts in one batch of 4
     assert sorted(calls[0][3]) == sorted(calls[0][3]) and len(set(calls[0][3])) == 2  # their own answer lengths
     assert all(r["prompts_per_s"] > 0 and r["pass_prompts"] == 4 for r in rows)
+
+
+def test_fidelity_resumes_after_a_cut_with_the_same_numbers():
+    """A fidelity block cut after some documents keeps them (on_block saves after each document, JSON-able), and a
+    resumed run goes on from there to the numbers of one uninterrupted run."""
+    import json
+
+    from conftest import tiny_config
+    from models.params import random_model
+
+    model = random_model(tiny_config(vocab_size=50_000, max_position_embeddings=512), seed=3)
+    spec = suite.EvalSpec(tasks=("fidelity",), context_lengths=(256,), num_samples=3, strategies=("kascade",),
+                          anchors=(0, 2), strategy_kwargs=(("tile_size", 16), ("min_k", 4)))
+    full_rows, _, full = suite.run(spec, model, TOK, progress=False)
+
+    class Cut(Exception):
+        pass
+
+    saved = []
+
+    def save_then_cut(rows, records, fid):
+        saved.append(json.loads(json.dumps(fid)))  # what results.json holds
+        if next(iter(fid.values()))["documents_done"] == 2:
+            raise Cut
+
+    with pytest.raises(Cut):
+        suite.run(spec, model, TOK, progress=False, on_block=save_then_cut)
+    assert [next(iter(f.values()))["documents_done"] for f in saved] == [1, 2] and all(
+        "state" in f for f in saved[-1].values())
+    lines = []
+    rows, _, fid = suite.run(spec, model, TOK, progress=False, previous=([], [], saved[-1]), log=lines.append)
+    assert any("resuming after document 2/3" in x for x in lines)
+    assert [x.split(" (")[0] for x in lines if x.startswith("fidelity: document")] == ["fidelity: document 3/3"]
+    assert fid.keys() == full.keys() and [r["score"] for r in rows] == [r["score"] for r in full_rows]
+    for key, f in fid.items():
+        assert "state" not in f and f["documents_done"] == 3
+        for name in ("kl_per_doc", "top1_per_doc", "mass_ratio", "decode_mass_ratio", "mass_ratio_heads"):
+            np.testing.assert_allclose(f[name], full[key][name], rtol=1e-6, atol=1e-9)
