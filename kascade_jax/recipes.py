@@ -212,7 +212,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # layers 20-23 (fidelity), so dense prefill with a 20% decode budget beside plain dps
     "dps_dec20": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, decode_topk_frac=0.2),
     # the DP on statistics at 16K with k = 10% (issue 21 item 3; never run): the shipped 4K/k=64 statistics rate
-    # anchor 9 as covering layers 20-23 (similarity 0.8+), where the 16K fidelity run measured 0.49-0.74
+    # anchor 9's cover of layers 21-23 at 0.66-0.78, where the 16K fidelity run measured 0.49-0.66
     "c16k_ds512s": dict(num_anchors=5, calib_k=1664, calib_num_prompts=16, calib_max_tokens=16384, sink_tokens=4,
                         recent_window=60, dense_suffix=512),
     "dps_c16k": dict(num_anchors=5, calib_k=1664, calib_num_prompts=16, calib_max_tokens=16384, sink_tokens=4,
