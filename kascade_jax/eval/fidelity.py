@@ -254,7 +254,12 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
     if dense is None:
         from models.attention import DenseStrategy  # noqa: PLC0415
         dense = DenseStrategy()
-    start = _prior_start(prior, strategies, len(documents))
+    start = 0
+    if prior:
+        start = resume_point(prior, list(strategies), len(documents))
+        if start is None:
+            raise ValueError(f"a fidelity prior must hold every strategy at one documents_done of {len(documents)} "
+                             f"documents, got { {n: (prior.get(n) or {}).get('documents_done') for n in strategies} }")
     acc = {name: dict(kl=[], top1=[], kl_late=[], top1_late=[], mass=[], dmass=[], failures=0, errors=[])
            for name in strategies}
     if start:
@@ -293,17 +298,12 @@ def evaluate_fidelity(model, documents: list[list[int]], strategies: dict[str, A
     return {name: _summary(a, len(documents), len(documents)) for name, a in acc.items()}
 
 
-def _prior_start(prior, strategies, documents: int) -> int:
-    """Documents already done by `prior` (0 without one); a prior that does not cover every strategy at one count
-    of the same document list is refused rather than mixed."""
-    if not prior:
-        return 0
-    done = {prior[name]["documents_done"] if name in prior and "state" in prior[name]
-            and prior[name]["documents"] == documents else None for name in strategies}
-    if len(done) != 1 or None in done:
-        raise ValueError(f"a fidelity prior must hold every strategy at one documents_done, got "
-                         f"{ {n: (prior.get(n) or {}).get('documents_done') for n in strategies} }")
-    return int(done.pop())
+def resume_point(prior: dict[str, dict], names, documents: int) -> int | None:
+    """Documents that `prior` (name -> a cut run's partial result) has done for every one of `names` over the same
+    `documents`, or None when it cannot be resumed (a name missing or finished, counts that differ)."""
+    done = {prior[n]["documents_done"] if "state" in prior.get(n, {}) and prior[n]["documents"] == documents
+            else None for n in names}
+    return None if len(done) != 1 or None in done else int(done.pop())
 
 
 def _summary(a: dict, documents: int, done: int) -> dict:

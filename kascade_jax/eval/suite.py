@@ -379,12 +379,12 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
             docs = fidelity_lib.prose_documents(tokenizer, n_docs, length, seed=spec.seed, split=spec.split)
             keys = {r.label + " " + r.config: r for r in todo}
             # a cut run's documents (every strategy of the block at one count, the same document list) go on
-            prior = {k: fid[f"{k} @ {length}"] for k in keys if "state" in fid.get(f"{k} @ {length}", {})}
-            if (len(prior) != len(keys) or len({p["documents_done"] for p in prior.values()}) != 1
-                    or any(p["documents"] != n_docs for p in prior.values())):
+            prior = {k: fid[f"{k} @ {length}"] for k in keys if f"{k} @ {length}" in fid}
+            start = fidelity_lib.resume_point(prior, keys, n_docs)
+            if start is None:
                 prior = None
             elif log is not None:
-                log(f"fidelity: resuming after document {next(iter(prior.values()))['documents_done']}/{n_docs}")
+                log(f"fidelity: resuming after document {start}/{n_docs}")
 
             def keep(res, final):
                 for key, f in res.items():

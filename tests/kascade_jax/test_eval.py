@@ -520,6 +520,11 @@ def test_fidelity_resumes_after_a_cut_with_the_same_numbers():
         suite.run(spec, model, TOK, progress=False, on_block=save_then_cut)
     assert [next(iter(f.values()))["documents_done"] for f in saved] == [1, 2] and all(
         "state" in f for f in saved[-1].values())
+    partial = next(iter(saved[-1].values()))
+    from kascade_jax.eval import fidelity
+
+    with pytest.raises(ValueError, match="one documents_done of 4 documents"):  # another document list: refused
+        fidelity.evaluate_fidelity(model, [[0]] * 4, {"k": None}, prior={"k": partial}, progress=False)
     lines = []
     rows, _, fid = suite.run(spec, model, TOK, progress=False, previous=([], [], saved[-1]), log=lines.append)
     assert any("resuming after document 2/3" in x for x in lines)
