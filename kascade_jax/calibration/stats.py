@@ -41,8 +41,7 @@ class CalibrationStrategy:
     tile_size: int = 32
     k: int = 64  # total budget of the official statistics: k - tile_size selected keys + the diagonal tile
     reduce: str = "min"  # over query tiles: "min" (anchor selection, the paper) or "mean" (the Fig. 3 plots)
-    block_tiles: int | None = None  # query tiles per softmax block; None: 4 blocks (measured: compile time grows
-    # with the block count, and 4 blocks keep most of the causal saving: 62.5% of the full score matrix)
+    block_tiles: int | None = None  # query tiles per softmax block; None: bounded by SCORE_BLOCK_BYTES
     name: str = "calibration"
 
     def __post_init__(self):
@@ -94,49 +93,67 @@ class CalibrationStrategy:
         return dict(state, w=state["w"].at[:, layer].set(w))
 
 
+SCORE_BLOCK_BYTES = 512 << 20  # fp32 score bytes of one query block when block_tiles is None
+
+
+def _block_tiles(n_tiles: int, tile_size: int, q_heads: int, batch: int) -> int:
+    """Query tiles per block: the fewest blocks whose [batch, q_heads, rows, keys] fp32 scores stay under
+    SCORE_BLOCK_BYTES (one block at 1-2K tokens, 30 at 16K for the Qwen 0.5B's 14 heads)."""
+    keys = n_tiles * tile_size
+    full = 4 * batch * q_heads * keys * keys
+    n_blocks = min(n_tiles, max(1, -(-full // SCORE_BLOCK_BYTES)))
+    return -(-n_tiles // n_blocks)
+
+
 def dense_with_pooled(q, k, v, kv_len, tile_size: int, block_tiles: int | None = None, scale=None):
     """Dense causal attention of a prefill chunk at position 0 plus its tile-pooled post-softmax scores.
 
     q [batch, T, q_heads, d], k/v [batch, T, kv_heads, d], kv_len [batch]. Returns out [batch, T, q_heads, d]
     (q's dtype), scores [batch, kv_heads, tiles, T] fp32 (-inf on keys not strictly before the tile or not
     valid) and diag [batch, kv_heads, tiles] fp32 -- the same values as `attention_reference` and
-    `pooled_scores_prefill_reference(pool="gqa")`, from one softmax. Query blocks of `block_tiles` tiles (default:
-    a quarter of the chunk) see only keys up to the block end, which skips most of the masked upper triangle.
+    `pooled_scores_prefill_reference(pool="gqa")`, from one softmax.
+
+    Query blocks of `block_tiles` tiles (None: `_block_tiles`, a bound on the block's fp32 scores) run in a
+    `lax.scan`, so one block's scores are live at a time. An unrolled loop with a causal key range per block did
+    half the arithmetic, but XLA kept every block's scores alive: 16.6 GiB of temporaries at 16K on the CPU (a 37.5 GiB
+    allocation failed a 16K calibration on the H200), against 1.3 GiB now.
     """
     b, t, hq, d = q.shape
     kvh = k.shape[2]
     g = hq // kvh
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     n_tiles = -(-t // tile_size)
-    tp = n_tiles * tile_size
-    pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
-    qf = jnp.pad(q, pad).astype(jnp.float32).reshape(b, tp, kvh, g, d)
-    kf, vf = jnp.pad(k, pad).astype(jnp.float32), jnp.pad(v, pad).astype(jnp.float32)
-    block = (block_tiles or -(-n_tiles // 4)) * tile_size
-    outs, scores, diags = [], [], []
-    for start in range(0, tp, block):  # trace-time loop: static key range per block
-        end = min(start + block, tp)
-        nb, tb = end - start, (end - start) // tile_size
-        logits = jnp.einsum("btkgd,bskd->bkgts", qf[:, start:end], kf[:, :end],
-                            precision=jax.lax.Precision.HIGHEST) * scale  # [batch, kv_heads, group, nb, end]
-        pos = start + jnp.arange(nb)
-        keys = jnp.arange(end)
+    bt = block_tiles or _block_tiles(n_tiles, tile_size, hq, b)
+    n_blocks = -(-n_tiles // bt)
+    tp, rows = n_blocks * bt * tile_size, bt * tile_size  # query rows padded to whole blocks; keys stay t
+    qf = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0))).astype(jnp.float32).reshape(b, n_blocks, rows, kvh, g, d)
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    keys = jnp.arange(t)
+
+    def block(_, i):
+        start = i * rows
+        logits = jnp.einsum("btkgd,bskd->bkgts", qf[:, i], kf,
+                            precision=jax.lax.Precision.HIGHEST) * scale  # [batch, kv_heads, group, rows, t]
+        pos = start + jnp.arange(rows)
         allowed = (keys[None, None, :] <= pos[None, :, None]) & (keys[None, None, :] < kv_len[:, None, None])
         logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
         m = jnp.max(logits, axis=-1, keepdims=True)
         p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
         p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)  # rows with no key stay 0
-        outs.append(jnp.einsum("bkgts,bskd->btkgd", p, vf[:, :end], precision=jax.lax.Precision.HIGHEST))
+        out = jnp.einsum("bkgts,bskd->btkgd", p, vf, precision=jax.lax.Precision.HIGHEST)
         row_valid = (pos[None, :] < kv_len[:, None]).astype(jnp.float32)  # padding queries leave the pool
-        pooled = jnp.einsum("bkgts,bt->bkts", p, row_valid).reshape(b, kvh, tb, tile_size, end).sum(3)
-        tile_start = start + jnp.arange(tb) * tile_size  # [tb]
+        pooled = jnp.einsum("bkgts,bt->bkts", p, row_valid).reshape(b, kvh, bt, tile_size, t).sum(3)
+        tile_start = start + jnp.arange(bt) * tile_size  # [bt]
         in_diag = (keys[None, :] >= tile_start[:, None]) & (keys[None, :] < tile_start[:, None] + tile_size)
-        diags.append(jnp.sum(jnp.where(in_diag[None, None], pooled, 0.0), axis=-1))
+        diag = jnp.sum(jnp.where(in_diag[None, None], pooled, 0.0), axis=-1)
         before = (keys[None, None, :] < tile_start[None, :, None]) & (keys[None, None, :] < kv_len[:, None, None])
-        sc = jnp.where(before[:, None], pooled, -jnp.inf)
-        scores.append(jnp.pad(sc, ((0, 0), (0, 0), (0, 0), (0, tp - end)), constant_values=-jnp.inf))
-    out = jnp.concatenate(outs, axis=1).reshape(b, tp, hq, d)[:, :t].astype(q.dtype)
-    return out, jnp.concatenate(scores, axis=2)[..., :t], jnp.concatenate(diags, axis=2)
+        return None, (out, jnp.where(before[:, None], pooled, -jnp.inf), diag)
+
+    _, (outs, scores, diags) = jax.lax.scan(block, None, jnp.arange(n_blocks))
+    out = jnp.moveaxis(outs, 0, 1).reshape(b, tp, hq, d)[:, :t].astype(q.dtype)
+    scores = jnp.moveaxis(scores, 0, 2).reshape(b, kvh, n_blocks * bt, t)[:, :, :n_tiles]
+    diag = jnp.moveaxis(diags, 0, 2).reshape(b, kvh, n_blocks * bt)[:, :, :n_tiles]
+    return out, scores, diag
 
 
 def layer_similarity_row(scores, diag, prev_idx, kv_len, tile_size: int, num_selected: int, reduce: str):

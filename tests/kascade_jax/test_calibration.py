@@ -464,3 +464,14 @@ def test_on_the_spot_calibration_announces_itself_and_is_cached_under_its_key(rn
     resolve.load_or_calibrate("tiny-m", **kw, seed=1)
     err = capfd.readouterr().err
     assert f"not using {key.name()}: seed: recorded 0, asked 1" in err
+
+
+def test_dense_with_pooled_memory_is_bounded_at_16k():
+    """The 16K calibration died on the H200 allocating 37.5 GiB: every query block's scores stayed alive. One block
+    at a time keeps XLA's temporaries near SCORE_BLOCK_BYTES (compiled, not run: the CPU memory analysis)."""
+    q = jax.ShapeDtypeStruct((1, 16384, 14, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 16384, 2, 64), jnp.bfloat16)
+    lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+    compiled = jax.jit(dense_with_pooled, static_argnums=(4, 5)).lower(q, kv, kv, lens, 32, None).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 2 << 30, f"{temp / 2**30:.1f} GiB of temporaries at 16K"
