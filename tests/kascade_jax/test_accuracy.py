@@ -161,6 +161,21 @@ def test_shipped_defaults_help_lines():
     assert "dense_suffix=512" in by["qwen2.5-coder-0.5b"] and "vs dense on 260 prompts" in by["qwen2.5-coder-0.5b"]
     assert "decode_only" in by["qwen2.5-coder-1.5b"] and "vs dense on 260 prompts" in by["qwen2.5-coder-1.5b"]
     assert "not tuned on this one" in by["smollm2-135m"]
+    assert "test -1.7 [-3.6, -0.0] vs dense on 325 prompts" in by["qwen2.5-coder-1.5b"]
+
+
+def test_shipped_defaults_show_a_test_result_only_for_the_recipe_it_measured(tmp_path, monkeypatch):
+    import json
+
+    from kascade_jax import recipes
+
+    doc = json.loads((recipes.RECIPE_DIR / "qwen2.5-coder-1.5b.json").read_text())
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(recipes, "RECIPE_DIR", tmp_path)
+    assert "test -1.7" in recipes.shipped_defaults()[0]
+    doc["chosen_from"] = "sw_ds128"  # a later choice: the old test result no longer describes the default
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    assert "test -1.7" not in recipes.shipped_defaults()[0]
 
 
 def test_recipes(tmp_path):
