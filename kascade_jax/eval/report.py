@@ -362,7 +362,7 @@ def plot_fidelity(fid: dict, output_dir: str) -> list[str]:
     (layer x KV head) heatmap of the prefill ratio: where a strategy loses mass. Returns the PNG paths."""
     import re  # noqa: PLC0415
 
-    entries = [(k, f) for k, f in fid.items() if f.get("mass_ratio")]
+    entries = [(k, f) for k, f in fid.items() if f.get("mass_ratio") or f.get("decode_mass_ratio")]
     if not entries:
         return []
     import matplotlib  # noqa: PLC0415
@@ -373,9 +373,13 @@ def plot_fidelity(fid: dict, output_dir: str) -> list[str]:
     fig, axes = plt.subplots(1 + len(entries), 1, figsize=(9, 2.8 * (1 + len(entries))), squeeze=False)
     ax = axes[0, 0]
     for j, (key, f) in enumerate(entries):
-        ratio, color = f["mass_ratio"], f"C{j % 10}"
-        label = f"{f['strategy']} {f['config']} ({f['documents'] - f.get('failures', 0)} docs)"
-        ax.plot(range(len(ratio)), ratio, marker="o", ms=3, color=color, label=f"prefill: {label}")
+        ratio, color = f.get("mass_ratio"), f"C{j % 10}"
+        if f.get("task") == "answers":  # decode along dense's answers to RULER prompts: no prefill probe
+            label = f"{f['strategy']} {f['config']} (RULER answers, {f['prompts'] - f.get('failures', 0)} prompts)"
+        else:
+            label = f"{f['strategy']} {f['config']} ({f['documents'] - f.get('failures', 0)} docs)"
+        if ratio:
+            ax.plot(range(len(ratio)), ratio, marker="o", ms=3, color=color, label=f"prefill: {label}")
         if f.get("decode_mass_ratio"):
             ax.plot(range(len(f["decode_mass_ratio"])), f["decode_mass_ratio"], marker="s", ms=3, ls="--",
                     color=color, label=f"decode: {label}")
@@ -387,10 +391,13 @@ def plot_fidelity(fid: dict, output_dir: str) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=5)
     for i, (key, f) in enumerate(entries, start=1):
-        heads = np.asarray(f.get("mass_ratio_heads") or [f["mass_ratio"]], np.float64).reshape(len(f["mass_ratio"]), -1)
+        phase = "prefill" if f.get("mass_ratio") else "decode"
+        ratio = f[f"{'' if phase == 'prefill' else 'decode_'}mass_ratio"]
+        heads = f.get(f"{'' if phase == 'prefill' else 'decode_'}mass_ratio_heads") or [ratio]
+        heads = np.asarray(heads, np.float64).reshape(len(ratio), -1)
         ax = axes[i, 0]
         im = ax.imshow(heads.T, aspect="auto", cmap="viridis", vmin=min(0.7, float(heads.min())), vmax=1.0)
-        ax.set_title(f"{f['strategy']} {f['config']}", fontsize=7)
+        ax.set_title(f"{f['strategy']} {f['config']} ({phase} mass / oracle)", fontsize=7)
         ax.set_xlabel("layer")
         ax.set_ylabel("KV head")
         ax.set_yticks(range(heads.shape[1]))

@@ -49,15 +49,15 @@ def expand_tasks(names) -> list[str]:
             out += list(longbench.TASKS)
         elif name.startswith("longbench:"):
             out.append(longbench.check_task(name.split(":", 1)[1]))
-        elif name in ruler.TASKS or name in longbench.TASKS or name in (aime.TASK, aa_lcr.TASK, "fidelity"):
+        elif name in ruler.TASKS or name in longbench.TASKS or name in (aime.TASK, aa_lcr.TASK, "fidelity", "answers"):
             out.append(name)
         else:
             raise ValueError(f"unknown task {name!r}; allowed: ruler, synthetic, longbench, {aime.TASK}, "
-                             f"{aa_lcr.TASK}, fidelity, "
+                             f"{aa_lcr.TASK}, fidelity, answers, "
                              f"RULER tasks {list(ruler.TASKS)}, synthetic:<{'|'.join(synthetic.TASKS)}> or "
                              f"LongBench tasks {list(longbench.TASKS)}")
     out = list(dict.fromkeys(out))
-    if any(t in ruler.TASKS for t in out):
+    if any(t in ruler.TASKS for t in out) or "answers" in out:
         ruler.require_package()  # a missing data package fails when the spec is validated, not mid-run
     zh = [t for t in out if longbench.DATASET2METRIC.get(t) in metrics.JIEBA_METRICS]
     if zh:
@@ -72,7 +72,7 @@ def family_of(task: str) -> str:
         return "synthetic"
     if task in longbench.TASKS:
         return "longbench"
-    return task  # "aime24" | "aa_lcr" | "fidelity"
+    return task  # "aime24" | "aa_lcr" | "fidelity" | "answers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +325,7 @@ def build_pooled_samples(spec: EvalSpec, tokenizer, tasks, ctx: int, window: int
 
 def _contexts_for(spec: EvalSpec, task: str, model_window: int) -> list[int]:
     fam = family_of(task)
-    if fam in ("ruler", "synthetic", "fidelity"):
+    if fam in ("ruler", "synthetic", "fidelity", "answers"):
         bad = [c for c in spec.context_lengths if c > model_window]
         if bad:
             raise ValueError(f"context_lengths {bad} exceed the model window {model_window}")
@@ -350,11 +350,11 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
         kept = {block_key(r) for r in rows}
         records = [x for x in old_records if block_key(x) in kept]
         fid = {k: v for k, v in (old_fid or {}).items()  # finished blocks, and a cut fidelity block's documents
-               if block_key(dict(v, task="fidelity")) in kept or "state" in v}
+               if block_key({"task": "fidelity", **v}) in kept or "state" in v}
     done = {block_key(r) for r in rows}
 
     def finished(task, ctx, r):
-        return (task, ctx if family_of(task) in ("ruler", "synthetic", "fidelity") else None, r.label,
+        return (task, ctx if family_of(task) in ("ruler", "synthetic", "fidelity", "answers") else None, r.label,
                 r.config) in done
 
     # Shortest contexts first (stable in task order): a run cut short still has complete lower lengths.
@@ -409,6 +409,10 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
                                  kl_late=f["kl_late"], top1_late=100 * f["top1_late"]))
             if on_block is not None:
                 on_block(rows, records, fid)
+            continue
+        if task == "answers":
+            _run_answers(spec, model, tokenizer, runs, ctx, window, finished, rows, records, progress, log, on_block,
+                         fid)
             continue
         todo = [r for r in runs if not finished(task, ctx, r)]
         if not todo:
@@ -480,3 +484,35 @@ def _run_pooled(spec, model, tokenizer, runs, tasks, ctx, window, finished, rows
             _record(rows[-1], res, r, records, log)
         if on_block is not None:
             on_block(rows, records, fid)
+
+
+def _run_answers(spec, model, tokenizer, runs, ctx, window, finished, rows, records, progress, log, on_block, fid):
+    """Task "answers": the 13 RULER tasks' prompts at `ctx` (the same samples as --tasks=ruler), every non-dense
+    strategy teacher-forced along dense's greedy answer (`fidelity.evaluate_answers`, at most ANSWER_STEPS steps
+    or the longest official answer). One row per strategy, score = answer steps that agree with dense (%)."""
+    todo = [r for r in runs if r.label != "dense" and not finished("answers", ctx, r)]
+    if not todo:
+        return
+    samples = build_pooled_samples(spec, tokenizer, list(ruler.TASKS), ctx, window, log=log)
+    pool = [(t, x) for t in ruler.TASKS for x in samples[t]]
+    prompts = [list(tokenizer.encode(x["input"])) for _, x in pool]
+    steps = min(fidelity_lib.ANSWER_STEPS, max(int(x.get("max_new_tokens") or 1) for _, x in pool))
+    eos = tuple(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
+    keys = {r.label + " " + r.config: r for r in todo}
+    t0 = time.perf_counter()
+    res = fidelity_lib.evaluate_answers(model, prompts, {k: r.strategy for k, r in keys.items()}, eos=eos,
+                                        steps=steps, batch=spec.batch_for(ctx), tasks=[t for t, _ in pool],
+                                        chunk_size=spec.prefill_chunk, progress=progress, log=log)
+    wall = time.perf_counter() - t0
+    for key, r in keys.items():
+        f = res[key]
+        fid[f"{key} @ {ctx} answers"] = dict(f, strategy=r.label, config=r.config, context_length=ctx)
+        rows.append(dict(model=spec.model, task="answers", family="answers", context_length=ctx, strategy=r.label,
+                         config=r.config, topk_frac=r.topk_frac, anchors=r.anchors, examples=len(prompts),
+                         failures=f["failures"], score=100 * f["agree"], score_ok=100 * f["agree"],
+                         ci_low=float("nan"), ci_high=float("nan"),
+                         prefill_tokens=sum(map(len, prompts)) / len(prompts), decode_tokens=float(steps),
+                         wall_s=wall, kl=f["kl"], reproduced=100 * f["reproduced"],
+                         first_agree=100 * f["first_agree"]))
+    if on_block is not None:
+        on_block(rows, records, fid)

@@ -230,6 +230,10 @@ def test_fidelity_plot(tmp_path):
     paths = report.plot_fidelity(fid, str(tmp_path))  # decode mass dashed, anchors marked
     assert len(paths) == 1 and os.path.getsize(paths[0]) != plain
     assert report.plot_fidelity({"d": dict(strategy="dense", mass_ratio=None)}, str(tmp_path)) == []
+    answers = {"k @ 256 answers": dict(task="answers", strategy="kascade", config="k=0.1", prompts=3, mass_ratio=None,
+                                       decode_mass_ratio=list(rng.uniform(0.7, 1, 6)),
+                                       decode_mass_ratio_heads=rng.uniform(0.7, 1, (6, 3)).tolist())}
+    assert len(report.plot_fidelity(answers, str(tmp_path))) == 1  # decode only: its line and its heatmap
 
 
 def test_pivot_and_merge(tmp_path):
@@ -422,6 +426,13 @@ def test_cli_helpers():
     text = cli.fidelity_section(failed)  # every document failed: dashes and the first error, never "nan"
     assert "| 2 | 2 | - | - | - |" in text and "2 failed documents, first: JaxRuntimeError: OOM" in text
     assert "nan" not in text
+    ans = dict(task="answers", strategy="kascade", config="k=0.1", context_length=256, prompts=13, failures=0, steps=64,
+               agree=0.9712, first_agree=1.0, reproduced=0.8, kl=0.0123, decode_mass_ratio=[1.0, 0.6, 0.9])
+    text = cli.fidelity_section({"z @ 256 answers": ans})  # answers alone: their table only
+    assert "teacher forcing on prose" not in text and "along dense's answers" in text
+    assert "| kascade | k=0.1 | 256 | 13 | 0 | 64 | 97.12 | 100.0 | 80.0 | 0.0123 | 0.833 | L1: 0.600 |" in text
+    both = cli.fidelity_section({**fid, "z @ 256 answers": ans})
+    assert both.index("teacher forcing on prose") < both.index("along dense's answers")
     rows = [dict(family="longbench", strategy="dense", config="", task=t, score=s)
             for t, s in (("hotpotqa", 40.0), ("musique", 20.0), ("trec", 50.0))]
     lb = cli.longbench_section(rows)
@@ -534,3 +545,77 @@ def test_fidelity_resumes_after_a_cut_with_the_same_numbers():
         assert "state" not in f and f["documents_done"] == 3
         for name in ("kl_per_doc", "top1_per_doc", "mass_ratio", "decode_mass_ratio", "mass_ratio_heads"):
             np.testing.assert_allclose(f[name], full[key][name], rtol=1e-6, atol=1e-9)
+
+
+def _greedy(model, prompts, strategy, steps, max_len):
+    """Free-running greedy tokens [prompts, steps]: an independent statement of what `reproduced` claims."""
+    from models import generate as gen
+    from models.cache import KVCache
+
+    lens = np.asarray([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), int(lens.max())), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    logits, cache = gen.prefill(model, tokens, lens, KVCache.init(model.config, len(prompts), max_len,
+                                                                   dtype=model.dtype), strategy)
+    out = []
+    for j in range(steps):
+        out.append(np.argmax(np.asarray(logits), axis=-1).astype(np.int32))
+        if j + 1 < steps:
+            logits, cache = gen.decode_step(model, out[-1], cache, strategy)
+    return np.stack(out, axis=1)
+
+
+def test_answer_fidelity_on_tiny_model(tiny_model, rng):
+    """Every key selected agrees with dense at every step and keeps all the decode mass; a sparse strategy's decode
+    mass is measured per layer; per-task numbers follow the names given."""
+    from kascade_jax.eval import fidelity
+    from kascade_jax.registry import make_strategy
+
+    cfg = tiny_model.config
+    prompts = [rng.integers(0, cfg.vocab, size=n).tolist() for n in (100, 120, 90)]
+    kw = dict(tile_size=16, min_k=4, anchors=(0, 2))
+    strategies = {"full": make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=1.0, **kw),
+                  "sparse": make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=0.05, **kw)}
+    res = fidelity.evaluate_answers(tiny_model, prompts, strategies, eos=(), steps=4, batch=4, tasks=["a", "b", "a"],
+                                    progress=False)
+    full, sparse = res["full"], res["sparse"]
+    assert full["failures"] == sparse["failures"] == 0 and full["prompts"] == 3
+    assert full["agree"] == full["reproduced"] == full["first_agree"] == 1.0 and full["kl"] < 1e-5
+    np.testing.assert_allclose(full["decode_mass_ratio"], 1.0, atol=1e-5)
+    assert len(sparse["decode_mass_ratio"]) == cfg.num_layers and min(sparse["decode_mass_ratio"][1:]) < 1.0
+    assert sparse["per_task"]["a"]["n"] == 2 and sparse["per_task"]["b"]["n"] == 1
+    # the steps after dense's first end-of-sequence token do not count; the answer itself is unchanged
+    from models.attention import DenseStrategy
+
+    one = {"sparse": strategies["sparse"]}
+    first = fidelity._answer_pass(tiny_model, prompts, DenseStrategy(), one, steps=4, eos=())
+    eos = int(first["_answer"][0, 2])
+    f = next(j for j, t in enumerate(first["_answer"][0]) if t == eos)
+    again = fidelity._answer_pass(tiny_model, prompts, DenseStrategy(), one, steps=4, eos=(eos,))
+    assert again["_valid"][0, :f + 1].all() and not again["_valid"][0, f + 1:].any()
+    np.testing.assert_array_equal(again["_answer"], first["_answer"])
+
+
+def test_answer_fidelity_counts_what_greedy_decoding_would_write(smollm2):
+    """On a real model, `reproduced` is exactly the share of prompts whose own greedy decode writes dense's answer,
+    `first_agree` the share whose first token (from the prefill) does. The setting (prose, dense prefill, a sparse
+    decode of 32 keys) reproduces some answers and not others, so a wrong teacher-forced token shows."""
+    from kascade_jax.eval import fidelity
+    from kascade_jax.registry import make_strategy
+    from models.attention import DenseStrategy
+
+    model, tokenizer = smollm2
+    cfg = model.config
+    prompts = [d[:n] for d, n in zip(fidelity.prose_documents(tokenizer, 6, 128), (100, 120, 90, 110, 105, 95))]
+    sparse = make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=0.1, tile_size=16, min_k=32,
+                           decode_only=True)
+    steps = 5
+    res = fidelity.evaluate_answers(model, prompts, {"s": sparse}, eos=(), steps=steps, batch=6, mass=False,
+                                    progress=False)["s"]
+    dense = _greedy(model, prompts, DenseStrategy(), steps, 128)
+    mine = _greedy(model, prompts, sparse, steps, 128)
+    assert res["failures"] == 0 and res["decode_mass_ratio"] is None
+    assert 0.0 < res["reproduced"] == np.mean((dense == mine).all(axis=1)) < 1.0
+    assert res["first_agree"] == np.mean(dense[:, 0] == mine[:, 0])
+    assert 0.0 < res["agree"] < 1.0 and res["kl"] > 1e-3
