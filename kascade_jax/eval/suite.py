@@ -159,7 +159,10 @@ class EvalSpec:
 
 
 # Fields a resume may change: they choose which blocks run (or only how prompts are batched), not their results.
-RESUME_FREE = ("strategies", "topk_fracs", "tasks", "context_lengths", "batch_size", "batch_tokens", "sample_workers")
+# What a resumed run may change: what it adds, and the performance knobs (batch, prefill chunk, sample workers), which
+# change no result beyond float rounding (two dense runs of 325 prompts at batches 4 and 16 differ in 6 scores).
+RESUME_FREE = ("strategies", "topk_fracs", "tasks", "context_lengths", "batch_size", "batch_tokens", "prefill_chunk",
+               "sample_workers")
 
 
 def spec_record(spec: EvalSpec, **extra) -> dict:

@@ -144,6 +144,9 @@ def test_interrupted_run_keeps_finished_strategies_and_resume_appends(monkeypatc
     stubs.calls = 0  # a resume may add blocks (another context length); finished ones still do not rerun
     run_cli(out, "--resume", "--context_lengths=600,640")
     assert stubs.calls == 2 and [r["context_length"] for r in _json(out)["rows"]] == [600, 600, 640, 640]
+    stubs.calls = 0  # and change the performance knobs (batch, prefill chunk), which move results by rounding only
+    run_cli(out, "--resume", "--context_lengths=600,640,704", "--chunk_size=128", "--batch_size=3")
+    assert stubs.calls == 2 and len(_json(out)["rows"]) == 6
 
 
 @pytest.mark.parametrize("flag, field", [("--seed=1", "seed"), ("--num_samples=3", "num_samples"),
