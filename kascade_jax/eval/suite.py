@@ -85,6 +85,7 @@ class Variant:
     strategy_kwargs: tuple[tuple[str, object], ...] = ()
 
 
+PER_LENGTH_FAMILIES = ("ruler", "synthetic", "fidelity", "answers")  # one block per context length
 POOLED_FAMILIES = ("ruler", "synthetic")  # tasks of these families at one context length share batches
 
 
@@ -158,9 +159,8 @@ class EvalSpec:
         return max(1, self.batch_tokens // max(1, int(context_length)))
 
 
-# Fields a resume may change: they choose which blocks run (or only how prompts are batched), not their results.
-# What a resumed run may change: what it adds, and the performance knobs (batch, prefill chunk, sample workers), which
-# change no result beyond float rounding (two dense runs of 325 prompts at batches 4 and 16 differ in 6 scores).
+# Fields a resume may change: what it adds (which blocks run), and the performance knobs (batch, prefill chunk, sample
+# workers), which move results by float rounding only (two dense runs of 325 prompts at batches 4 and 16: 6 scores).
 RESUME_FREE = ("strategies", "topk_fracs", "tasks", "context_lengths", "batch_size", "batch_tokens", "prefill_chunk",
                "sample_workers")
 
@@ -187,7 +187,7 @@ def check_resume(saved: dict | None, record: dict, output_dir: str, fields=None)
 def block_key(r: dict) -> tuple:
     """(task, context length, strategy, config) of a row or an example record. Records carry their sample's own
     length, which equals the block's for RULER / synthetic; the other families have one block per task."""
-    ctx = int(r["context_length"]) if family_of(r["task"]) in ("ruler", "synthetic", "fidelity") else None
+    ctx = int(r["context_length"]) if family_of(r["task"]) in PER_LENGTH_FAMILIES else None
     return (r["task"], ctx, r["strategy"], r["config"])
 
 
@@ -328,7 +328,7 @@ def build_pooled_samples(spec: EvalSpec, tokenizer, tasks, ctx: int, window: int
 
 def _contexts_for(spec: EvalSpec, task: str, model_window: int) -> list[int]:
     fam = family_of(task)
-    if fam in ("ruler", "synthetic", "fidelity", "answers"):
+    if fam in PER_LENGTH_FAMILIES:
         bad = [c for c in spec.context_lengths if c > model_window]
         if bad:
             raise ValueError(f"context_lengths {bad} exceed the model window {model_window}")
@@ -357,7 +357,7 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
     done = {block_key(r) for r in rows}
 
     def finished(task, ctx, r):
-        return (task, ctx if family_of(task) in ("ruler", "synthetic", "fidelity", "answers") else None, r.label,
+        return (task, ctx if family_of(task) in PER_LENGTH_FAMILIES else None, r.label,
                 r.config) in done
 
     # Shortest contexts first (stable in task order): a run cut short still has complete lower lengths.

@@ -160,6 +160,9 @@ def test_expand_tasks_and_spec_errors():
         "trec", "hotpotqa", "aime24", "fidelity", "synthetic:vt"]
     with pytest.raises(ValueError, match="unknown task"):
         suite.expand_tasks(["mmlu"])
+    # an answers block is one per context length, like fidelity: a resume finds it finished by its length
+    assert suite.block_key(dict(task="answers", context_length=4096, strategy="kascade", config="c")) == (
+        "answers", 4096, "kascade", "c")
     for kw, msg in ((dict(num_samples=0), "num_samples"), (dict(batch_size=0), "batch_size"),
                     (dict(context_lengths=(10,)), "context_lengths"), (dict(topk_fracs=(0.0,)), "topk_fracs"),
                     (dict(max_new_tokens=0), "max_new_tokens"), (dict(split="train"), "split"),
