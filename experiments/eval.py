@@ -277,7 +277,8 @@ def fidelity_section(fid: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for f in answers.values():
             dmean, dworst = mean_worst(f.get("decode_mass_ratio"))
-            lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | {f['prompts']} | {f['failures']} | "
+            n = f["prompts"] if "state" not in f else f"{f['prompts_done']} of {f['prompts']} (cut; --resume goes on)"
+            lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | {n} | {f['failures']} | "
                          f"{f['steps']} | {num(100 * f['agree'], '.2f')} | {num(100 * f['first_agree'], '.1f')} | "
                          f"{num(100 * f['reproduced'], '.1f')} | {num(f['kl'], '.4f')} | {dmean} | {dworst} |")
             if f.get("errors"):

@@ -292,9 +292,13 @@ def _answer_pass(model, prompts: list[list[int]], dense, strategies: dict[str, A
     return out
 
 
+_ANSWER_LISTS = ("agree", "first", "reproduced", "kl", "task", "dmass", "dmass_n")
+
+
 def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any], *, eos, steps: int = ANSWER_STEPS,
                      batch: int = 8, tasks: list[str] | None = None, dense=None, mass: bool = True,
-                     chunk_size: int | None = None, progress: bool = True, log=None) -> dict[str, dict]:
+                     chunk_size: int | None = None, progress: bool = True, log=None, prior: dict | None = None,
+                     on_batch=None) -> dict[str, dict]:
     """Decode fidelity where the answers are: teacher-forced along dense's own greedy answer to each prompt.
 
     Per strategy name: `agree` (share of answer steps whose next token equals dense's; the steps after dense's first
@@ -302,7 +306,13 @@ def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any]
     (share of prompts whose every answer step agrees: exactly the prompts where its greedy decode would write
     dense's answer), `kl` (mean over answer steps), `per_task` (the same per task when `tasks` names each prompt's
     task), the per-layer decode mass (`decode_mass_*`, over every probed step), failures and their first errors.
-    Prompts run in batches of `batch` in length order, each batch's dense pass shared by every strategy."""
+    Prompts run in batches of `batch` in length order, each batch's dense pass shared by every strategy.
+
+    Resumable like `evaluate_fidelity`: until the last prompt every result carries `prompts_done` and `state`;
+    `on_batch(results)` gets them after each batch, and `prior` (name -> such a result, all at one `prompts_done`
+    of the same prompts) goes on from there, at any batch size, to an uninterrupted run's numbers."""
+    import time  # noqa: PLC0415
+
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     if steps < 1 or batch < 1:
@@ -313,13 +323,21 @@ def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any]
         from models.attention import DenseStrategy  # noqa: PLC0415
         dense = DenseStrategy()
     tasks = tasks or ["all"] * len(prompts)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    acc = {name: dict(agree=[], first=[], reproduced=[], kl=[], dmass=[], task=[], failures=0, errors=[])
-           for name in strategies}
-    import time  # noqa: PLC0415
-
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # stable: the same order on a resume
+    acc = {name: dict({k: [] for k in _ANSWER_LISTS}, failures=0, errors=[]) for name in strategies}
+    start = 0
+    if prior:
+        start = answers_resume_point(prior, list(strategies), len(prompts), steps)
+        if start is None:
+            raise ValueError(f"an answers prior must hold every strategy at one prompts_done of {len(prompts)} prompts "
+                             f"and {steps} steps, got { {n: (prior.get(n) or {}).get('prompts_done') for n in strategies} }")
+        for name in strategies:
+            st = prior[name]["state"]
+            acc[name].update({k: [np.asarray(x) for x in st[k]] if k == "dmass" else list(st[k]) for k in _ANSWER_LISTS},
+                             failures=int(st["failures"]), errors=list(st["errors"]))
     t_all = time.perf_counter()
-    batches = [order[i:i + batch] for i in range(0, len(order), batch)]
+    batches = [order[i:i + batch] for i in range(start, len(order), batch)]
+    done = start
     for n, idx in enumerate(tqdm(batches, desc="answer fidelity", disable=not progress, leave=False)):
         t0 = time.perf_counter()
         try:
@@ -343,30 +361,48 @@ def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any]
                 a["task"].append(tasks[idx[row]])
             if r["dmass"] is not None:
                 a["dmass"].append(r["dmass"])
+                a["dmass_n"].append(len(idx))  # batches differ in size: the mass is weighted by prompts
+        done += len(idx)
         if log is not None:
-            log(f"answer fidelity: batch {n + 1}/{len(batches)} ({len(idx)} prompts) in {time.perf_counter() - t0:.1f}"
-                f" s ({time.perf_counter() - t_all:.0f} s in all)")
-    return {name: _answer_summary(a, len(prompts), steps) for name, a in acc.items()}
+            log(f"answer fidelity: batch {n + 1}/{len(batches)} ({len(idx)} prompts, {done}/{len(prompts)} done) in "
+                f"{time.perf_counter() - t0:.1f} s ({time.perf_counter() - t_all:.0f} s in all)")
+        if on_batch is not None and done < len(prompts):
+            on_batch({name: _answer_summary(a, len(prompts), steps, done) for name, a in acc.items()})
+    return {name: _answer_summary(a, len(prompts), steps, len(prompts)) for name, a in acc.items()}
 
 
-def _answer_summary(a: dict, prompts: int, steps: int) -> dict:
+def answers_resume_point(prior: dict, names, prompts: int, steps: int) -> int | None:
+    """Prompts that `prior` (name -> a cut answers result) has done for every one of `names`, over the same prompt
+    count and steps, or None when it cannot be resumed."""
+    done = {prior[n]["prompts_done"] if "state" in prior.get(n, {}) and prior[n]["prompts"] == prompts
+            and prior[n]["steps"] == steps else None for n in names}
+    return None if len(done) != 1 or None in done else int(done.pop())
+
+
+def _answer_summary(a: dict, prompts: int, steps: int, done: int) -> dict:
     def mean(x):
         return float(np.mean(x)) if len(x) else float("nan")
 
-    dh = np.mean(a["dmass"], axis=0) if a["dmass"] else None  # [layers, 2, kv_heads]
+    dh = None  # [layers, 2, kv_heads], weighted by each batch's prompts
+    if a["dmass"]:
+        dh = np.tensordot(np.asarray(a["dmass_n"], np.float64), np.stack(a["dmass"]), axes=1) / sum(a["dmass_n"])
     dm = None if dh is None else dh.mean(axis=-1)
     per_task = {}
     for t in dict.fromkeys(a["task"]):
         sel = [i for i, x in enumerate(a["task"]) if x == t]
         per_task[t] = dict(n=len(sel), agree=mean([a["agree"][i] for i in sel]),
                            reproduced=mean([a["reproduced"][i] for i in sel]))
-    return dict(task="answers", prompts=prompts, steps=steps, failures=a["failures"], errors=a["errors"][:5],
-                agree=mean(a["agree"]), first_agree=mean(a["first"]), reproduced=mean(a["reproduced"]),
-                kl=mean(a["kl"]), per_task=per_task,
-                decode_mass_selected=None if dm is None else dm[:, 0].tolist(),
-                decode_mass_oracle=None if dm is None else dm[:, 1].tolist(),
-                decode_mass_ratio=None if dm is None else (dm[:, 0] / np.maximum(dm[:, 1], 1e-12)).tolist(),
-                decode_mass_ratio_heads=None if dh is None else (dh[:, 0] / np.maximum(dh[:, 1], 1e-12)).tolist())
+    out = dict(task="answers", prompts=prompts, prompts_done=done, steps=steps, failures=a["failures"],
+               errors=a["errors"][:5], agree=mean(a["agree"]), first_agree=mean(a["first"]),
+               reproduced=mean(a["reproduced"]), kl=mean(a["kl"]), per_task=per_task,
+               decode_mass_selected=None if dm is None else dm[:, 0].tolist(),
+               decode_mass_oracle=None if dm is None else dm[:, 1].tolist(),
+               decode_mass_ratio=None if dm is None else (dm[:, 0] / np.maximum(dm[:, 1], 1e-12)).tolist(),
+               decode_mass_ratio_heads=None if dh is None else (dh[:, 0] / np.maximum(dh[:, 1], 1e-12)).tolist())
+    if done < prompts:
+        out["state"] = dict({k: [np.asarray(x).tolist() for x in a[k]] if k == "dmass" else list(a[k])
+                             for k in _ANSWER_LISTS}, failures=a["failures"], errors=list(a["errors"]))
+    return out
 
 
 # ----------------------------------------------------------------------------- driver

@@ -382,19 +382,9 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
             docs = fidelity_lib.prose_documents(tokenizer, n_docs, length, seed=spec.seed, split=spec.split)
             keys = {r.label + " " + r.config: r for r in todo}
             # a cut run's documents (every strategy of the block at one count, the same document list) go on
-            prior = {k: fid[f"{k} @ {length}"] for k in keys if f"{k} @ {length}" in fid}
-            start = fidelity_lib.resume_point(prior, keys, n_docs)
-            if start is None:
-                prior = None
-            elif log is not None:
-                log(f"fidelity: resuming after document {start}/{n_docs}")
-
-            def keep(res, final):
-                for key, f in res.items():
-                    r = keys[key]
-                    fid[f"{key} @ {length}"] = dict(f, strategy=r.label, config=r.config, context_length=length)
-                if not final and on_block is not None:
-                    on_block(rows, records, fid)
+            prior, keep = _resumable(fid, keys, f" @ {length}", length,
+                                     lambda p: fidelity_lib.resume_point(p, keys, n_docs),
+                                     f"fidelity: resuming after document {{}}/{n_docs}", log, on_block, rows, records)
 
             t0 = time.perf_counter()
             res = fidelity_lib.evaluate_fidelity(model, docs, {k: r.strategy for k, r in keys.items()},
@@ -489,10 +479,32 @@ def _run_pooled(spec, model, tokenizer, runs, tasks, ctx, window, finished, rows
             on_block(rows, records, fid)
 
 
+def _resumable(fid, keys, suffix, ctx, start_of, resuming, log, on_block, rows, records):
+    """(prior, keep) of a block saved after every unit of work (fidelity documents, answers batches): the cut run's
+    partial results of every strategy when `start_of` accepts them (else None), and the callback that stores
+    results in `fid` under "<key><suffix>" and, unless final, saves them (`on_block`)."""
+    prior = {k: fid[k + suffix] for k in keys if k + suffix in fid}
+    start = start_of(prior)
+    if start is None:
+        prior = None
+    elif log is not None:
+        log(resuming.format(start))
+
+    def keep(res, final):
+        for key, f in res.items():
+            r = keys[key]
+            fid[key + suffix] = dict(f, strategy=r.label, config=r.config, context_length=ctx)
+        if not final and on_block is not None:
+            on_block(rows, records, fid)
+
+    return prior, keep
+
+
 def _run_answers(spec, model, tokenizer, runs, ctx, window, finished, rows, records, progress, log, on_block, fid):
     """Task "answers": the 13 RULER tasks' prompts at `ctx` (the same samples as --tasks=ruler), every non-dense
     strategy teacher-forced along dense's greedy answer (`fidelity.evaluate_answers`, at most ANSWER_STEPS steps
-    or the longest official answer). One row per strategy, score = answer steps that agree with dense (%)."""
+    or the longest official answer). One row per strategy, score = answer steps that agree with dense (%). Saved
+    after every batch; a cut block resumes from its last batch."""
     todo = [r for r in runs if r.label != "dense" and not finished("answers", ctx, r)]
     if not todo:
         return
@@ -502,14 +514,20 @@ def _run_answers(spec, model, tokenizer, runs, ctx, window, finished, rows, reco
     steps = min(fidelity_lib.ANSWER_STEPS, max(int(x.get("max_new_tokens") or 1) for _, x in pool))
     eos = tuple(getattr(tokenizer, "eos_token_ids", None) or model.config.eos_token_ids)
     keys = {r.label + " " + r.config: r for r in todo}
+    # a cut run's prompts (every strategy of the block at one count) go on
+    prior, keep = _resumable(fid, keys, f" @ {ctx} answers", ctx,
+                             lambda p: fidelity_lib.answers_resume_point(p, keys, len(prompts), steps),
+                             f"answers: resuming after prompt {{}}/{len(prompts)}", log, on_block, rows, records)
+
     t0 = time.perf_counter()
     res = fidelity_lib.evaluate_answers(model, prompts, {k: r.strategy for k, r in keys.items()}, eos=eos,
                                         steps=steps, batch=spec.batch_for(ctx), tasks=[t for t, _ in pool],
-                                        chunk_size=spec.prefill_chunk, progress=progress, log=log)
+                                        chunk_size=spec.prefill_chunk, progress=progress, log=log, prior=prior,
+                                        on_batch=lambda res: keep(res, False))
     wall = time.perf_counter() - t0
+    keep(res, True)
     for key, r in keys.items():
         f = res[key]
-        fid[f"{key} @ {ctx} answers"] = dict(f, strategy=r.label, config=r.config, context_length=ctx)
         rows.append(dict(model=spec.model, task="answers", family="answers", context_length=ctx, strategy=r.label,
                          config=r.config, topk_frac=r.topk_frac, anchors=r.anchors, examples=len(prompts),
                          failures=f["failures"], score=100 * f["agree"], score_ok=100 * f["agree"],

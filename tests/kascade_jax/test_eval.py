@@ -434,6 +434,8 @@ def test_cli_helpers():
     text = cli.fidelity_section({"z @ 256 answers": ans})  # answers alone: their table only
     assert "teacher forcing on prose" not in text and "along dense's answers" in text
     assert "| kascade | k=0.1 | 256 | 13 | 0 | 64 | 97.12 | 100.0 | 80.0 | 0.0123 | 0.833 | L1: 0.600 |" in text
+    cut = cli.fidelity_section({"z @ 256 answers": dict(ans, prompts_done=4, state={})})
+    assert "| 4 of 13 (cut; --resume goes on) | 0 | 64 |" in cut
     both = cli.fidelity_section({**fid, "z @ 256 answers": ans})
     assert both.index("teacher forcing on prose") < both.index("along dense's answers")
     rows = [dict(family="longbench", strategy="dense", config="", task=t, score=s)
@@ -598,6 +600,42 @@ def test_answer_fidelity_on_tiny_model(tiny_model, rng):
     again = fidelity._answer_pass(tiny_model, prompts, DenseStrategy(), one, steps=4, eos=(eos,))
     assert again["_valid"][0, :f + 1].all() and not again["_valid"][0, f + 1:].any()
     np.testing.assert_array_equal(again["_answer"], first["_answer"])
+
+
+def test_answer_fidelity_resumes_after_a_cut_with_the_same_numbers(tiny_model, rng):
+    """Cut after a batch (on_batch gets JSON-able partial results), resumed at another batch size: the numbers of
+    one uninterrupted run; a prior over other steps is refused."""
+    import json
+
+    from kascade_jax.eval import fidelity
+    from kascade_jax.registry import make_strategy
+
+    cfg = tiny_model.config
+    prompts = [rng.integers(0, cfg.vocab, size=100).tolist() for _ in range(4)]
+    st = {"k": make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=0.05, tile_size=16, min_k=4,
+                             anchors=(0, 2))}
+    kw = dict(eos=(), steps=3, tasks=["a", "b", "a", "b"], progress=False)
+    whole = fidelity.evaluate_answers(tiny_model, prompts, st, batch=4, **kw)["k"]
+
+    class Cut(Exception):
+        pass
+
+    saved = []
+
+    def save_then_cut(res):
+        saved.append(json.loads(json.dumps(res)))
+        raise Cut
+
+    with pytest.raises(Cut):
+        fidelity.evaluate_answers(tiny_model, prompts, st, batch=2, on_batch=save_then_cut, **kw)
+    assert saved[0]["k"]["prompts_done"] == 2 and "state" in saved[0]["k"]
+    with pytest.raises(ValueError, match="one prompts_done of 4 prompts and 5 steps"):
+        fidelity.evaluate_answers(tiny_model, prompts, st, batch=2, prior=saved[0], **dict(kw, steps=5))
+    resumed = fidelity.evaluate_answers(tiny_model, prompts, st, batch=2, prior=saved[0], **kw)["k"]
+    assert resumed["prompts_done"] == 4 and "state" not in resumed and resumed["per_task"]["b"]["n"] == 2
+    for key in ("agree", "first_agree", "reproduced", "kl"):
+        np.testing.assert_allclose(resumed[key], whole[key], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(resumed["decode_mass_ratio"], whole["decode_mass_ratio"], rtol=1e-5)
 
 
 def test_answer_fidelity_counts_what_greedy_decoding_would_write(smollm2):
