@@ -242,17 +242,24 @@ def fidelity_section(fid: dict) -> str:
         worst = min(range(len(ratio)), key=ratio.__getitem__)
         return f"{sum(ratio) / len(ratio):.3f}", f"L{worst}: {ratio[worst]:.3f}"
 
-    lines = ["## Fidelity vs dense (teacher forcing on prose)", "",
-             "| strategy | config | ctx | docs | fail | KL (nats/token) | top-1 agree % | KL 2nd half | "
-             "prefill mass / oracle (mean over layers) | worst layer | worst (layer, KV head) | "
-             "decode mass / oracle | worst decode layer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    errors = []
+    def count(f, total, done):  # a cut block says how far it got
+        return f[total] if "state" not in f else f"{f[done]} of {f[total]} (cut; --resume goes on)"
+
+    errors, lines = [], []
+
+    def note_errors(f, unit):
+        if f.get("errors"):
+            errors.append(f"- {f['strategy']} {f['config']}: {f['failures']} failed {unit}, first: {f['errors'][0]}")
+
     answers = {k: f for k, f in fid.items() if f.get("task") == "answers"}
-    fid = {k: f for k, f in fid.items() if k not in answers}
-    if not fid:
-        lines = []
-    for f in fid.values():
+    prose = [f for k, f in fid.items() if k not in answers]
+    if prose:
+        lines += ["## Fidelity vs dense (teacher forcing on prose)", "",
+                  "| strategy | config | ctx | docs | fail | KL (nats/token) | top-1 agree % | KL 2nd half | "
+                  "prefill mass / oracle (mean over layers) | worst layer | worst (layer, KV head) | "
+                  "decode mass / oracle | worst decode layer |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for f in prose:
         mean, worst = mean_worst(f.get("mass_ratio"))
         dmean, dworst = mean_worst(f.get("decode_mass_ratio"))
         heads = f.get("mass_ratio_heads")
@@ -263,26 +270,24 @@ def fidelity_section(fid: dict) -> str:
         else:
             worst_head = "-"
         top1 = f.get("top1")
-        docs = f["documents"] if "state" not in f else f"{f['documents_done']} of {f['documents']} (cut; --resume goes on)"
-        lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | {docs} | "
+        lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | "
+                     f"{count(f, 'documents', 'documents_done')} | "
                      f"{f['failures']} | {num(f['kl'], '.4f')} | {num(None if top1 is None else 100 * top1, '.1f')} | "
                      f"{num(f['kl_late'], '.4f')} | {mean} | {worst} | {worst_head} | {dmean} | {dworst} |")
-        if f.get("errors"):
-            errors.append(f"- {f['strategy']} {f['config']}: {f['failures']} failed documents, first: {f['errors'][0]}")
+        note_errors(f, "documents")
     if answers:
         lines += ([""] if lines else []) + [
             "## Decode fidelity along dense's answers (RULER prompts, teacher-forced)", "",
             "| strategy | config | ctx | prompts | fail | steps | answer steps agreeing % | first token agreeing % | "
             "answers reproduced % | KL (nats/step) | decode mass / oracle | worst decode layer |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for f in answers.values():
-            dmean, dworst = mean_worst(f.get("decode_mass_ratio"))
-            n = f["prompts"] if "state" not in f else f"{f['prompts_done']} of {f['prompts']} (cut; --resume goes on)"
-            lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | {n} | {f['failures']} | "
-                         f"{f['steps']} | {num(100 * f['agree'], '.2f')} | {num(100 * f['first_agree'], '.1f')} | "
-                         f"{num(100 * f['reproduced'], '.1f')} | {num(f['kl'], '.4f')} | {dmean} | {dworst} |")
-            if f.get("errors"):
-                errors.append(f"- {f['strategy']} {f['config']}: {f['failures']} failed prompts, first: {f['errors'][0]}")
+    for f in answers.values():
+        dmean, dworst = mean_worst(f.get("decode_mass_ratio"))
+        lines.append(f"| {f['strategy']} | {f['config']} | {f['context_length']} | "
+                     f"{count(f, 'prompts', 'prompts_done')} | {f['failures']} | "
+                     f"{f['steps']} | {num(100 * f['agree'], '.2f')} | {num(100 * f['first_agree'], '.1f')} | "
+                     f"{num(100 * f['reproduced'], '.1f')} | {num(f['kl'], '.4f')} | {dmean} | {dworst} |")
+        note_errors(f, "prompts")
     if errors:
         lines += ["", *errors]
     return "\n".join(lines)

@@ -276,8 +276,8 @@ def _answer_pass(model, prompts: list[list[int]], dense, strategies: dict[str, A
             kls, agrees, masses = [], [], []
             for j in range(steps):
                 kl, agree = _kl_top1_block(dense_logits[j], logits)
-                kls.append(np.asarray(kl))
-                agrees.append(np.asarray(agree))
+                kls.append(kl)  # on the device: one transfer after the steps, not a sync per step
+                agrees.append(agree)
                 if j + 1 < steps:
                     if probe is not None:
                         logits, cache, state = gen.decode_step(model, answer[j], cache, probe, with_state=True)
@@ -285,7 +285,7 @@ def _answer_pass(model, prompts: list[list[int]], dense, strategies: dict[str, A
                     else:
                         logits, cache = gen.decode_step(model, answer[j], cache, st)
             del cache
-            out[name] = dict(kl=np.stack(kls, axis=1), agree=np.stack(agrees, axis=1),
+            out[name] = dict(kl=np.asarray(jnp.stack(kls, axis=1)), agree=np.asarray(jnp.stack(agrees, axis=1)),
                              dmass=np.asarray(jnp.mean(jnp.stack(masses), axis=0)) if masses else None)
         except Exception as e:  # noqa: BLE001 - the caller counts it
             out[name] = e
