@@ -179,8 +179,9 @@ def main(argv):
         if mesh.shape["data"] > 1 and "fidelity" in tasks:
             raise ValueError(f"fidelity runs one document at a time, which --mesh={FLAGS.mesh} splits over data:"
                              f"{mesh.shape['data']}; use a mesh with data:1 (model:N) for it")
-    # anchors and head_map are resolved with the model (calibration): checked once it has loaded
-    late = ("anchors", "head_map")
+    # anchors, head_map and the variants (one per recipe) are resolved with the model (calibration): checked once it
+    # has loaded
+    late = ("anchors", "head_map", "variants")
     flag_fields = dict(dtype=FLAGS.dtype)
     previous, saved = None, None
     if FLAGS.resume:

@@ -149,6 +149,21 @@ def test_interrupted_run_keeps_finished_strategies_and_resume_appends(monkeypatc
     assert stubs.calls == 2 and len(_json(out)["rows"]) == 6
 
 
+def test_resume_of_several_recipes_goes_on(monkeypatch, tmp_path):
+    # the variants are resolved with the model: the early check must not compare them (it once saw variants=[])
+    stubs = Stubs(monkeypatch)
+    out = tmp_path / "out"
+    stubs.stop = 3  # dense and the first recipe finish, the second is interrupted
+    with pytest.raises(KeyboardInterrupt):
+        run_cli(out, "--recipe=paper,default")
+    assert len(_json(out)["spec"]["variants"]) == 2 and len(_json(out)["rows"]) == 2
+    stubs.calls, stubs.stop = 0, None
+    run_cli(out, "--resume", "--recipe=paper,default")
+    assert stubs.calls == 1 and len(_json(out)["rows"]) == 3
+    with pytest.raises(ValueError, match=r"was run with variants=.* but this run has variants="):
+        run_cli(out, "--resume", "--recipe=paper,candidate:dps")  # the second recipe differs
+
+
 @pytest.mark.parametrize("flag, field", [("--seed=1", "seed"), ("--num_samples=3", "num_samples"),
                                          ("--split=dev", "split"), ("--dtype=bfloat16", "dtype"),
                                          ("--model=other-model", "model")])
