@@ -31,7 +31,8 @@ flags.DEFINE_integer("calib_min_tokens", 2048, "Shortest prompt (model tokens)."
 flags.DEFINE_integer("calib_max_tokens", 4096, "Longest prompt (model tokens).")
 flags.DEFINE_integer("calib_k", 64, "Statistics budget: k - tile_size selected keys + the diagonal tile (official: 64).")
 flags.DEFINE_integer("tile_size", 32, "Query tile (tokens) pooled per index set.", lower_bound=1)
-flags.DEFINE_enum("calib_reduce", "min", ["min", "mean"], "Reduction over query tiles within a prompt.")
+flags.DEFINE_enum("calib_reduce", "min", ["min", "mean", "tail"],
+                  "Reduction over query tiles within a prompt (tail: the mean over its last 4 tiles, as a decode step).")
 for _old, _new in (("num_prompts", "calib_num_prompts"), ("min_tokens", "calib_min_tokens"),
                    ("max_tokens", "calib_max_tokens"), ("k", "calib_k"), ("reduce", "calib_reduce")):
     cli.deprecated_alias(_old, _new)

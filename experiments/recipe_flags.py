@@ -51,8 +51,8 @@ DECODE_ONLY = flags.DEFINE_boolean("decode_only", None, "recipe lever: dense pre
                                    "decode_only strategy)")
 CALIB_K = flags.DEFINE_integer("calib_k", None, "--anchors/--head_map=auto: similarity budget k of the calibration "
                                "(recipe: 64)")
-CALIB_REDUCE = flags.DEFINE_enum("calib_reduce", None, ["min", "mean"], "--anchors/--head_map=auto: reduction over "
-                                 "query tiles (recipe: min)")
+CALIB_REDUCE = flags.DEFINE_enum("calib_reduce", None, ["min", "mean", "tail"], "--anchors/--head_map=auto: "
+                                 "reduction over query tiles (recipe: min; tail: the last 4 tiles, as a decode step)")
 CALIB_IMPORTANCE = flags.DEFINE_enum("calib_importance", None, ["paper", "sqrt", "none"], "--anchors=auto: DP "
                                      "layer weighting (paper: the measured importance w; sqrt(w); none)")
 CALIB_NUM_PROMPTS = flags.DEFINE_integer("calib_num_prompts", None, "--anchors/--head_map=auto: development-set "

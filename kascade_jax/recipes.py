@@ -224,6 +224,13 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "dps_dec100": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, decode_topk_frac=1.0),
     "dps_m8s": dict(num_anchors=8, calib_importance="sqrt", sink_tokens=4, recent_window=60, decode_only=True),
     "dps_m7n": dict(num_anchors=7, calib_importance="none", sink_tokens=4, recent_window=60, decode_only=True),
+    # issue 21 session 7: every layer its own Top-k with a dense prefill is at dense (0.5B -0.4, 1.5B +0.3 on dev),
+    # so the decode's loss is which anchor a layer reuses; but the DP's extra anchors (M=7/8, 16K statistics: all
+    # with anchor 13 on the 0.5B) lost niah_multikey_2 (70 -> 20-40: digits miscopied). The DP's statistic is the
+    # worst tile of the whole prompt; a decode step reads from the prompt's end: the DP on the last tiles only
+    "dps_tail": dict(num_anchors=5, calib_reduce="tail", sink_tokens=4, recent_window=60, decode_only=True),
+    "dps_m7t": dict(num_anchors=7, calib_reduce="tail", calib_importance="sqrt", sink_tokens=4, recent_window=60,
+                    decode_only=True),
 }
 
 

@@ -10,7 +10,8 @@ position 0). In every layer b its `attend`:
    selected keys + the always-attended diagonal tile of 32);
 3. for every earlier-or-same layer a <= b and heads (h of b, g of a) computes
        r_t = (sum_{j in I_a[g,t]} A_b[h,t,j] + D_b[h,t]) / (sum_{j in I_b[h,t]} A_b[h,t,j] + D_b[h,t])
-   and reduces over the valid query tiles (min, or mean), giving the row sim[:, b] of this prompt;
+   and reduces over the valid query tiles (min, mean, or the mean over the last TAIL_TILES: "tail", the prompt's
+   end where the question is read and the answer starts, i.e. what a decode step sees), giving the row sim[:, b];
 4. drops A_b. Only the small index sets of earlier layers ([kv_heads, tiles, k'] per layer) stay in the state,
    so memory is O(L * kv_heads * tiles * k' + one layer's scores), never [L x L x S x S].
 `post_attention` records the layer importance w_b = 1 - mean over valid tokens of cos(x_b, x_b + attn_out_b).
@@ -31,7 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-REDUCES = ("min", "mean")
+REDUCES = ("min", "mean", "tail")
+TAIL_TILES = 4  # reduce="tail": the mean over the last valid query tiles (4 x 32 tokens: the question's end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,7 @@ class CalibrationStrategy:
     kv_heads: int
     tile_size: int = 32
     k: int = 64  # total budget of the official statistics: k - tile_size selected keys + the diagonal tile
-    reduce: str = "min"  # over query tiles: "min" (anchor selection, the paper) or "mean" (the Fig. 3 plots)
+    reduce: str = "min"  # over query tiles: "min" (the paper), "mean" (Fig. 3) or "tail" (the last TAIL_TILES)
     block_tiles: int | None = None  # query tiles per softmax block; None: bounded by SCORE_BLOCK_BYTES
     name: str = "calibration"
 
@@ -180,6 +182,10 @@ def layer_similarity_row(scores, diag, prev_idx, kv_len, tile_size: int, num_sel
     tile_start = jnp.arange(n_tiles) * tile_size
     valid = (tile_start[None, :] > 0) & (tile_start[None, :] < kv_len[:, None])  # [batch, tiles]
     valid = valid[None, :, None, None, :]
+    if reduce == "tail":  # the last TAIL_TILES valid tiles of each prompt
+        last = (kv_len[:, None] - 1) // tile_size  # [batch, 1]
+        valid = valid & (jnp.arange(n_tiles)[None, None, None, None, :] > (last - TAIL_TILES)[None, :, None, None])
+        reduce = "mean"
     if reduce == "min":
         row = jnp.min(jnp.where(valid, r, jnp.inf), axis=-1)
         row = jnp.where(jnp.isfinite(row), row, 1.0)  # a prompt of one tile has nothing to compare

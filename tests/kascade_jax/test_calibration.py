@@ -13,7 +13,7 @@ from kascade_jax.calibration import artifact as art_lib
 from kascade_jax.calibration import resolve
 from kascade_jax.calibration.artifact import CalibrationArtifact
 from kascade_jax.calibration.head_map import check_head_map, head_map_for, load_head_map_file
-from kascade_jax.calibration.stats import CalibrationStrategy, dense_with_pooled, importance, layer_scores
+from kascade_jax.calibration.stats import TAIL_TILES, CalibrationStrategy, dense_with_pooled, importance, layer_scores
 from tests.kascade_jax.kj_helpers import FakeTokenizer
 from kernels_pallas.reference import attention_reference, pooled_scores_prefill_reference
 from models.attention import AttentionInputs
@@ -46,8 +46,9 @@ def test_dense_with_pooled_matches_reference(rng, t, kv_len, block_tiles):
     np.testing.assert_allclose(diag, ref_diag, atol=2e-5)
 
 
-def _naive_sim(A_b, D_b, A_a, kv_len, tile_size, kp):
-    """numpy statement of r_t for one prompt: A [H, T, S] (-inf = ineligible), D [H, T] -> min over tiles [h, g]."""
+def _naive_sim(A_b, D_b, A_a, kv_len, tile_size, kp, reduce="min"):
+    """numpy statement of r_t for one prompt: A [H, T, S] (-inf = ineligible), D [H, T] -> reduced over tiles [h, g]
+    (min, or "tail": the mean over the last TAIL_TILES tiles that hold a query)."""
     H, T, _ = A_b.shape
     out = np.zeros((H, H))
     for h in range(H):
@@ -61,7 +62,7 @@ def _naive_sim(A_b, D_b, A_a, kv_len, tile_size, kp):
                 top_b = elig[np.argsort(-A_b[h, t, elig], kind="stable")[:n]]
                 top_a = elig[np.argsort(-A_a[g, t, elig], kind="stable")[:n]]
                 rs.append((A_b[h, t, top_a].sum() + D_b[h, t]) / (A_b[h, t, top_b].sum() + D_b[h, t]))
-            out[h, g] = min(rs)
+            out[h, g] = min(rs) if reduce == "min" else np.mean(rs[-TAIL_TILES:])
     return out
 
 
@@ -98,6 +99,27 @@ def test_similarity_matches_naive_and_bounds(rng):
     q, kk, v = _rand(rng, 2, t, hq, d), _rand(rng, 2, t, H, d), _rand(rng, 2, t, H, d)
     _, st = jax.jit(mean_strategy.attend, static_argnums=0)(0, _inputs(q, kk, v, kv_len), None)
     np.testing.assert_allclose(np.diagonal(np.asarray(st["sim"])[:, 0, 0], axis1=1, axis2=2), 1.0, atol=1e-6)
+
+
+def test_tail_reduce_is_the_mean_over_the_last_tiles(rng):
+    # the decode-side statistic: only the prompt's last TAIL_TILES tiles (where the question is read) count
+    L, H, hq, d, t, ts, k = 2, 2, 4, 8, 160, 16, 24
+    kv_len = (160, 100)  # last tiles 6-9 and 3-6 of 10
+    qs, ks, vs = _rand(rng, L, 2, t, hq, d, scale=2.0), _rand(rng, L, 2, t, H, d), _rand(rng, L, 2, t, H, d)
+    zero, kv = jnp.zeros(2, jnp.int32), jnp.asarray(kv_len, jnp.int32)
+    sims = {}
+    for reduce in ("tail", "mean"):
+        strategy = CalibrationStrategy(num_layers=L, kv_heads=H, tile_size=ts, k=k, reduce=reduce)
+        state = None
+        for layer in range(L):
+            _, state = strategy.attend(layer, _inputs(qs[layer], ks[layer], vs[layer], kv_len), state)
+        sims[reduce] = np.asarray(state["sim"])
+    layers = [pooled_scores_prefill_reference(qs[i], ks[i], zero, kv, ts) for i in range(L)]
+    for bi in range(2):
+        A_b, D_b = (np.asarray(x[bi]) for x in layers[1])
+        want = _naive_sim(A_b, D_b, np.asarray(layers[0][0][bi]), kv_len[bi], ts, k - ts, reduce="tail")
+        np.testing.assert_allclose(sims["tail"][bi, 0, 1], want, atol=1e-5)
+    assert np.abs(sims["tail"] - sims["mean"]).max() > 1e-3  # not the mean over every tile
 
 
 def test_importance(rng):
