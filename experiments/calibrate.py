@@ -23,7 +23,8 @@ from absl import flags
 from experiments import cli
 
 flags.DEFINE_string("model", "smollm2-135m", "Model: alias (smollm2-135m), HF safetensors dir, .gguf file or hub id.")
-flags.DEFINE_string("dataset", "builtin", "'builtin' (offline RULER-style + prose dev set) or a HF datasets name.")
+flags.DEFINE_string("dataset", "builtin", "'builtin' (offline RULER-style + prose dev set), 'builtin_answers' (the "
+                    "same, each RULER-style prompt followed by its gold answer) or a HF datasets name.")
 flags.DEFINE_string("dataset_config", None, "HF dataset config (e.g. 'answerable' for bdsaglam/musique).")
 flags.DEFINE_string("dataset_split", "validation", "HF dataset split.")
 flags.DEFINE_integer("calib_num_prompts", 64, "Development prompts.", lower_bound=1)

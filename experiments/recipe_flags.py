@@ -1,7 +1,7 @@
 """The Kascade recipe flags, one definition shared by every entry point that builds Kascade (generate, speed, eval).
 
 A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
-`--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`,
+`--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`, `--calib_dataset`,
 `--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`, `--decode_topk_frac`,
 `--prefill_dense_anchors`, `--decode_only`; each defaults to None,
 "the recipe's", and an explicitly given value wins over the `--recipe`. `--anchors` is defined here too, so it
@@ -61,6 +61,9 @@ CALIB_MAX_TOKENS = flags.DEFINE_integer("calib_max_tokens", None, "--anchors/--h
                                         "(shortest: half; recipe: 4096)")
 CALIB_DTYPE = flags.DEFINE_enum("calib_dtype", None, ["float32", "bfloat16", "float16"], "--anchors/--head_map=auto: "
                                 "dtype of the calibration forwards (recipe; else the model's --dtype)")
+CALIB_DATASET = flags.DEFINE_string("calib_dataset", None, "--anchors/--head_map=auto: development set of the "
+                                    "calibration: builtin, builtin_answers (each RULER-style prompt followed by its "
+                                    "gold answer) or a HF datasets name (recipe: builtin)")
 RECALIBRATE = flags.DEFINE_boolean("recalibrate", False, "--anchors/--head_map=auto: calibrate anew even when a "
                                    "cached calibration matches")
 cli.deprecated_alias("calib_prompts", "calib_num_prompts")
@@ -82,7 +85,7 @@ def _apply_flags(recipe):
         prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value,
         calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value, calib_importance=CALIB_IMPORTANCE.value,
         calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
-        calib_dtype=CALIB_DTYPE.value)
+        calib_dtype=CALIB_DTYPE.value, calib_dataset=CALIB_DATASET.value)
 
 
 def resolve_recipe(model_name: str):

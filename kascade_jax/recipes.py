@@ -38,6 +38,7 @@ class Recipe:
     calib_num_prompts: int = 64
     calib_max_tokens: int = 4096
     calib_dtype: str | None = None  # the calibration forwards' dtype; None: the model's --dtype
+    calib_dataset: str = "builtin"  # or "builtin_answers" (prompts followed by their gold answers), or a HF name
     sink_tokens: int = 0
     recent_window: int = 0
     dense_suffix: int = 0
@@ -73,6 +74,9 @@ class Recipe:
         if self.calib_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"recipe {self.name!r}: calib_dtype must be float32, bfloat16, float16 or null, "
                              f"got {self.calib_dtype!r}")
+        if not isinstance(self.calib_dataset, str) or not self.calib_dataset.strip():
+            raise ValueError(f"recipe {self.name!r}: calib_dataset must be a dataset name such as 'builtin', "
+                             f"got {self.calib_dataset!r}")
         if self.calib_reduce not in REDUCES:
             raise ValueError(f"recipe {self.name!r}: calib_reduce must be one of {REDUCES}, got {self.calib_reduce!r}")
         if self.calib_importance not in IMPORTANCE:
@@ -91,12 +95,13 @@ class Recipe:
         (else the run's `dtype`), so the key matches the shipped calibration whatever the run's --dtype."""
         return dict(num_prompts=self.calib_num_prompts, max_tokens=self.calib_max_tokens,
                     min_tokens=max(64, self.calib_max_tokens // 2), k=self.calib_k, reduce=self.calib_reduce,
-                    dtype=self.calib_dtype or dtype)
+                    dtype=self.calib_dtype or dtype, dataset=self.calib_dataset)
 
     def describe(self) -> str:
         on = [f"{f}={getattr(self, f):g}" if isinstance(getattr(self, f), float) else
               f if isinstance(getattr(self, f), bool) else f"{f}={getattr(self, f)}" for f in LEVERS if getattr(self, f)]
         calib = f"k{self.calib_k}/{self.calib_reduce}/w={self.calib_importance}"
+        calib += f"/d={self.calib_dataset}" if self.calib_dataset != "builtin" else ""
         return f"recipe={self.name} M={self.num_anchors} calib={calib}" + (" " + " ".join(on) if on else "")
 
     def replace(self, **overrides) -> "Recipe":
@@ -231,6 +236,11 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "dps_tail": dict(num_anchors=5, calib_reduce="tail", sink_tokens=4, recent_window=60, decode_only=True),
     "dps_m7t": dict(num_anchors=7, calib_reduce="tail", calib_importance="sqrt", sink_tokens=4, recent_window=60,
                     decode_only=True),
+    # ... and with each calibration prompt followed by its gold answer, so the last tiles copy from the needles
+    "dps_tail_ans": dict(num_anchors=5, calib_reduce="tail", calib_dataset="builtin_answers", sink_tokens=4,
+                         recent_window=60, decode_only=True),
+    "dps_m7t_ans": dict(num_anchors=7, calib_reduce="tail", calib_importance="sqrt", calib_dataset="builtin_answers",
+                        sink_tokens=4, recent_window=60, decode_only=True),
 }
 
 

@@ -100,7 +100,7 @@ class CalibrationKey:
         if self.k <= self.tile_size:
             raise ValueError(f"calibration k must exceed tile_size ({self.tile_size}): k - tile_size keys are "
                              f"selected on top of the diagonal tile, got k={self.k}")
-        if self.dataset == "builtin" and (self.dataset_config, self.dataset_split) != (None, None):
+        if self.dataset in ("builtin", "builtin_answers") and (self.dataset_config, self.dataset_split) != (None, None):
             object.__setattr__(self, "dataset_config", None)
             object.__setattr__(self, "dataset_split", None)
 

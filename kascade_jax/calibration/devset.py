@@ -29,6 +29,8 @@ from kascade_jax.tasks import synthetic
 
 DEVSET_TAG = 0xCA11B  # the seed-stream tag of built-in calibration prose prompts; evaluation never uses it
 BUILTIN = "builtin"
+BUILTIN_ANSWERS = "builtin_answers"  # the built-in set with each RULER-style prompt followed by its gold answer
+BUILTINS = (BUILTIN, BUILTIN_ANSWERS)
 _RULER_KINDS = ("niah_multikey_1", "vt", "niah_multivalue", "niah_multiquery")
 _KINDS = _RULER_KINDS[:2] + ("prose",) + _RULER_KINDS[2:]
 _PROSE_QUESTIONS = (
@@ -53,8 +55,12 @@ def _check_sizes(num_prompts: int, min_tokens: int, max_tokens: int):
 
 
 def builtin_devset(tokenizer, num_prompts: int, *, min_tokens: int = 2048, max_tokens: int = 4096, seed: int = 0,
-                   start: int = 0, chat: bool = True) -> list[DevPrompt]:
-    """Prompts `start .. start + num_prompts - 1` of the built-in development set (deterministic in seed)."""
+                   start: int = 0, chat: bool = True, answers: bool = False) -> list[DevPrompt]:
+    """Prompts `start .. start + num_prompts - 1` of the built-in development set (deterministic in seed).
+
+    answers=True: every RULER-style prompt ends with its gold answer, as the model would write it, so that the last
+    query tiles are the answer being copied from the needles (what a decode step does); prose prompts are unchanged.
+    """
     _check_sizes(num_prompts, min_tokens, max_tokens)
     out = []
     for index in range(start, start + num_prompts):
@@ -67,7 +73,8 @@ def builtin_devset(tokenizer, num_prompts: int, *, min_tokens: int = 2048, max_t
             spec = synthetic.get_task(kind)
             sample = synthetic.generate_sample(kind, tokenizer, target + spec.max_new_tokens, index, seed=seed,
                                                split="dev", chat=chat)
-            ids = prompt_lib.encode(tokenizer, sample["input"])
+            text = sample["input"] + (" " + " ".join(sample["answers"]) if answers else "")
+            ids = prompt_lib.encode(tokenizer, text)
         out.append(DevPrompt(kind, tuple(ids)))
     return out
 
@@ -146,10 +153,10 @@ def hf_devset(name: str, tokenizer, num_prompts: int, *, config: str | None = No
 def load_devset(dataset: str, tokenizer, num_prompts: int, *, min_tokens: int = 2048, max_tokens: int = 4096,
                 seed: int = 0, dataset_config: str | None = None, dataset_split: str = "validation",
                 start: int = 0, chat: bool = True) -> list[DevPrompt]:
-    if dataset == BUILTIN:
+    if dataset in BUILTINS:
         return builtin_devset(tokenizer, num_prompts, min_tokens=min_tokens, max_tokens=max_tokens, seed=seed,
-                              start=start, chat=chat)
+                              start=start, chat=chat, answers=dataset == BUILTIN_ANSWERS)
     if start:
-        raise ValueError(f"start is only supported for --dataset={BUILTIN}, got start={start}")
+        raise ValueError(f"start is only supported for --dataset={BUILTIN} or {BUILTIN_ANSWERS}, got start={start}")
     return hf_devset(dataset, tokenizer, num_prompts, config=dataset_config, split=dataset_split,
                      min_tokens=min_tokens, max_tokens=max_tokens, seed=seed, chat=chat)

@@ -148,8 +148,10 @@ def config_fields(config: str) -> dict:
         key, eq, val = tok.partition("=")
         if key == "M" and val.isdigit():
             out["num_anchors"] = int(val)
-        elif key == "calib" and (m := re.fullmatch(r"k(\d+)/(\w+)/w=(\w+)", val)):
+        elif key == "calib" and (m := re.fullmatch(r"k(\d+)/(\w+)/w=(\w+)(?:/d=(\S+))?", val)):
             out.update(calib_k=int(m.group(1)), calib_reduce=m.group(2), calib_importance=m.group(3))
+            if m.group(4):
+                out["calib_dataset"] = m.group(4)
         elif key in BOOL_LEVERS and not eq:
             out[key] = True
         elif key in LEVERS and eq:

@@ -6,6 +6,7 @@ from absl import flags
 from absl.testing import flagsaver
 
 from experiments import cli, recipe_flags
+from kascade_jax import recipes
 from kascade_jax.calibration import resolve
 
 
@@ -21,3 +22,20 @@ def test_flag_path_finds_the_shipped_calibration(tmp_path, model_name, dtype, re
     kw.pop("recalibrate")
     found, near = resolve.find_cached(resolve.calibration_key(model_name, tile_size=32, **kw), tmp_path)
     assert found is not None and found.parent == resolve.PACKAGED_DIR, near
+
+
+def test_calib_dataset_flag_reaches_the_calibration_key_and_the_config_string():
+    from kascade_jax.eval import accuracy
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--recipe=candidate:dps_tail", "--calib_dataset=builtin_answers"])
+        r = recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+        kw = recipe_flags.calibration_kwargs(r, "bfloat16")
+    assert r.name == "dps_tail*" and kw["dataset"] == "builtin_answers" and kw["reduce"] == "tail"
+    key = resolve.calibration_key("qwen2.5-coder-0.5b", tile_size=32, **{k: v for k, v in kw.items()
+                                                                        if k != "recalibrate"})
+    assert "builtin_answers" in key.name()
+    assert "calib=k64/tail/w=paper/d=builtin_answers " in r.describe() + " "
+    assert accuracy.config_fields(r.describe())["calib_dataset"] == "builtin_answers"
+    assert "calib_dataset" not in accuracy.config_fields(recipes.candidate("dps").describe())

@@ -306,6 +306,25 @@ def test_builtin_devset_sizes_determinism_and_disjoint_subsets():
         builtin_devset(tok, 0)
 
 
+def test_builtin_answers_devset_ends_each_task_prompt_with_its_answer(monkeypatch):
+    from kascade_jax.calibration.devset import load_devset
+    from kascade_jax.tasks import synthetic
+
+    tok, seen, real = FakeTokenizer(), [], synthetic.generate_sample
+    monkeypatch.setattr(synthetic, "generate_sample", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    plain = load_devset("builtin", tok, 5, min_tokens=500, max_tokens=800, seed=1)
+    seen.clear()
+    ans = load_devset("builtin_answers", tok, 5, min_tokens=500, max_tokens=800, seed=1)
+    assert [p.kind for p in ans] == [p.kind for p in plain] and len(seen) == 4  # prose has no gold answer
+    samples = iter(seen)
+    for p, a in zip(plain, ans):
+        if p.kind == "prose":
+            assert a.token_ids == p.token_ids
+            continue
+        gold = tok.encode(" " + " ".join(next(samples)["answers"]))
+        assert a.token_ids == p.token_ids + tuple(gold) and gold, p.kind
+
+
 def test_hf_devset_offline_error(monkeypatch):
     from kascade_jax.calibration.devset import load_devset
 
