@@ -292,7 +292,7 @@ def _answer_pass(model, prompts: list[list[int]], dense, strategies: dict[str, A
     return out
 
 
-_ANSWER_LISTS = ("agree", "first", "reproduced", "kl", "task", "dmass", "dmass_n")
+_ANSWER_LISTS = ("agree", "first", "reproduced", "kl", "task", "dmass", "dmass_n", "pid", "first_diff")
 
 
 def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any], *, eos, steps: int = ANSWER_STEPS,
@@ -305,8 +305,10 @@ def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any]
     end-of-sequence token do not count), `first_agree` (step 0 only: the prefill's last logits), `reproduced`
     (share of prompts whose every answer step agrees: exactly the prompts where its greedy decode would write
     dense's answer), `kl` (mean over answer steps), `per_task` (the same per task when `tasks` names each prompt's
-    task), the per-layer decode mass (`decode_mass_*`, over every probed step), failures and their first errors.
-    Prompts run in batches of `batch` in length order, each batch's dense pass shared by every strategy.
+    task), the per-layer decode mass (`decode_mass_*`, over every probed step), failures and their first errors,
+    and `per_prompt` (in the order of `prompts`: `reproduced` 0/1 and `first_diff`, the first answer step that
+    disagrees, -1 if none; None where the batch failed), to pair with free-running answers. Prompts run in batches of `batch` in length order,
+    each batch's dense pass shared by every strategy.
 
     Resumable like `evaluate_fidelity`: until the last prompt every result carries `prompts_done` and `state`;
     `on_batch(results)` gets them after each batch, and `prior` (name -> such a result, all at one `prompts_done`
@@ -333,7 +335,8 @@ def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any]
                              f"and {steps} steps, got { {n: (prior.get(n) or {}).get('prompts_done') for n in strategies} }")
         for name in strategies:
             st = prior[name]["state"]
-            acc[name].update({k: [np.asarray(x) for x in st[k]] if k == "dmass" else list(st[k]) for k in _ANSWER_LISTS},
+            acc[name].update({k: [np.asarray(x) for x in st[k]] if k == "dmass" else list(st.get(k, []))
+                              for k in _ANSWER_LISTS},
                              failures=int(st["failures"]), errors=list(st["errors"]))
     t_all = time.perf_counter()
     batches = [order[i:i + batch] for i in range(start, len(order), batch)]
@@ -359,6 +362,9 @@ def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any]
                 a["reproduced"].append(float(r["agree"][row][v].all()))
                 a["kl"].append(float(r["kl"][row][v].mean()))
                 a["task"].append(tasks[idx[row]])
+                a["pid"].append(int(idx[row]))
+                miss = np.flatnonzero(~r["agree"][row][v].astype(bool))
+                a["first_diff"].append(int(miss[0]) if miss.size else -1)
             if r["dmass"] is not None:
                 a["dmass"].append(r["dmass"])
                 a["dmass_n"].append(len(idx))  # batches differ in size: the mass is weighted by prompts
@@ -399,6 +405,11 @@ def _answer_summary(a: dict, prompts: int, steps: int, done: int) -> dict:
                decode_mass_oracle=None if dm is None else dm[:, 1].tolist(),
                decode_mass_ratio=None if dm is None else (dm[:, 0] / np.maximum(dm[:, 1], 1e-12)).tolist(),
                decode_mass_ratio_heads=None if dh is None else (dh[:, 0] / np.maximum(dh[:, 1], 1e-12)).tolist())
+    if done == prompts and len(a["pid"]) == len(a["agree"]):  # a prior from before per_prompt existed has none
+        rep, diff = [None] * prompts, [None] * prompts  # None: the prompt's batch failed
+        for pid, r, f in zip(a["pid"], a["reproduced"], a["first_diff"]):
+            rep[pid], diff[pid] = int(r), int(f)
+        out["per_prompt"] = dict(reproduced=rep, first_diff=diff)
     if done < prompts:
         out["state"] = dict({k: [np.asarray(x).tolist() for x in a[k]] if k == "dmass" else list(a[k])
                              for k in _ANSWER_LISTS}, failures=a["failures"], errors=list(a["errors"]))

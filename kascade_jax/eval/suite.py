@@ -525,6 +525,9 @@ def _run_answers(spec, model, tokenizer, runs, ctx, window, finished, rows, reco
                                         chunk_size=spec.prefill_chunk, progress=progress, log=log, prior=prior,
                                         on_batch=lambda res: keep(res, False))
     wall = time.perf_counter() - t0
+    for f in res.values():  # name each prompt as the RULER rows do, to pair with free-running answers
+        if "per_prompt" in f:
+            f["per_prompt"].update(task=[t for t, _ in pool], index=[int(x["index"]) for _, x in pool])
     keep(res, True)
     for key, r in keys.items():
         f = res[key]

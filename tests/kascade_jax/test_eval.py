@@ -633,6 +633,7 @@ def test_answer_fidelity_resumes_after_a_cut_with_the_same_numbers(tiny_model, r
         fidelity.evaluate_answers(tiny_model, prompts, st, batch=2, prior=saved[0], **dict(kw, steps=5))
     resumed = fidelity.evaluate_answers(tiny_model, prompts, st, batch=2, prior=saved[0], **kw)["k"]
     assert resumed["prompts_done"] == 4 and "state" not in resumed and resumed["per_task"]["b"]["n"] == 2
+    assert resumed["per_prompt"] == whole["per_prompt"] and len(whole["per_prompt"]["first_diff"]) == 4
     for key in ("agree", "first_agree", "reproduced", "kl"):
         np.testing.assert_allclose(resumed[key], whole[key], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(resumed["decode_mass_ratio"], whole["decode_mass_ratio"], rtol=1e-5)
@@ -660,3 +661,6 @@ def test_answer_fidelity_counts_what_greedy_decoding_would_write(smollm2):
     assert 0.0 < res["reproduced"] == np.mean((dense == mine).all(axis=1)) < 1.0
     assert res["first_agree"] == np.mean(dense[:, 0] == mine[:, 0])
     assert 0.0 < res["agree"] < 1.0 and res["kl"] > 1e-3
+    same = dense == mine  # per prompt, in the prompts' order: whether and where its own answer leaves dense's
+    assert res["per_prompt"]["reproduced"] == same.all(axis=1).astype(int).tolist()
+    assert res["per_prompt"]["first_diff"] == [int(np.argmin(s)) if not s.all() else -1 for s in same]
