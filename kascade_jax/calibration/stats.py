@@ -190,7 +190,8 @@ def layer_similarity_row(scores, diag, prev_idx, kv_len, tile_size: int, num_sel
         row = jnp.min(jnp.where(valid, r, jnp.inf), axis=-1)
         row = jnp.where(jnp.isfinite(row), row, 1.0)  # a prompt of one tile has nothing to compare
     else:
-        row = jnp.sum(jnp.where(valid, r, 0.0), axis=-1) / jnp.maximum(jnp.sum(valid, axis=-1), 1)
+        n = jnp.sum(valid, axis=-1)
+        row = jnp.where(n > 0, jnp.sum(jnp.where(valid, r, 0.0), axis=-1) / jnp.maximum(n, 1), 1.0)  # as min
     return idx, row
 
 

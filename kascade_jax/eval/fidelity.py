@@ -307,8 +307,8 @@ def evaluate_answers(model, prompts: list[list[int]], strategies: dict[str, Any]
     dense's answer), `kl` (mean over answer steps), `per_task` (the same per task when `tasks` names each prompt's
     task), the per-layer decode mass (`decode_mass_*`, over every probed step), failures and their first errors,
     and `per_prompt` (in the order of `prompts`: `reproduced` 0/1 and `first_diff`, the first answer step that
-    disagrees, -1 if none; None where the batch failed), to pair with free-running answers. Prompts run in batches of `batch` in length order,
-    each batch's dense pass shared by every strategy.
+    disagrees, -1 if none; None where the batch failed), to pair with free-running answers. Prompts run in
+    batches of `batch` in length order, each batch's dense pass shared by every strategy.
 
     Resumable like `evaluate_fidelity`: until the last prompt every result carries `prompts_done` and `state`;
     `on_batch(results)` gets them after each batch, and `prior` (name -> such a result, all at one `prompts_done`
