@@ -19,8 +19,8 @@ if os.environ.get("KASCADE_TEST_JAX_CACHE"):
 
 @pytest.fixture
 def rng(request):
-    """A fresh numpy Generator per test; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A fresh numpy Generator per test; the seed is printed so a failure can be replayed with KASCADE_TEST_SEED."""
+    seed = int(os.environ.get("KASCADE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"[seed] {request.node.nodeid}: {seed}")
     return np.random.default_rng(seed)
 

@@ -1,12 +1,17 @@
-"""The entry points parse and list every flag (`--helpfull`), without loading a model."""
+"""The entry points parse and list every flag (`--helpfull`), without loading a model (the probes are forked from a
+server that has imported the libraries: tests/cli_fork.py)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import cli_fork
+
 ROOT = Path(__file__).resolve().parents[2]
+ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
 
 EXPECTED = {
     "generate": ["--model", "--prompt", "--prompt_file", "--max_new_tokens", "--temperature", "--top_p", "--top_k",
@@ -29,8 +34,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_helpfull_lists_flags(name):
-    res = subprocess.run([sys.executable, "-m", f"experiments.{name}", "--helpfull"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    res = cli_fork.run(["-m", f"experiments.{name}", "--helpfull"], ENV, cwd=ROOT)
     # absl prints the help and exits with status 1
     assert res.returncode in (0, 1) and "Traceback" not in res.stderr, res.stderr[-2000:]
     for flag in EXPECTED[name]:
@@ -70,8 +74,7 @@ def test_every_entry_point_is_covered():
 
 @pytest.mark.parametrize("name", sorted(SHARED_HELP))
 def test_help_exits_0_and_lists_the_shared_flags(name):
-    res = subprocess.run([sys.executable, "-m", f"experiments.{name}", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    res = cli_fork.run(["-m", f"experiments.{name}", "--help"], ENV, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     listed = {line.split(":")[0].strip().replace("--[no]", "--") for line in res.stdout.splitlines()
               if line.startswith("  --")}
@@ -81,8 +84,7 @@ def test_help_exits_0_and_lists_the_shared_flags(name):
 
 
 def test_generate_requires_a_prompt():
-    res = subprocess.run([sys.executable, "-m", "experiments.generate"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    res = cli_fork.run(["-m", "experiments.generate"], ENV, cwd=ROOT)
     assert res.returncode != 0 and "--prompt" in (res.stderr + res.stdout)
 
 
@@ -240,8 +242,7 @@ def test_bench_plots_label_shape(tmp_path):
 
 
 def _bench(*args):
-    return subprocess.run([sys.executable, "-m", "experiments.bench", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    return cli_fork.run(["-m", "experiments.bench", *args], ENV, cwd=ROOT)
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
@@ -277,6 +278,10 @@ def test_generate_and_speed_show_what_runs():
     (from the SmolLM2 calibration shipped in the package); speed also shows tqdm progress."""
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
            "KASCADE_JAX_CALIBRATION_DIR": "/nonexistent/empty-cache"}  # only the shipped calibration can match
+    # launch.sh test's compile settings (lowest XLA effort, this worker's compile cache): what is checked here is
+    # what the commands print, not their speed (the two SmolLM2 compiles took 160 s of the suite at full effort)
+    env.update({k: v for k, v in os.environ.items() if k == "JAX_DISABLE_MOST_OPTIMIZATIONS"
+                or k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))})
     # the two commands are independent: both start at once (each loads the model and compiles on its own core)
     procs = [subprocess.Popen([sys.executable, "-m", *cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env)

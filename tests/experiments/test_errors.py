@@ -1,5 +1,6 @@
 """Bad input ends an entry point with one line, `error: <message>`, and status 2 (experiments.cli), before any
-model loads; --verbose gives the traceback; Ctrl-C exits 130. The subprocesses here import no model."""
+model loads; --verbose gives the traceback; Ctrl-C exits 130. The subprocesses here import no model (they are forked
+from a server that has imported the libraries: tests/cli_fork.py; the Ctrl-C probe is a plain subprocess)."""
 
 import math
 import signal
@@ -10,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli_fork
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
 
 
-def _run(*args, timeout=120):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
+def _run(*args, timeout=120, env=ENV):
+    return cli_fork.run(args, env, cwd=ROOT, timeout=timeout)
 
 
 def _one_line_error(res, *needles):
@@ -223,13 +226,11 @@ def test_eval_on_a_mesh_checks_the_batch_of_every_context_before_loading(tmp_pat
     8192 // 8192 = 1 does not; refused before the model loads. fidelity on data:2 is refused too."""
     env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     common = ["-m", "experiments.eval", "--model=/nonexistent/model", "--mesh=data:2", "--strategies=dense"]
-    res = subprocess.run([sys.executable, *common, "--tasks=synthetic:niah_single_2", "--batch_size=2",
-                          "--batch_tokens=8192", "--context_lengths=4096,8192", f"--output_dir={tmp_path / 'a'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    res = _run(*common, "--tasks=synthetic:niah_single_2", "--batch_size=2", "--batch_tokens=8192",
+               "--context_lengths=4096,8192", f"--output_dir={tmp_path / 'a'}", env=env)
     _one_line_error(res, "--batch_tokens=8192 gives batch 1 at context 8192", "data:2 does not divide")
-    res = subprocess.run([sys.executable, *common, "--tasks=synthetic:niah_single_2,fidelity", "--batch_size=2",
-                          "--context_lengths=4096", f"--output_dir={tmp_path / 'b'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    res = _run(*common, "--tasks=synthetic:niah_single_2,fidelity", "--batch_size=2", "--context_lengths=4096",
+               f"--output_dir={tmp_path / 'b'}", env=env)
     _one_line_error(res, "fidelity runs one document at a time")
 
 

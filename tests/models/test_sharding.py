@@ -300,7 +300,9 @@ def check_decode_per_shard(rng, kernels, mesh, *, kv_heads, group, d, b, max_len
             valid = (np.arange(t)[None, :] < np.asarray(kv_len)[:, None])[:, :, None, None]
             got, want = np.where(valid, got, 0), np.where(valid, want, 0)
         if exact:
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"layer {layer}")
+            # Same math, but XLA may fuse the per-shard program's sums in another order: a few float32 ulps
+            # (seed 2725017714 gave 9e-6 on outputs of size 4.6, which failed at 1e-6 in CI).
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"layer {layer}")
             np.testing.assert_array_equal(np.asarray(sharded_state["idx"]), np.asarray(state["idx"]))
         else:
             np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=f"layer {layer}")
