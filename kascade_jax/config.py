@@ -35,6 +35,12 @@ Recipe levers (all off by default, i.e. the paper's method; see results/accuracy
   selects its Top-k for the reuse layers. The paper's anchors attend sparsely over their own selection; they
   compute the full softmax anyway, so the dense output costs one P.V product (or comes with cuDNN's LSE).
 - `decode_only` doubles as a lever: dense prefill, Kascade decode (a recipe may set it).
+- `decode_rerank` (C, 1 = off): in decode every anchor selects C times the budget (fraction and floor, capped at
+  every key) as candidates, and every reuse layer ranks its anchor's candidates by its own pooled post-softmax
+  scores (softmax over the candidates) and attends its own Top-k of them, the anchor's forced keys kept. A reuse
+  layer then reads C k keys' K rows and k V rows instead of k of each. Why: a reuse layer's own Top-k keeps about
+  0.93 of its decode mass where its anchor's keeps 0.84, and the best of the anchor's top 4k keeps 0.91
+  (results/accuracy/cpu_2026-12-03_shift_probe).
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
@@ -82,9 +88,10 @@ class KascadeConfig:
     prefill_topk_frac: float | None = None  # prefill budget fraction (None: topk_frac)
     decode_topk_frac: float | None = None  # decode budget fraction (None: topk_frac)
     prefill_dense_anchors: bool = False  # prefill: anchor layers output dense attention (they still select)
+    decode_rerank: int = 1  # decode: anchors select C x the budget, each reuse layer keeps its own Top-k of those
 
     def __post_init__(self):
-        for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size"):
+        for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size", "decode_rerank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -103,6 +110,9 @@ class KascadeConfig:
                 raise ValueError(f"{name} must be None or in (0, 1] and a multiple of 1e-4, got {value!r}") from None
         if self.pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        if self.decode_rerank > 1 and self.pool == "all":
+            raise ValueError("decode_rerank ranks candidates per KV head, and pool='all' shares one index set between "
+                             "all heads: use pool 'gqa' or 'pre_softmax' with decode_rerank > 1")
         for name in ("sink_tokens", "recent_window", "dense_suffix", "local_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

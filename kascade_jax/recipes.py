@@ -24,7 +24,7 @@ from typing import Any
 
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
-          "tile_size", "prefill_dense_anchors", "decode_only")
+          "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank")
 BOOL_LEVERS = ("prefill_dense_anchors", "decode_only")
 
 
@@ -48,6 +48,7 @@ class Recipe:
     tile_size: int | None = None  # prefill query tile (None: KascadeConfig's 32)
     prefill_dense_anchors: bool = False  # prefill: anchor layers output dense attention (they still select)
     decode_only: bool = False  # dense prefill, Kascade decode
+    decode_rerank: int | None = None  # decode: anchors select C x the budget, each reuse layer keeps its own Top-k
     note: str = ""  # why this recipe (what it measured on the dev split)
 
     def __post_init__(self):
@@ -68,6 +69,9 @@ class Recipe:
         for f in BOOL_LEVERS:
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"recipe {self.name!r}: {f} must be true or false, got {getattr(self, f)!r}")
+        rr = self.decode_rerank
+        if rr is not None and (isinstance(rr, bool) or not isinstance(rr, int) or rr < 1):
+            raise ValueError(f"recipe {self.name!r}: decode_rerank must be null or an int >= 1, got {rr!r}")
         ts = self.tile_size
         if ts is not None and (isinstance(ts, bool) or ts not in (16, 32, 64)):
             raise ValueError(f"recipe {self.name!r}: tile_size must be null, 16, 32 or 64, got {ts!r}")
@@ -241,6 +245,12 @@ CANDIDATES: dict[str, dict[str, Any]] = {
                          recent_window=60, decode_only=True),
     "dps_m7t_ans": dict(num_anchors=7, calib_reduce="tail", calib_importance="sqrt", calib_dataset="builtin_answers",
                         sink_tokens=4, recent_window=60, decode_only=True),
+    # issue 21 session 8 (CPU probe, 0.5B at 4K on niah_multikey_2/3 and vt): a reuse layer keeps 0.835 of its
+    # decode mass with its anchor's Top-k, 0.934 with its own; neither a better source anchor (0.845) nor the
+    # selected keys' neighbours (0.820 at the same budget) close the gap, but its own Top-k among the anchor's top
+    # 2k / 4k keys keeps 0.872 / 0.905. Each reuse layer then reads C k K rows and k V rows.
+    "dps_rr2": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, decode_rerank=2),
+    "dps_rr4": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, decode_rerank=4),
 }
 
 

@@ -8,6 +8,8 @@ Per layer (see models/README.md for layouts), with `cfg = strategy.config`:
   and still emits indices;
 - reuse layers attend sparsely over the most recent anchor's indices, KV head h reading index head
   `cfg.head_map_row(layer)[h]`.
+With `decode_rerank` = C a decode anchor selects C times the budget and each reuse layer keeps its own Top-k of
+those candidates (`rerank_decode`, plain JAX ops before the reuse kernel).
 The attended set is the indices plus the causal diagonal tile in prefill, the indices alone in decode; softmax
 is renormalised over it. The state threaded between layers is `{"idx", "counts"}` of the most recent anchor
 (`None` before layer 0): prefill idx [batch, idx_heads, tiles, k_max] + counts [batch, tiles], decode idx
@@ -48,6 +50,7 @@ from kernels_pallas.dense import dense_attention, on_gpu
 from kernels_pallas.paged import gather_pages
 from kernels_pallas.prefill import dense_prefill, dense_prefill_supported
 from kernels_pallas.reference import (
+    FORCED_SCORE,
     attention_reference,
     decode_counts,
     max_budget,
@@ -240,6 +243,62 @@ def prefill_budget(cfg: KascadeConfig, q_start, kv_len, seq_len, q_len: int):
     return _round_up(counts, cfg.k_multiple, eligible)
 
 
+def rerank_config(cfg: KascadeConfig) -> KascadeConfig:
+    """What an anchor selects in decode under `decode_rerank` = C: C times the decode fraction (capped at 1) and
+    C times min_k. Reuse layers keep `decode_budget(cfg)` keys of these candidates (`rerank_decode`)."""
+    c = cfg.decode_rerank
+    if c == 1:
+        return cfg
+    return dataclasses.replace(cfg, decode_topk_frac=min(1.0, round(c * cfg.decode_frac, 4)), min_k=c * cfg.min_k,
+                               decode_rerank=1)
+
+
+def rerank_decode(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int):
+    """A reuse layer's own decode Top-k among its anchor's candidates.
+
+    q [batch, 1, q_heads, d]; cand [batch, kv_heads, C] int32 (-1 past the anchor's count), already mapped through
+    the head map; key_rows(idx [batch, kv_heads, C]) -> K rows [batch, kv_heads, C, d]. Scores are this layer's
+    post-softmax probabilities over the candidates, summed over the GQA group; the forced keys (sinks, recent
+    window) stay first. Returns (idx [batch, kv_heads, k_max] int32, -1 past the count; counts [batch])."""
+    b, _, hq, d = q.shape
+    kvh = cand.shape[1]
+    valid = cand >= 0
+    kc = key_rows(jnp.maximum(cand, 0)).astype(jnp.float32)
+    qg = q[:, 0].astype(jnp.float32).reshape(b, kvh, hq // kvh, d)
+    logits = jnp.einsum("bhgd,bhcd->bhgc", qg, kc, precision=lax.Precision.HIGHEST) / jnp.sqrt(jnp.float32(d))
+    logits = jnp.where(valid[:, :, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    pooled = (p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)).sum(2)  # [batch, kv_heads, C]
+    if cfg.sink_tokens or cfg.recent_window:
+        forced = (cand < cfg.sink_tokens) | (cand >= kv_len[:, None, None] - cfg.recent_window)
+        pooled = jnp.where(forced, FORCED_SCORE, pooled)
+    pooled = jnp.where(valid, pooled, -jnp.inf)
+    counts = decode_budget(cfg, kv_len)
+    k_max = min(k_max, cand.shape[-1])
+    vals, pos = lax.top_k(pooled, k_max)
+    keep = (jnp.arange(k_max)[None, None, :] < counts[:, None, None]) & jnp.isfinite(vals)
+    return jnp.where(keep, jnp.take_along_axis(cand, pos, axis=-1), -1).astype(jnp.int32), counts
+
+
+def _rows_contiguous(k):
+    """key_rows for rerank_decode over a contiguous cache k [batch, keys, kv_heads, d]."""
+    b, _, kvh, _ = k.shape
+    return lambda idx: k[jnp.arange(b)[:, None, None], idx, jnp.arange(kvh)[None, :, None]]
+
+
+def _rows_paged(k_pages, page_table):
+    """key_rows for rerank_decode through a page table (k_pages [num_pages, page_size, kv_heads, d])."""
+    n, ps, kvh, _ = k_pages.shape
+    b = page_table.shape[0]
+
+    def rows(idx):
+        page = jnp.clip(page_table[jnp.arange(b)[:, None, None], idx // ps], 0, n - 1)
+        return k_pages[page, idx % ps, jnp.arange(kvh)[None, :, None]]
+
+    return rows
+
+
 def _contiguous_view(inputs):
     """Paged prefill: gather the pages of this chunk's sequences into a contiguous [batch, max_pages * page_size]
     view and run the contiguous prefill on it. One copy of the K/V per prefill chunk and layer, next to the chunk's
@@ -401,10 +460,15 @@ class KascadeStrategy:
             return self._decode_paged(layer, kern, inputs, state, cfg.head_map_row(layer))
         if cfg.is_anchor(layer):
             row = tuple(range(k.shape[2])) if cfg.pool != "all" else cfg.head_map_row(layer)
-            out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=cfg, k_max=static_k_max(cfg, k.shape[1]),
+            acfg = rerank_config(cfg)
+            out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=acfg, k_max=static_k_max(acfg, k.shape[1]),
                                                   dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
             return out, {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": counts}
         idx, row = self._reuse_indices(layer, state["idx"], inputs.shards, k.shape[2])
+        if cfg.decode_rerank > 1:
+            cand = jnp.take(idx, jnp.asarray(row), axis=1)
+            idx, counts = rerank_decode(q, _rows_contiguous(k), kv_len, cand, cfg, static_k_max(cfg, k.shape[1]))
+            return kern.reuse_decode(q, k, v, kv_len, idx, counts, tuple(range(k.shape[2]))), state
         return kern.reuse_decode(q, k, v, kv_len, idx, state["counts"], row), state
 
     def _decode_paged(self, layer, kern, inputs, state, row):
@@ -414,11 +478,17 @@ class KascadeStrategy:
             raise ValueError(f"kernels {self.kernels!r} have no paged decode (Kernels.paged_anchor_decode / "
                              "paged_reuse_decode); use the contiguous KVCache or kernels='reference' / 'pallas'")
         q, k, v, kv_len = inputs.q, inputs.k_cache, inputs.v_cache, inputs.kv_len
+        max_len = pt.shape[1] * k.shape[1]  # the logical capacity stands in for the contiguous max_len
         if cfg.is_anchor(layer):
-            max_len = pt.shape[1] * k.shape[1]  # the logical capacity stands in for the contiguous max_len
-            out, idx, counts = kern.paged_anchor_decode(q, k, v, pt, kv_len, cfg=cfg, k_max=static_k_max(cfg, max_len),
+            acfg = rerank_config(cfg)
+            out, idx, counts = kern.paged_anchor_decode(q, k, v, pt, kv_len, cfg=acfg,
+                                                        k_max=static_k_max(acfg, max_len),
                                                         dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
             return out, {"idx": idx, "counts": counts}
+        if cfg.decode_rerank > 1:
+            cand = jnp.take(state["idx"], jnp.asarray(row), axis=1)
+            idx, counts = rerank_decode(q, _rows_paged(k, pt), kv_len, cand, cfg, static_k_max(cfg, max_len))
+            return kern.paged_reuse_decode(q, k, v, pt, kv_len, idx, counts, tuple(range(k.shape[2]))), state
         return kern.paged_reuse_decode(q, k, v, pt, kv_len, state["idx"], state["counts"], row), state
 
     def _prefill(self, layer, inputs, state):

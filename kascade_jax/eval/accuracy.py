@@ -208,7 +208,7 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
 def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suffix: int = 0, oracle: bool = False,
                    dense_prefill: bool = False, topk_frac: float = 0.1, prefill_topk_frac: float | None = None,
                    decode_topk_frac: float | None = None, local_window: int = 0, prefill_dense_anchors: bool = False,
-                   ratios: dict | None = None) -> dict:
+                   decode_rerank: int = 1, ratios: dict | None = None) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
@@ -221,12 +221,15 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     a budget measured there is used as it is, others are scaled from the 10% row as described.
     `prefill_dense_anchors`: every prefill anchor costs what anchor 0 costs (dense output + scores + select,
     measured with a prompt in one chunk: cuDNN's output and LSE); `dense_prefill` (decode_only): prefill cost 1.
+    `decode_rerank` C: a decode reuse layer reads C k K rows and k V rows, (C + 1) / 2 of its plain bytes (an
+    estimate from bytes: the rerank's own arithmetic and the anchors' C k attended keys are left out until measured).
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
     df = topk_frac if decode_topk_frac is None else decode_topk_frac
     frac = dict(decode=df, prefill=pf)
     scale = dict(decode=df / 0.1, prefill=(pf + 2.0 * local_window / context) / 0.1)
+    rerank = dict(decode=(decode_rerank + 1) / 2.0, prefill=1.0)
     out = {}
     for phase, r in (("decode", DECODE_RATIOS), ("prefill", PREFILL_RATIOS)):
         if ratios is not None:
@@ -235,7 +238,7 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
             r = measured[frac[phase]] if exact else measured[0.1]
             if exact:
                 scale[phase] = 1.0
-        reuse = r["reuse"] * scale[phase]
+        reuse = r["reuse"] * scale[phase] * rerank[phase]
         dense_anchors = phase == "prefill" and prefill_dense_anchors
         anchor = r["a0"] if dense_anchors else r["anchor"]
         cost = (r["a0"] + (m - 1) * anchor + (num_layers - m) * reuse) / num_layers
@@ -256,7 +259,8 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | N
                           dense_suffix=fields.get("dense_suffix", 0), prefill_topk_frac=fields.get("prefill_topk_frac"),
                           decode_topk_frac=fields.get("decode_topk_frac"), local_window=fields.get("local_window", 0),
                           dense_prefill=bool(fields.get("decode_only")),
-                          prefill_dense_anchors=bool(fields.get("prefill_dense_anchors")), ratios=ratios)
+                          prefill_dense_anchors=bool(fields.get("prefill_dense_anchors")),
+                          decode_rerank=fields.get("decode_rerank") or 1, ratios=ratios)
 
 
 def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, num_layers: int,

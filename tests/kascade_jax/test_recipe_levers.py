@@ -5,6 +5,8 @@ Checked against their definitions on fresh random (peaky) inputs: the forced key
 makes exactly the last n prompt rows dense while every earlier row keeps the plain Kascade output.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -349,3 +351,76 @@ def test_recipe_switches_dense_prefill_and_dense_anchors():
     assert make_strategy("kascade", 4, 2, anchors=(0, 2), **pda.levers()).config.prefill_dense_anchors
     with pytest.raises(ValueError, match="decode_only must be true or false"):
         Recipe(decode_only="yes")
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_decode_rerank_over_every_key_is_each_layers_own_topk(rng, kernels):
+    """decode_rerank with every key a candidate (C x 10% >= 1): each reuse layer attends exactly its own Top-k, so
+    decode equals oracle_topk (layer 0, the only anchor, is dense in both), forced keys included. With C = 2 the
+    reuse layers keep the plain budget and their output moves off the plain reuse's."""
+    from kascade_jax.strategies import decode_budget, rerank_config
+
+    num_layers, kvh, group, d, max_len = 3, 2, 3, 16, 160
+    layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    inputs = [decode_inputs(lay, [max_len, 117]) for lay in layers]
+    kw = dict(anchors=(0,), topk_frac=0.1, min_k=8, sink_tokens=2, recent_window=4, kernels=kernels)
+    every, _ = run_layers(make_strategy("kascade", num_layers, kvh, decode_rerank=10, **kw), inputs)
+    own, _ = run_layers(make_strategy("oracle_topk", num_layers, kvh, **kw), inputs)
+    plain, plain_states = run_layers(make_strategy("kascade", num_layers, kvh, **kw), inputs)
+    two, two_states = run_layers(make_strategy("kascade", num_layers, kvh, decode_rerank=2, **kw), inputs)
+    for layer in (1, 2):
+        np.testing.assert_allclose(np.asarray(every[layer]), np.asarray(own[layer]), rtol=1e-5, atol=1e-5)
+        assert not np.allclose(np.asarray(every[layer]), np.asarray(plain[layer]), atol=1e-3)
+        assert not np.allclose(np.asarray(two[layer]), np.asarray(plain[layer]), atol=1e-3)
+    cfg = KascadeConfig(num_layers=num_layers, kv_heads=kvh, **{k: v for k, v in kw.items() if k != "kernels"})
+    lens = jnp.asarray([max_len, 117])
+    np.testing.assert_array_equal(np.asarray(plain_states[0]["counts"]), np.asarray(decode_budget(cfg, lens)))
+    cand = np.asarray(decode_budget(rerank_config(dataclasses.replace(cfg, decode_rerank=2)), lens))  # 20%: 32, 23
+    np.testing.assert_array_equal(np.asarray(two_states[0]["counts"]), cand)  # the anchor's candidates
+
+
+def test_rerank_decode_matches_numpy(rng):
+    """rerank_decode keeps, per KV head, the budget's best candidates by this layer's post-softmax probabilities
+    over the candidates (summed over the group), forced keys first; -1 past the count."""
+    from kascade_jax.strategies import _rows_contiguous, decode_budget, rerank_decode, static_k_max
+
+    b, s, hq, kvh, d, c_max = 2, 200, 6, 2, 16, 48
+    g = hq // kvh
+    q = rng.normal(size=(b, 1, hq, d)) * 2
+    k = rng.normal(size=(b, s, kvh, d))
+    kv_len = np.array([200, 131])
+    cand = np.full((b, kvh, c_max), -1, np.int32)
+    for bi in range(b):
+        for h in range(kvh):
+            n = c_max - 10 * bi  # fewer candidates in the second sequence
+            cand[bi, h, :n] = rng.choice(kv_len[bi], n, replace=False)
+    cfg = KascadeConfig(num_layers=2, kv_heads=kvh, topk_frac=0.1, min_k=12, sink_tokens=2, recent_window=3)
+    idx, counts = rerank_decode(jnp.asarray(q, jnp.float32), _rows_contiguous(jnp.asarray(k, jnp.float32)),
+                                jnp.asarray(kv_len, jnp.int32), jnp.asarray(cand), cfg, static_k_max(cfg, s))
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(decode_budget(cfg, jnp.asarray(kv_len))))
+    idx = np.asarray(idx)
+    for bi in range(b):
+        for h in range(kvh):
+            c = cand[bi, h][cand[bi, h] >= 0]
+            logits = q[bi, 0, h * g:(h + 1) * g] @ k[bi, c, h].T / np.sqrt(d)
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            score = (p / p.sum(-1, keepdims=True)).sum(0)
+            score[(c < 2) | (c >= kv_len[bi] - 3)] = np.inf
+            want = set(c[np.argsort(-score, kind="stable")[: int(counts[bi])]].tolist())
+            got = idx[bi, h]
+            assert set(got[got >= 0].tolist()) == want and (got >= 0).sum() == int(counts[bi]), (bi, h)
+            assert (got[int(counts[bi]):] == -1).all()
+
+
+def test_decode_rerank_config_checks():
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="decode_rerank"):
+            KascadeConfig(num_layers=2, kv_heads=1, decode_rerank=bad)
+    with pytest.raises(ValueError, match="decode_rerank ranks candidates per KV head"):
+        KascadeConfig(num_layers=2, kv_heads=1, decode_rerank=2, pool="all")
+    from kascade_jax.strategies import rerank_config
+
+    cfg = KascadeConfig(num_layers=2, kv_heads=1, topk_frac=0.1, min_k=16, decode_rerank=4)
+    acfg = rerank_config(cfg)
+    assert (acfg.decode_frac, acfg.min_k, acfg.decode_rerank, acfg.topk_frac) == (0.4, 64, 1, 0.1)
+    assert rerank_config(dataclasses.replace(cfg, decode_rerank=20)).decode_frac == 1.0  # capped: every key
