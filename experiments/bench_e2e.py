@@ -31,6 +31,9 @@ STEPS = flags.DEFINE_list("e2e_steps", ["8", "40"], "Decode step counts N1,N2: p
 ITERS = flags.DEFINE_integer("e2e_iterations", 2, "CUPTI iterations per decode measurement (mean per kernel).")
 WALL_REPS = flags.DEFINE_integer("e2e_wall_repeats", 2, "Blocked wall-clock calls per decode step count (min).")
 TOPK_FRAC = flags.DEFINE_float("e2e_topk_frac", 0.1, "Kascade Top-k fraction.")
+RECIPE = flags.DEFINE_string("e2e_recipe", "default", "Kascade recipe of the real models (default, paper, "
+                             "candidate:<name> or a .json; kascade_jax.recipes); random-weight models keep the paper's "
+                             "anchors and no levers. Give each recipe its own --e2e_tag.")
 MIN_K = flags.DEFINE_integer("e2e_min_k", 128, "Kascade minimum Top-k budget.")
 HEADROOM = flags.DEFINE_float("e2e_headroom_gb", 10.0, "Memory left free when choosing the largest batch (GB).")
 HBM = flags.DEFINE_float("e2e_hbm_tbps", 4.3, "HBM bandwidth of the byte floor (TB/s).")
@@ -105,13 +108,25 @@ def main(argv):
     # every flag value is checked before the devices are touched
     steps = parse_steps(STEPS.value)
     e2e.check_strategies(STRATEGIES.value)
+    from kascade_jax.recipes import load_recipe
+
+    if RECIPE.value != "default" and not TAG.value and not PROFILE.value:
+        raise ValueError(f"--e2e_recipe={RECIPE.value} needs its own --e2e_tag: the rows of e2e.json are the default "
+                         "recipe's, and would be measured over")
     if not PROFILE.value:
         specs = [model_spec(m) for m in MODELS.value]
+        for spec in specs:
+            if not spec.random:
+                try:
+                    load_recipe(spec.alias, RECIPE.value)
+                except ValueError as e:
+                    raise ValueError(f"--e2e_recipe={RECIPE.value}: {e}") from None
         contexts, decode_specs = parse_contexts(CONTEXTS.value), parse_decode_specs(DECODE.value)
         e2e.plan(METRICS.value, contexts, decode_specs)  # --e2e_metrics
     mesh = devices.setup()  # --mesh / --distributed (experiments/devices.py); None: one device
     kw = dict(steps=steps, iterations=ITERS.value, topk_frac=TOPK_FRAC.value, min_k=MIN_K.value,
-              headroom_gb=HEADROOM.value, hbm_tbps=HBM.value, out_dir=OUT.value, seed=SEED.value, mesh=mesh)
+              headroom_gb=HEADROOM.value, hbm_tbps=HBM.value, out_dir=OUT.value, seed=SEED.value, mesh=mesh,
+              recipe=RECIPE.value)
     if PROFILE.value:
         parts = PROFILE_SHAPE.value.split(":")
         if len(parts) != 3:

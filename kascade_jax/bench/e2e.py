@@ -243,7 +243,7 @@ def plan(metrics, contexts, decode_specs):
 
 def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), iterations=2, wall_repeats=2,
         topk_frac=0.1, min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", tag="", resume=True,
-        deadline_s=0.0, compile_threads=1, seed=0, mesh=None, log=print):
+        deadline_s=0.0, compile_threads=1, seed=0, mesh=None, recipe="default", log=print):
     """Measure every planned (model, row, strategy) not yet in <out_dir>/<e2e_stem(tag, mesh)>.json with these
     settings (all planned ones without `resume`), on `mesh` (a models.sharding Mesh) or one device (None); returns
     the rows. The file is saved after every measurement; a row that cannot run (too large for the device, beyond
@@ -267,7 +267,7 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
     gpu = jax.devices()[0].device_kind
     meta["runs"].append(dict(date=date, gpu=gpu, jax=jax.__version__, command=" ".join(sys.argv),
                              devices=n_data * n_model, mesh=mname, topk_frac=topk_frac, min_k=min_k,
-                             steps=list(steps), seed=seed))
+                             steps=list(steps), seed=seed, recipe=recipe))
     dtype = jnp.bfloat16
     budget = device_budget_bytes(mesh)
     bar = tqdm(total=len(specs) * len(todo) * len(strategies), desc="e2e", mininterval=1.0, disable=None)
@@ -275,7 +275,7 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
         max_ctx = max([c for m, c, _ in todo] or [0])
         try:
             model, notes, kascade_kw, model_max, orig_max = build_model(spec, max_ctx, dtype, seed, log=log,
-                                                                        mesh=mesh)
+                                                                        mesh=mesh, recipe=recipe)
         except ValueError as e:
             msg = f"{spec.name}: not measured: {e}"
             log(msg)
@@ -392,7 +392,8 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
 
 
 def profile(spec: ModelSpec, context: int, batch, strategies, *, steps=(8, 40), iterations=2, topk_frac=0.1,
-            min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", seed=0, mesh=None, log=print) -> dict:
+            min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", seed=0, mesh=None, recipe="default",
+            log=print) -> dict:
     """Top kernels of one decode step per strategy, printed and saved as e2e_profile_<model>_<ctx>_b<batch>.json."""
     import jax
     import jax.numpy as jnp
@@ -401,7 +402,7 @@ def profile(spec: ModelSpec, context: int, batch, strategies, *, steps=(8, 40), 
     mname, (n_data, n_model) = mesh_name(mesh), mesh_sizes(mesh)
     if batch != "max":
         check_decode_batches([(context, batch)], mesh)
-    model, notes, kascade_kw, _, _ = build_model(spec, context, jnp.bfloat16, seed, log=log, mesh=mesh)
+    model, notes, kascade_kw, _, _ = build_model(spec, context, jnp.bfloat16, seed, log=log, mesh=mesh, recipe=recipe)
     cfg = model.config
     wbytes, kvpt = weight_bytes(model), kv_bytes_per_token(cfg)
     wdev = wbytes if mesh is None else device_weight_bytes(cfg, mesh)

@@ -45,6 +45,7 @@ SPECS = {s.name: s for s in (
     ModelSpec("llama3.1-8b-random", config_file="llama-3.1-8b.json", anchors=(0, 2, 8, 13, 14)),
     ModelSpec("qwen3-8b-random", config_file="qwen3-8b.json", anchors=(0, 2, 7, 14, 23)),
     ModelSpec("qwen2.5-coder-1.5b", alias="qwen2.5-coder-1.5b"),
+    ModelSpec("qwen2.5-coder-0.5b", alias="qwen2.5-coder-0.5b"),
 )}
 
 
@@ -211,10 +212,11 @@ def weight_bytes(model) -> int:
     return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
-def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print, mesh=None):
+def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print, mesh=None, recipe: str = "default"):
     """(model, notes, kascade kwargs, max context it may run, its config's own max positions) for a spec, placed on
     `mesh` when given; a real model that does not resolve (or a mesh that does not divide its heads) raises
-    ValueError."""
+    ValueError. `recipe` (a `kascade_jax.recipes` name) sets a real model's Kascade; random-weight models keep the
+    paper's anchors and no levers."""
     if spec.random:
         orig, _ = load_shape_config(spec)
         cfg, note = load_shape_config(spec, max_context)
@@ -227,9 +229,10 @@ def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print, 
     from models import load_model
 
     model, _ = load_model(spec.alias, "bfloat16", with_tokenizer=False)
-    # The shipped default recipe (levers, calibrated anchors and head map); never calibrates: without one it raises.
-    kw, note = recipe_kascade(spec.alias, model.config.num_layers, model.config.kv_heads, dtype="bfloat16",
-                              calibrate=False)
+    # The recipe's levers, calibrated anchors and head map (default: the shipped one); never calibrates: without a
+    # calibration it raises.
+    kw, note = recipe_kascade(spec.alias, model.config.num_layers, model.config.kv_heads, recipe=recipe,
+                              dtype="bfloat16", calibrate=False)
     if mesh is not None:
         from models.sharding import shard_model
 

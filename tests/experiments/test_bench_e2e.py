@@ -649,3 +649,18 @@ def test_on_8_simulated_cpu_devices():
     assert res.returncode == 0, tail
     summary = res.stdout.strip().splitlines()[-1]
     assert "3 passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+
+
+def test_e2e_recipe_is_checked_before_the_gpu():
+    """--e2e_recipe: an unknown recipe names the flag, and a recipe other than the default needs its own --e2e_tag
+    (else it would be measured over the default recipe's rows of e2e.json); both before any device is touched."""
+    from tests import cli_fork
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    base = ["-m", "experiments.bench", "--phase=e2e", "--e2e_models=qwen2.5-coder-0.5b", "--e2e_out=/nonexistent"]
+    res = cli_fork.run([*base, "--e2e_recipe=candidate:no_such", "--e2e_tag=x"], env, cwd=root)
+    assert res.returncode == 2 and "--e2e_recipe=candidate:no_such" in res.stderr, res.stderr[-2000:]
+    res = cli_fork.run([*base, "--e2e_recipe=candidate:dps_rr4"], env, cwd=root)
+    assert res.returncode == 2 and "needs its own --e2e_tag" in res.stderr, res.stderr[-2000:]
+    assert "qwen2.5-coder-0.5b" in em.SPECS and not em.SPECS["qwen2.5-coder-0.5b"].random
