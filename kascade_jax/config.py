@@ -113,6 +113,9 @@ class KascadeConfig:
         if self.decode_rerank > 1 and self.pool == "all":
             raise ValueError("decode_rerank ranks candidates per KV head, and pool='all' shares one index set between "
                              "all heads: use pool 'gqa' or 'pre_softmax' with decode_rerank > 1")
+        if self.decode_rerank > 1 and self.oracle_topk:
+            raise ValueError("decode_rerank reranks for reuse layers, and oracle_topk has none (every layer selects "
+                             "its own Top-k): use decode_rerank=1 with oracle_topk")
         for name in ("sink_tokens", "recent_window", "dense_suffix", "local_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

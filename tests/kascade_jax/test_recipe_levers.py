@@ -418,6 +418,8 @@ def test_decode_rerank_config_checks():
             KascadeConfig(num_layers=2, kv_heads=1, decode_rerank=bad)
     with pytest.raises(ValueError, match="decode_rerank ranks candidates per KV head"):
         KascadeConfig(num_layers=2, kv_heads=1, decode_rerank=2, pool="all")
+    with pytest.raises(ValueError, match="oracle_topk has none"):
+        KascadeConfig(num_layers=2, kv_heads=1, decode_rerank=2, oracle_topk=True)
     from kascade_jax.strategies import rerank_config
 
     cfg = KascadeConfig(num_layers=2, kv_heads=1, topk_frac=0.1, min_k=16, decode_rerank=4)
