@@ -10,8 +10,10 @@
 #                                                     skips every finished block) instead of starting over
 #   bash results/accuracy/gpu.sh launch PLAN [P]      start PLAN detached (in a copy of the tree), at most P jobs at once
 #   bash results/accuracy/gpu.sh stop                 end the launched runner and its jobs
-#   bash results/accuracy/gpu.sh wait SECONDS         sleep, then print the job table (keeps the machine busy)
-#   bash results/accuracy/gpu.sh collect TGZ          every finished result + logs into TGZ (results stay in $HOME/acc)
+#   bash results/accuracy/gpu.sh wait SECONDS         sleep, print the job table (keeps the machine busy) and, under
+#                                                     $OUT, collect acc.tgz.part* (so nothing finished is lost)
+#   bash results/accuracy/gpu.sh collect TGZ          results + filtered logs as TGZ.part0.. (15 MiB each; they stay in $HOME/acc)
+#   locally: cat <files_at>/acc.tgz.part* | tar xz -C DIR
 #
 # Plan files (results/accuracy/plan_*.txt): one job per line, "NAME COMMAND-ARGS" where the command is
 # `calibrate ...` (experiments.calibrate), `eval ...` (experiments.eval, output_dir = $HOME/acc/NAME) or `gputest
@@ -119,10 +121,20 @@ case "$cmd" in
     for f in "$ACC"/logs/*.log; do
       [ -f "$f" ] && grep -l "Traceback\|Error" "$f" >/dev/null && { echo "--- $f"; grep -v "^[IW]1" "$f" | tail -n 4; }
     done
+    # Every wait brings back what has finished: a machine left idle for 30 s (an interrupted session) is given back
+    # with everything on it, which lost a whole lease's results once (session 9).
+    if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then bash "$0" collect "$OUT/acc.tgz"; fi
     ;;
-  collect)
-    tgz=${1:?tgz}
-    tar czf "$tgz" -C "$ACC" --exclude='*.png' --exclude='jaxcache' . && ls -la "$tgz"
+  collect)  # TGZ: results, calibrations and filtered logs (no plots, no progress bars); 15 MiB parts TGZ.partN
+    tgz=${1:?tgz}; tmp=$(mktemp -d); logs=$tmp/logs; mkdir -p "$logs"
+    for f in "$ACC"/logs/*; do
+      [ -f "$f" ] && tr '\r' '\n' < "$f" | grep -v -E '^[IW][0-9]{4} |bfc_allocator|it/s\]$|prompt/s\]$|s/prompt\]$' \
+        | tail -n 400 > "$logs/$(basename "$f")"
+    done
+    rm -f "$tgz" "$tgz".part*
+    tar czf "$tgz" -C "$ACC" --exclude='*.png' --exclude='jaxcache' --exclude='./logs' . -C "$tmp" logs \
+      && split -b 15m -d -a 1 "$tgz" "$tgz.part" && rm -f "$tgz" && ls -la "$tgz".part*
+    rm -rf "$tmp"
     ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac
