@@ -83,6 +83,8 @@ def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = Non
         levers = r.levers()
         if TILE_SIZE.present or "tile_size" not in levers:  # an explicit --tile_size wins over the recipe's
             levers["tile_size"] = TILE_SIZE.value
+        if r.decode_rerank_worst:
+            levers["decode_rerank_layers"] = rerank_layers(model, tokenizer, r, anchors, head_map)
         return make_strategy(name, cfg.num_layers, cfg.kv_heads, anchors=anchors, head_map=head_map, topk_frac=frac,
                              min_k=MIN_K.value, rolling_prefill=ROLLING.value,
                              kernels="pallas" if jax.default_backend() == "gpu" else "reference", **levers)
@@ -109,6 +111,19 @@ def resolve_anchors_and_head_map(model, tokenizer, r=None):
     return anchors, head_map
 
 
+def rerank_layers(model, tokenizer, r, anchors, head_map) -> tuple[int, ...]:
+    """The recipe's `decode_rerank_worst` reuse layers least similar to their anchor, from its calibration (the
+    one the anchors came from; with explicit anchors, the recipe's calibration all the same)."""
+    from kascade_jax.calibration import load_or_calibrate
+    from kascade_jax.calibration.head_map import identity_head_map, least_similar_layers
+
+    cfg = model.config
+    art = load_or_calibrate(MODEL.value, model=model, tokenizer=tokenizer, tile_size=TILE_SIZE.value,
+                            **{**recipe_flags.calibration_kwargs(r, DTYPE.value), "recalibrate": False})
+    hm = identity_head_map(cfg.num_layers, cfg.kv_heads) if head_map is None else head_map
+    return least_similar_layers(art.sim, anchors, hm, r.decode_rerank_worst)
+
+
 def describe_strategy(strategy) -> str:
     """One short block: the strategy, its kernels, and the anchors and head map it runs with."""
     cfg = getattr(strategy, "config", None)
@@ -124,6 +139,10 @@ def describe_strategy(strategy) -> str:
         else:
             rows = " ".join(f"L{l}:{list(row)}" for l, row in enumerate(hm) if list(row) != list(range(len(row))))
             lines.append(f"head_map ({HEAD_MAP.value}; rows not listed are the identity): {rows or 'identity'}")
+        if getattr(cfg, "decode_rerank", 1) > 1:
+            rr = cfg.decode_rerank_layers
+            which = "every reuse layer" if rr is None else f"layers {list(rr)}"
+            lines.append(f"decode rerank: {cfg.decode_rerank} x the budget as candidates, in {which}")
         extra = [f"{f}={getattr(cfg, f)}" for f in ("topk_frac", "min_k", "tile_size") if hasattr(cfg, f)]
         lines.append("budget: " + ", ".join(extra))
     return "\n".join(lines)

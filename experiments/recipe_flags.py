@@ -3,7 +3,7 @@
 A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`, `--calib_dataset`,
 `--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`, `--decode_topk_frac`,
-`--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`; each defaults to None,
+`--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`; each defaults to None,
 "the recipe's", and an explicitly given value wins over the `--recipe`. `--anchors` is defined here too, so it
 parses and means the same everywhere
 (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
@@ -47,6 +47,9 @@ DECODE_FRAC = flags.DEFINE_float("decode_topk_frac", None, "recipe lever: decode
                                  "--topk_frac; prefill keeps --topk_frac)")
 RERANK = flags.DEFINE_integer("decode_rerank", None, "recipe lever (decode): anchors select C x the budget and each "
                               "reuse layer keeps its own Top-k of those (1: off)", lower_bound=1)
+RERANK_WORST = flags.DEFINE_integer("decode_rerank_worst", None, "recipe lever (decode, with --decode_rerank > 1): "
+                                    "only the N reuse layers least similar to their anchor in the calibration rerank",
+                                    lower_bound=1)
 DENSE_ANCHORS = flags.DEFINE_boolean("prefill_dense_anchors", None, "recipe lever (prefill): anchor layers output "
                                      "dense attention (they still select the Top-k for the reuse layers)")
 DECODE_ONLY = flags.DEFINE_boolean("decode_only", None, "recipe lever: dense prefill, Kascade decode (as the "
@@ -85,7 +88,8 @@ def _apply_flags(recipe):
         num_anchors=NUM_ANCHORS.value, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
         local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
         prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
-        calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value, calib_importance=CALIB_IMPORTANCE.value,
+        decode_rerank_worst=RERANK_WORST.value, calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,
+        calib_importance=CALIB_IMPORTANCE.value,
         calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
         calib_dtype=CALIB_DTYPE.value, calib_dataset=CALIB_DATASET.value)
 

@@ -41,6 +41,11 @@ Recipe levers (all off by default, i.e. the paper's method; see results/accuracy
   layer then reads C k keys' K rows and k V rows instead of k of each. Why: a reuse layer's own Top-k keeps about
   0.93 of its decode mass where its anchor's keeps 0.84, and the best of the anchor's top 4k keeps 0.91
   (results/accuracy/cpu_2026-12-03_shift_probe).
+- `decode_rerank_layers` (None = every reuse layer): only these reuse layers rerank; the others attend their
+  anchor's Top-k, the first k of its candidates, which each anchor orders by its own pooled scores over them (a
+  rerank of its own: its Top-k but for near ties, since the softmax is over the candidates). Recipes choose them as
+  the reuse layers least similar to their anchor in the calibration (`Recipe.decode_rerank_worst`), where most of
+  the gain lies (the probe: layers 13 and 20-23 of the 0.5B), at a fraction of the cost.
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
@@ -89,6 +94,7 @@ class KascadeConfig:
     decode_topk_frac: float | None = None  # decode budget fraction (None: topk_frac)
     prefill_dense_anchors: bool = False  # prefill: anchor layers output dense attention (they still select)
     decode_rerank: int = 1  # decode: anchors select C x the budget, each reuse layer keeps its own Top-k of those
+    decode_rerank_layers: tuple[int, ...] | None = None  # the reuse layers that rerank (None: all of them)
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size", "decode_rerank"):
@@ -136,6 +142,19 @@ class KascadeConfig:
         if anchors[-1] >= self.num_layers:
             raise ValueError(f"anchors must lie in [0, {self.num_layers - 1}] (num_layers={self.num_layers}), got {anchors}")
 
+        if self.decode_rerank_layers is not None:
+            rr = _as_int_tuple(self.decode_rerank_layers, "decode_rerank_layers")
+            object.__setattr__(self, "decode_rerank_layers", rr)
+            if self.decode_rerank == 1:
+                raise ValueError(f"decode_rerank_layers={list(rr)} needs decode_rerank > 1 (the candidates per key of "
+                                 "the budget that those layers rerank)")
+            if any(b <= a for a, b in zip(rr, rr[1:])):
+                raise ValueError(f"decode_rerank_layers must be strictly increasing, got {list(rr)}")
+            bad = [x for x in rr if not 0 <= x < self.num_layers or x in anchors]
+            if bad:
+                raise ValueError(f"decode_rerank_layers must be reuse layers (in [0, {self.num_layers - 1}], not the "
+                                 f"anchors {list(anchors)}), got {bad}")
+
         if self.head_map is not None:
             rows = tuple(_as_int_tuple(r, f"head_map row {i}") for i, r in enumerate(self.head_map))
             object.__setattr__(self, "head_map", rows)
@@ -176,6 +195,11 @@ class KascadeConfig:
             return layer
         return max(a for a in self.anchors if a <= layer)
 
+    def reranks(self, layer: int) -> bool:
+        """Whether decode at reuse `layer` ranks its anchor's candidates itself (`decode_rerank`)."""
+        return (self.decode_rerank > 1 and not self.is_anchor(layer)
+                and (self.decode_rerank_layers is None or layer in self.decode_rerank_layers))
+
     @property
     def idx_heads(self) -> int:
         """Index sets per layer: one per KV head, or one shared set for pool='all'."""
@@ -194,6 +218,7 @@ class KascadeConfig:
         d = dataclasses.asdict(self)
         d["anchors"] = list(self.anchors)
         d["head_map"] = None if self.head_map is None else [list(r) for r in self.head_map]
+        d["decode_rerank_layers"] = None if self.decode_rerank_layers is None else list(self.decode_rerank_layers)
         return d
 
     def to_json(self, **kwargs) -> str:
@@ -210,6 +235,8 @@ class KascadeConfig:
             d["anchors"] = tuple(d["anchors"])
         if d.get("head_map") is not None:
             d["head_map"] = tuple(tuple(r) for r in d["head_map"])
+        if d.get("decode_rerank_layers") is not None:
+            d["decode_rerank_layers"] = tuple(d["decode_rerank_layers"])
         return cls(**d)
 
     @classmethod

@@ -9,7 +9,8 @@ Per layer (see models/README.md for layouts), with `cfg = strategy.config`:
 - reuse layers attend sparsely over the most recent anchor's indices, KV head h reading index head
   `cfg.head_map_row(layer)[h]`.
 With `decode_rerank` = C a decode anchor selects C times the budget and each reuse layer keeps its own Top-k of
-those candidates (`rerank_decode`, plain JAX ops before the reuse kernel).
+those candidates (`rerank_decode`, plain JAX ops before the reuse kernel); with `decode_rerank_layers` only those
+layers do, and the anchor orders its candidates (`order_candidates`) so that the others read its first k.
 The attended set is the indices plus the causal diagonal tile in prefill, the indices alone in decode; softmax
 is renormalised over it. The state threaded between layers is `{"idx", "counts"}` of the most recent anchor
 (`None` before layer 0): prefill idx [batch, idx_heads, tiles, k_max] + counts [batch, tiles], decode idx
@@ -250,16 +251,13 @@ def rerank_config(cfg: KascadeConfig) -> KascadeConfig:
     if c == 1:
         return cfg
     return dataclasses.replace(cfg, decode_topk_frac=min(1.0, round(c * cfg.decode_frac, 4)), min_k=c * cfg.min_k,
-                               decode_rerank=1)
+                               decode_rerank=1, decode_rerank_layers=None)
 
 
-def rerank_decode(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int):
-    """A reuse layer's own decode Top-k among its anchor's candidates.
-
-    q [batch, 1, q_heads, d]; cand [batch, kv_heads, C] int32 (-1 past the anchor's count), already mapped through
-    the head map; key_rows(idx [batch, kv_heads, C]) -> K rows [batch, kv_heads, C, d]. Scores are this layer's
-    post-softmax probabilities over the candidates, summed over the GQA group; the forced keys (sinks, recent
-    window) stay first. Returns (idx [batch, kv_heads, k_max] int32, -1 past the count; counts [batch])."""
+def _candidate_scores(q, key_rows, kv_len, cand, cfg: KascadeConfig):
+    """This layer's post-softmax probabilities over cand [batch, kv_heads, C] (softmax over the candidates), summed
+    over the GQA group -> [batch, kv_heads, C] fp32: the forced keys (sinks, recent window) at FORCED_SCORE, -inf
+    where cand is -1 (past the anchor's count)."""
     b, _, hq, d = q.shape
     kvh = cand.shape[1]
     valid = cand >= 0
@@ -269,16 +267,40 @@ def rerank_decode(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int):
     logits = jnp.where(valid[:, :, None], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-    pooled = (p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)).sum(2)  # [batch, kv_heads, C]
+    pooled = (p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)).sum(2)
     if cfg.sink_tokens or cfg.recent_window:
         forced = (cand < cfg.sink_tokens) | (cand >= kv_len[:, None, None] - cfg.recent_window)
         pooled = jnp.where(forced, FORCED_SCORE, pooled)
-    pooled = jnp.where(valid, pooled, -jnp.inf)
+    return jnp.where(valid, pooled, -jnp.inf)
+
+
+def rerank_decode(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int):
+    """A reuse layer's own decode Top-k among its anchor's candidates.
+
+    q [batch, 1, q_heads, d]; cand [batch, kv_heads, C] int32 (-1 past the anchor's count), already mapped through
+    the head map; key_rows(idx [batch, kv_heads, C]) -> K rows [batch, kv_heads, C, d]. Scores: `_candidate_scores`;
+    the forced keys stay first. Returns (idx [batch, kv_heads, k_max] int32, -1 past the count; counts [batch])."""
+    pooled = _candidate_scores(q, key_rows, kv_len, cand, cfg)
     counts = decode_budget(cfg, kv_len)
     k_max = min(k_max, cand.shape[-1])
     vals, pos = lax.top_k(pooled, k_max)
     keep = (jnp.arange(k_max)[None, None, :] < counts[:, None, None]) & jnp.isfinite(vals)
     return jnp.where(keep, jnp.take_along_axis(cand, pos, axis=-1), -1).astype(jnp.int32), counts
+
+
+def order_candidates(q, key_rows, kv_len, cand, cfg: KascadeConfig):
+    """An anchor's candidates cand [batch, kv_heads, C] re-ordered by its own `_candidate_scores` (forced keys
+    first, -1 last), so that the first `decode_budget(cfg)` of them are its own Top-k among them: what the reuse
+    layers outside `decode_rerank_layers` attend."""
+    pooled = _candidate_scores(q, key_rows, kv_len, cand, cfg)
+    vals, pos = lax.top_k(pooled, cand.shape[-1])
+    return jnp.where(jnp.isfinite(vals), jnp.take_along_axis(cand, pos, axis=-1), -1).astype(jnp.int32)
+
+
+def _first(idx, counts, k_max: int):
+    """The first counts[b] entries of ordered candidates idx [batch, heads, C] in k_max slots, -1 past the count."""
+    idx = idx[:, :, :k_max]
+    return jnp.where(jnp.arange(idx.shape[-1])[None, None, :] < counts[:, None, None], idx, -1), counts
 
 
 def _rows_contiguous(k):
@@ -463,12 +485,17 @@ class KascadeStrategy:
             acfg = rerank_config(cfg)
             out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=acfg, k_max=static_k_max(acfg, k.shape[1]),
                                                   dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
+            if cfg.decode_rerank_layers is not None:
+                idx = order_candidates(q, _rows_contiguous(k), kv_len, idx, cfg)
             return out, {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": counts}
         idx, row = self._reuse_indices(layer, state["idx"], inputs.shards, k.shape[2])
-        if cfg.decode_rerank > 1:
+        if cfg.reranks(layer):
             cand = jnp.take(idx, jnp.asarray(row), axis=1)
             idx, counts = rerank_decode(q, _rows_contiguous(k), kv_len, cand, cfg, static_k_max(cfg, k.shape[1]))
             return kern.reuse_decode(q, k, v, kv_len, idx, counts, tuple(range(k.shape[2]))), state
+        if cfg.decode_rerank > 1:  # the anchor's own Top-k: the first k of its ordered candidates
+            idx, counts = _first(idx, decode_budget(cfg, kv_len), static_k_max(cfg, k.shape[1]))
+            return kern.reuse_decode(q, k, v, kv_len, idx, counts, row), state
         return kern.reuse_decode(q, k, v, kv_len, idx, state["counts"], row), state
 
     def _decode_paged(self, layer, kern, inputs, state, row):
@@ -484,11 +511,16 @@ class KascadeStrategy:
             out, idx, counts = kern.paged_anchor_decode(q, k, v, pt, kv_len, cfg=acfg,
                                                         k_max=static_k_max(acfg, max_len),
                                                         dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
+            if cfg.decode_rerank_layers is not None:
+                idx = order_candidates(q, _rows_paged(k, pt), kv_len, idx, cfg)
             return out, {"idx": idx, "counts": counts}
-        if cfg.decode_rerank > 1:
+        if cfg.reranks(layer):
             cand = jnp.take(state["idx"], jnp.asarray(row), axis=1)
             idx, counts = rerank_decode(q, _rows_paged(k, pt), kv_len, cand, cfg, static_k_max(cfg, max_len))
             return kern.paged_reuse_decode(q, k, v, pt, kv_len, idx, counts, tuple(range(k.shape[2]))), state
+        if cfg.decode_rerank > 1:  # the anchor's own Top-k: the first k of its ordered candidates
+            idx, counts = _first(state["idx"], decode_budget(cfg, kv_len), static_k_max(cfg, max_len))
+            return kern.paged_reuse_decode(q, k, v, pt, kv_len, idx, counts, row), state
         return kern.paged_reuse_decode(q, k, v, pt, kv_len, state["idx"], state["counts"], row), state
 
     def _prefill(self, layer, inputs, state):

@@ -48,6 +48,17 @@ def head_map_for(sim, anchors) -> np.ndarray:
     return hm
 
 
+def least_similar_layers(sim, anchors, head_map, n: int) -> tuple[int, ...]:
+    """The `n` reuse layers (ascending) whose selection agrees least with what they read from their anchor: mean over
+    KV heads h of sim[anchor, layer, h, head_map[layer, h]] (all reuse layers when there are fewer than n)."""
+    sim, hm = np.asarray(sim), np.asarray(head_map)
+    L, H = sim.shape[0], sim.shape[2]
+    anchor_of = anchor_of_layers(anchors, L)
+    reuse = [l for l in range(L) if l not in set(anchors)]
+    score = {l: float(np.mean([sim[anchor_of[l], l, h, hm[l, h]] for h in range(H)])) for l in reuse}
+    return tuple(sorted(sorted(reuse, key=lambda l: (score[l], l))[:n]))
+
+
 def identity_head_map(num_layers: int, kv_heads: int) -> np.ndarray:
     return np.tile(np.arange(kv_heads, dtype=np.int32), (num_layers, 1))
 

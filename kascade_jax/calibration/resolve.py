@@ -30,7 +30,8 @@ import numpy as np
 
 from kascade_jax.calibration.artifact import (CalibrationArtifact, CalibrationKey, artifact_name, default_cache_dir,
                                               read_key)
-from kascade_jax.calibration.head_map import check_anchors, head_map_for, identity_head_map, load_head_map_file
+from kascade_jax.calibration.head_map import (check_anchors, head_map_for, identity_head_map, least_similar_layers,
+                                              load_head_map_file)
 
 
 def even_anchors(num_layers: int, m: int) -> tuple[int, ...]:
@@ -293,5 +294,7 @@ def recipe_kascade(model_name: str, num_layers: int, kv_heads: int, *, recipe="d
     art.check_model(num_layers, kv_heads)
     anchors = tuple(int(a) for a in art.anchors_for(r.num_anchors, r.calib_importance))
     head_map = tuple(tuple(int(h) for h in row) for row in art.head_map(anchors))
-    return (dict(anchors=anchors, head_map=head_map, **r.levers()),
-            f"recipe {r.describe()}, anchors {list(anchors)} from {src}")
+    kw = dict(anchors=anchors, head_map=head_map, **r.levers())
+    if r.decode_rerank_worst:
+        kw["decode_rerank_layers"] = least_similar_layers(art.sim, anchors, head_map, r.decode_rerank_worst)
+    return kw, f"recipe {r.describe()}, anchors {list(anchors)} from {src}"

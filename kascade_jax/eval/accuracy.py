@@ -154,7 +154,7 @@ def config_fields(config: str) -> dict:
                 out["calib_dataset"] = m.group(4)
         elif key in BOOL_LEVERS and not eq:
             out[key] = True
-        elif key in LEVERS and eq:
+        elif (key in LEVERS or key == "decode_rerank_worst") and eq:
             out[key] = float(val) if "." in val else int(val)
     return out
 
@@ -208,7 +208,7 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
 def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suffix: int = 0, oracle: bool = False,
                    dense_prefill: bool = False, topk_frac: float = 0.1, prefill_topk_frac: float | None = None,
                    decode_topk_frac: float | None = None, local_window: int = 0, prefill_dense_anchors: bool = False,
-                   decode_rerank: int = 1, ratios: dict | None = None) -> dict:
+                   decode_rerank: int = 1, decode_rerank_worst: int | None = None, ratios: dict | None = None) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
@@ -222,14 +222,18 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     `prefill_dense_anchors`: every prefill anchor costs what anchor 0 costs (dense output + scores + select,
     measured with a prompt in one chunk: cuDNN's output and LSE); `dense_prefill` (decode_only): prefill cost 1.
     `decode_rerank` C: a decode reuse layer reads C k K rows and k V rows, (C + 1) / 2 of its plain bytes (an
-    estimate from bytes: the rerank's own arithmetic and the anchors' C k attended keys are left out until measured).
+    estimate from bytes: the rerank's own arithmetic and the anchors' C k attended keys are left out until measured);
+    with `decode_rerank_worst` N only N of the reuse layers pay it.
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
     df = topk_frac if decode_topk_frac is None else decode_topk_frac
     frac = dict(decode=df, prefill=pf)
     scale = dict(decode=df / 0.1, prefill=(pf + 2.0 * local_window / context) / 0.1)
-    rerank = dict(decode=(decode_rerank + 1) / 2.0, prefill=1.0)
+    n_reuse = num_layers - m
+    n_rr = n_reuse if decode_rerank_worst is None else min(decode_rerank_worst, n_reuse)
+    rr = 1.0 + ((decode_rerank + 1) / 2.0 - 1.0) * (n_rr / n_reuse if n_reuse else 0.0)
+    rerank = dict(decode=rr, prefill=1.0)
     out = {}
     for phase, r in (("decode", DECODE_RATIOS), ("prefill", PREFILL_RATIOS)):
         if ratios is not None:
@@ -260,7 +264,8 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | N
                           decode_topk_frac=fields.get("decode_topk_frac"), local_window=fields.get("local_window", 0),
                           dense_prefill=bool(fields.get("decode_only")),
                           prefill_dense_anchors=bool(fields.get("prefill_dense_anchors")),
-                          decode_rerank=fields.get("decode_rerank") or 1, ratios=ratios)
+                          decode_rerank=fields.get("decode_rerank") or 1,
+                          decode_rerank_worst=fields.get("decode_rerank_worst"), ratios=ratios)
 
 
 def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, num_layers: int,

@@ -39,3 +39,22 @@ def test_calib_dataset_flag_reaches_the_calibration_key_and_the_config_string():
     assert "calib=k64/tail/w=paper/d=builtin_answers " in r.describe() + " "
     assert accuracy.config_fields(r.describe())["calib_dataset"] == "builtin_answers"
     assert "calib_dataset" not in accuracy.config_fields(recipes.candidate("dps").describe())
+
+
+def test_decode_rerank_worst_flag_reaches_the_recipe_and_the_config_string():
+    from kascade_jax.eval import accuracy
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--recipe=candidate:dps_rr4", "--decode_rerank_worst=3"])
+        r = recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+    assert r.name == "dps_rr4*" and (r.decode_rerank, r.decode_rerank_worst) == (4, 3)
+    fields = accuracy.config_fields(r.describe())
+    assert (fields["decode_rerank"], fields["decode_rerank_worst"]) == (4, 3)
+    assert accuracy.recipe_cost(fields, num_layers=24, context=16384) != accuracy.recipe_cost(
+        dict(fields, decode_rerank_worst=None), num_layers=24, context=16384)
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--recipe=candidate:dps", "--decode_rerank_worst=3"])
+        with pytest.raises(ValueError, match="decode_rerank_worst=3 needs decode_rerank > 1"):
+            recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")

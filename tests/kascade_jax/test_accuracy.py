@@ -112,6 +112,9 @@ def test_attention_cost_of_the_prefill_levers():
     rr = accuracy.recipe_cost(dict(num_anchors=5, decode_rerank=3), num_layers=24, context=16384)  # 3k K + k V rows
     assert rr["prefill_cost"] == c["prefill_cost"]
     assert rr["decode_cost"] == pytest.approx(c["decode_cost"] + 19 / 24 * accuracy.DECODE_RATIOS["reuse"], abs=1e-4)
+    rw = accuracy.recipe_cost(dict(num_anchors=5, decode_rerank=3, decode_rerank_worst=4), num_layers=24,
+                              context=16384)  # only 4 of the 19 reuse layers pay it
+    assert rw["decode_cost"] == pytest.approx(c["decode_cost"] + 4 / 24 * accuracy.DECODE_RATIOS["reuse"], abs=1e-4)
 
 
 def test_measured_ratios_from_the_committed_benchmarks():

@@ -17,7 +17,7 @@ from kascade_jax.recipes import RECIPE_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p.stem for p in RECIPE_DIR.glob("*.json"))
-RECIPES = ["default", "paper", "candidate:dec20_ds512s"]
+RECIPES = ["default", "paper", "candidate:dec20_ds512s", "candidate:dps_rr4w5"]
 
 # The command line's strategy (experiments.common.build_strategy after flag parsing), in a subprocess: the
 # experiments' flag modules cannot share one process with the other entry points' tests.
@@ -63,8 +63,12 @@ def test_api_strategy_equals_the_cli_strategy():
             assert got == from_cli[m + "|" + recipe], (m, recipe)
             if recipe != "paper":  # the recipe's levers reach the strategy (the notebook used to lose them)
                 assert s.config.sink_tokens == 4
+            if recipe in ("default", "candidate:dec20_ds512s"):
                 assert s.config.dense_suffix in (128, 512) or (s.config.decode_only and m == "qwen2.5-coder-1.5b")
-    assert len(from_cli) == len(SHIPPED) * len(RECIPES) >= 9
+            if recipe == "candidate:dps_rr4w5":  # the calibration's five least similar reuse layers, both ways
+                assert s.config.decode_rerank == 4 and len(s.config.decode_rerank_layers) == 5
+                assert not set(s.config.decode_rerank_layers) & set(s.config.anchors)
+    assert len(from_cli) == len(SHIPPED) * len(RECIPES) >= 12
 
 
 def test_api_baselines_and_errors():

@@ -175,16 +175,21 @@ def test_engine_paged_pallas_gpu(rng, name):
     assert eng.decode_compilations == 1
 
 
-def test_paged_kascade_decode_rerank_equals_contiguous(model, rng):
+@pytest.mark.parametrize("some", [False, True])
+def test_paged_kascade_decode_rerank_equals_contiguous(model, rng, some):
     """decode_rerank reads its candidates' K rows through the page table: one decode step's logits on a shuffled
-    paged cache equal the contiguous cache's, and differ from the plain recipe's (the rerank changed the sets)."""
+    paged cache equal the contiguous cache's, and differ from the plain recipe's (the rerank changed the sets).
+    some: one anchor, and only layer 2 reranks (layer 1 reads the first k of the anchor's ordered candidates)."""
     import dataclasses
 
     from models.cache import KVCache
     from models.paged import PagedKVCache
 
     cfg = dataclasses.replace(_kascade().config, decode_rerank=3, topk_frac=0.1, min_k=4)
-    strat, plain = KascadeStrategy(cfg), KascadeStrategy(dataclasses.replace(cfg, decode_rerank=1))
+    if some:
+        cfg = dataclasses.replace(cfg, anchors=(0,), decode_rerank_layers=(2,))
+    plain_cfg = dataclasses.replace(cfg, decode_rerank=1, decode_rerank_layers=None)
+    strat, plain = KascadeStrategy(cfg), KascadeStrategy(plain_cfg)
     lens = np.array([100, 61], np.int32)
     toks = rng.integers(5, 128, (2, 128)).astype(np.int32)
     nxt = jnp.asarray([7, 9], jnp.int32)

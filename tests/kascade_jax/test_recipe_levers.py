@@ -14,6 +14,7 @@ import pytest
 
 from kascade_jax.config import KascadeConfig
 from kascade_jax.registry import make_strategy
+from kascade_jax.strategies import _rows_contiguous
 from kernels_pallas import decode as dec
 from kernels_pallas import prefill as pre
 from kernels_pallas import reference as ref
@@ -379,37 +380,133 @@ def test_decode_rerank_over_every_key_is_each_layers_own_topk(rng, kernels):
     np.testing.assert_array_equal(np.asarray(two_states[0]["counts"]), cand)  # the anchor's candidates
 
 
-def test_rerank_decode_matches_numpy(rng):
-    """rerank_decode keeps, per KV head, the budget's best candidates by this layer's post-softmax probabilities
-    over the candidates (summed over the group), forced keys first; -1 past the count."""
-    from kascade_jax.strategies import _rows_contiguous, decode_budget, rerank_decode, static_k_max
-
+def _candidates_case(rng):
+    """q, k, kv_len, candidates (fewer in the second sequence, -1 past them) and a config with forced keys."""
     b, s, hq, kvh, d, c_max = 2, 200, 6, 2, 16, 48
-    g = hq // kvh
-    q = rng.normal(size=(b, 1, hq, d)) * 2
-    k = rng.normal(size=(b, s, kvh, d))
+    q, k = rng.normal(size=(b, 1, hq, d)) * 2, rng.normal(size=(b, s, kvh, d))
     kv_len = np.array([200, 131])
     cand = np.full((b, kvh, c_max), -1, np.int32)
     for bi in range(b):
         for h in range(kvh):
-            n = c_max - 10 * bi  # fewer candidates in the second sequence
-            cand[bi, h, :n] = rng.choice(kv_len[bi], n, replace=False)
+            cand[bi, h, :c_max - 10 * bi] = rng.choice(kv_len[bi], c_max - 10 * bi, replace=False)
     cfg = KascadeConfig(num_layers=2, kv_heads=kvh, topk_frac=0.1, min_k=12, sink_tokens=2, recent_window=3)
-    idx, counts = rerank_decode(jnp.asarray(q, jnp.float32), _rows_contiguous(jnp.asarray(k, jnp.float32)),
-                                jnp.asarray(kv_len, jnp.int32), jnp.asarray(cand), cfg, static_k_max(cfg, s))
+    args = (jnp.asarray(q, jnp.float32), _rows_contiguous(jnp.asarray(k, jnp.float32)), jnp.asarray(kv_len, jnp.int32),
+            jnp.asarray(cand))
+    return q, k, kv_len, cand, cfg, args
+
+
+def _numpy_scores(q, k, kv_len, c, bi, h):
+    """Candidates c's post-softmax probabilities over c, summed over KV head h's group; forced keys (2 sinks, a
+    window of 3) at inf."""
+    g, d = q.shape[2] // k.shape[2], q.shape[-1]
+    logits = q[bi, 0, h * g:(h + 1) * g] @ k[bi, c, h].T / np.sqrt(d)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    score = (p / p.sum(-1, keepdims=True)).sum(0)
+    forced = (c < 2) | (c >= kv_len[bi] - 3)
+    score[forced] = np.inf
+    return score, forced
+
+
+def test_rerank_decode_matches_numpy(rng):
+    """rerank_decode keeps, per KV head, the budget's best candidates by this layer's post-softmax probabilities
+    over the candidates (summed over the group), forced keys first; -1 past the count."""
+    from kascade_jax.strategies import decode_budget, rerank_decode, static_k_max
+
+    q, k, kv_len, cand, cfg, args = _candidates_case(rng)
+    idx, counts = rerank_decode(*args, cfg, static_k_max(cfg, k.shape[1]))
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(decode_budget(cfg, jnp.asarray(kv_len))))
     idx = np.asarray(idx)
-    for bi in range(b):
-        for h in range(kvh):
+    for bi in range(cand.shape[0]):
+        for h in range(cand.shape[1]):
             c = cand[bi, h][cand[bi, h] >= 0]
-            logits = q[bi, 0, h * g:(h + 1) * g] @ k[bi, c, h].T / np.sqrt(d)
-            p = np.exp(logits - logits.max(-1, keepdims=True))
-            score = (p / p.sum(-1, keepdims=True)).sum(0)
-            score[(c < 2) | (c >= kv_len[bi] - 3)] = np.inf
+            score, _ = _numpy_scores(q, k, kv_len, c, bi, h)
             want = set(c[np.argsort(-score, kind="stable")[: int(counts[bi])]].tolist())
             got = idx[bi, h]
             assert set(got[got >= 0].tolist()) == want and (got >= 0).sum() == int(counts[bi]), (bi, h)
             assert (got[int(counts[bi]):] == -1).all()
+
+
+def test_order_candidates_matches_numpy(rng):
+    """order_candidates: every valid candidate once, by the anchor's post-softmax probabilities over them (summed
+    over the group), forced keys first, -1 last; the first decode_budget of them are rerank_decode's set."""
+    from kascade_jax.strategies import order_candidates, rerank_decode, static_k_max
+
+    q, k, kv_len, cand, cfg, args = _candidates_case(rng)
+    got = np.asarray(order_candidates(*args, cfg))
+    top, counts = rerank_decode(*args, cfg, static_k_max(cfg, k.shape[1]))
+    top, counts = np.asarray(top), np.asarray(counts)
+    for bi in range(cand.shape[0]):
+        for h in range(cand.shape[1]):
+            c = cand[bi, h][cand[bi, h] >= 0]
+            score, forced = _numpy_scores(q, k, kv_len, c, bi, h)
+            n, nf = len(c), int(forced.sum())
+            assert sorted(got[bi, h, :n].tolist()) == sorted(c.tolist()) and (got[bi, h, n:] == -1).all()
+            np.testing.assert_array_equal(got[bi, h, :nf], c[np.argsort(-score, kind="stable")][:nf])
+            order = {int(x): score[i] for i, x in enumerate(c)}
+            ranked = [order[int(x)] for x in got[bi, h, nf:n]]
+            assert all(x >= y for x, y in zip(ranked, ranked[1:]))
+            kk = int(counts[bi])
+            assert set(got[bi, h, :kk].tolist()) == set(top[bi, h, :kk].tolist())
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_decode_rerank_layers_rerank_only_those(rng, kernels):
+    """decode_rerank_layers: the listed reuse layer attends its own Top-k (every key a candidate: as oracle_topk),
+    the others their anchor's Top-k, the first k of its ordered candidates (as plain Kascade's reuse layers)."""
+    num_layers, kvh, group, d, max_len = 4, 2, 3, 16, 160
+    layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    inputs = [decode_inputs(lay, [max_len, 117]) for lay in layers]
+    kw = dict(anchors=(0,), topk_frac=0.1, min_k=8, sink_tokens=2, recent_window=4, kernels=kernels)
+    some, _ = run_layers(make_strategy("kascade", num_layers, kvh, decode_rerank=10, decode_rerank_layers=(2,),
+                                       **kw), inputs)
+    own, _ = run_layers(make_strategy("oracle_topk", num_layers, kvh, **kw), inputs)
+    plain, _ = run_layers(make_strategy("kascade", num_layers, kvh, **kw), inputs)
+    np.testing.assert_allclose(np.asarray(some[2]), np.asarray(own[2]), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(some[2]), np.asarray(plain[2]), atol=1e-3)
+    for layer in (1, 3):
+        np.testing.assert_allclose(np.asarray(some[layer]), np.asarray(plain[layer]), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_rerank_layers_config_and_recipe():
+    with pytest.raises(ValueError, match="needs decode_rerank > 1"):
+        KascadeConfig(num_layers=4, kv_heads=1, decode_rerank_layers=(1,))
+    with pytest.raises(ValueError, match=r"must be reuse layers .*got \[2\]"):
+        KascadeConfig(num_layers=4, kv_heads=1, anchors=(0, 2), decode_rerank=2, decode_rerank_layers=(1, 2))
+    with pytest.raises(ValueError, match=r"must be reuse layers .*got \[4\]"):
+        KascadeConfig(num_layers=4, kv_heads=1, decode_rerank=2, decode_rerank_layers=(4,))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        KascadeConfig(num_layers=4, kv_heads=1, decode_rerank=2, decode_rerank_layers=(3, 1))
+    cfg = KascadeConfig(num_layers=4, kv_heads=1, anchors=(0, 2), decode_rerank=2, decode_rerank_layers=[3])
+    assert cfg.decode_rerank_layers == (3,) and KascadeConfig.from_json(cfg.to_json()) == cfg
+    assert [cfg.reranks(x) for x in range(4)] == [False, False, False, True]
+    assert [dataclasses.replace(cfg, decode_rerank_layers=None).reranks(x) for x in range(4)] == [False, True, False,
+                                                                                                  True]
+    from kascade_jax.recipes import Recipe, candidate
+
+    with pytest.raises(ValueError, match="decode_rerank_worst=5 needs decode_rerank > 1"):
+        Recipe(decode_rerank_worst=5)
+    with pytest.raises(ValueError, match="decode_rerank_worst must be null or an int >= 1"):
+        Recipe(decode_rerank=2, decode_rerank_worst=0)
+    assert "decode_rerank_worst=5" in candidate("dps_rr4w5").describe()
+    assert "decode_rerank_worst" not in candidate("dps_rr4w5").levers()  # resolved to layers with the calibration
+
+
+def test_least_similar_layers():
+    """The reuse layers least similar to what they read from their anchor, through the head map."""
+    from kascade_jax.calibration.head_map import head_map_for, least_similar_layers
+
+    L, H = 6, 2
+    sim = np.full((L, L, H, H), 0.9)
+    sim[0, 1, 0, 1] = 0.99  # layer 1 reads head 1 of anchor 0 for its head 0 (the map's choice), head 1 as is
+    sim[0, 1, 0, 0] = 0.1
+    sim[3, 5, :, :] = 0.3  # layer 5 is far from anchor 3
+    sim[0, 2, 1, 1] = 0.5  # layer 2 so-so
+    hm = head_map_for(sim, (0, 3))
+    assert least_similar_layers(sim, (0, 3), hm, 1) == (5,)
+    assert least_similar_layers(sim, (0, 3), hm, 2) == (2, 5)
+    assert least_similar_layers(sim, (0, 3), hm, 9) == (1, 2, 4, 5)  # fewer reuse layers than asked: all
+    ident = np.tile(np.arange(H), (L, 1))
+    assert least_similar_layers(sim, (0, 3), ident, 1) == (5,) and least_similar_layers(sim, (0, 3), ident, 2) == (1, 5)
 
 
 def test_decode_rerank_config_checks():
