@@ -18,6 +18,19 @@ if os.environ.get("KASCADE_TEST_JAX_CACHE"):
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
+# The files with the longest tests (a fresh clone's --durations on the 2-core box, 2026-12-03), handed to the two
+# xdist workers first: `--dist loadfile` gives out whole files in collection order, and these came last (models/,
+# the notebook), so one worker ran them alone at the end.
+SLOW_FILES = ("tests/models/test_sharding.py", "tests/test_notebook.py", "tests/kascade_jax/test_eval.py",
+              "tests/experiments/test_cli.py", "tests/experiments/test_bench_e2e.py", "tests/models/test_parity.py",
+              "tests/experiments/test_serve_replay.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {f: i for i, f in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(SLOW_FILES)))  # stable: file order kept
+
+
 @pytest.fixture
 def rng(request):
     """A numpy Generator per test, seeded from the test's id, so CI draws the same inputs on every run (a random
