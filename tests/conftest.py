@@ -20,7 +20,7 @@ if os.environ.get("KASCADE_TEST_JAX_CACHE"):
 
 # The files with the longest tests (a fresh clone's --durations on the 2-core box, 2026-12-03), handed to the two
 # xdist workers first: `--dist loadfile` gives out whole files in collection order, and these came last (models/,
-# the notebook), so one worker ran them alone at the end.
+# the notebook). The gain is within the box's drift so far (docs/testing.md).
 SLOW_FILES = ("tests/models/test_sharding.py", "tests/test_notebook.py", "tests/kascade_jax/test_eval.py",
               "tests/experiments/test_cli.py", "tests/experiments/test_bench_e2e.py", "tests/models/test_parity.py",
               "tests/experiments/test_serve_replay.py")
