@@ -261,9 +261,10 @@ def _candidate_scores(q, key_rows, kv_len, cand, cfg: KascadeConfig):
     b, _, hq, d = q.shape
     kvh = cand.shape[1]
     valid = cand >= 0
-    kc = key_rows(jnp.maximum(cand, 0)).astype(jnp.float32)
-    qg = q[:, 0].astype(jnp.float32).reshape(b, kvh, hq // kvh, d)
-    logits = jnp.einsum("bhgd,bhcd->bhgc", qg, kc, precision=lax.Precision.HIGHEST) / jnp.sqrt(jnp.float32(d))
+    kc = key_rows(jnp.maximum(cand, 0))  # the cache's dtype: an fp32 copy of C k gathered rows would double the bytes
+    qg = q[:, 0].astype(kc.dtype).reshape(b, kvh, hq // kvh, d)
+    logits = jnp.einsum("bhgd,bhcd->bhgc", qg, kc, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
     logits = jnp.where(valid[:, :, None], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
