@@ -40,6 +40,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from kascade_jax import api  # noqa: E402
+from kascade_jax.calibration.head_map import anchor_of_layers  # noqa: E402
 from kascade_jax.tasks import prompt as prompt_lib  # noqa: E402
 from kascade_jax.tasks import ruler  # noqa: E402
 from kernels_pallas.dense import dense_attention  # noqa: E402
@@ -110,9 +111,7 @@ def layer_masses(probs, first_row, anchors, head_map, group, topk_frac, min_k, s
     src [L, kv_heads, anchors, kv_heads]: the mean mass of every possible source (earlier anchor a, its head g),
     NaN where a is after the layer). Masses are of the layer's group-mean attention, over the answer steps."""
     L, rows, kvh, _ = probs.shape
-    anchor_of = np.zeros(L, int)
-    for a in anchors:
-        anchor_of[a:] = a
+    anchor_of = anchor_of_layers(anchors, L)
     names = ("sel", "orc", "half+1", "sel+1", "sel2k", "sel-1", "best_step", "rerank2", "rerank4")
     out = {n: np.full(L, np.nan) for n in names}
     src_mass = np.full((L, kvh, len(anchors), kvh), np.nan)
@@ -223,12 +222,11 @@ def main(argv=None):
         json.dump(result, f, indent=1)
     lines = ["| layer | anchor (head map) | " + " | ".join(cols) + " | best source (anchor:head per KV head) |",
              "|---|---|" + "---|" * len(cols) + "---|"]
-    anchor_of = 0
+    anchor_of = anchor_of_layers(anchors, L)
     for layer in range(L):
-        anchor_of = layer if layer in anchors else anchor_of
         if layer in anchors:
             continue
-        lines.append(f"| {layer} | {anchor_of} ({','.join(map(str, head_map[layer]))}) | "
+        lines.append(f"| {layer} | {anchor_of[layer]} ({','.join(map(str, head_map[layer]))}) | "
                      + " | ".join(f"{mean[k][layer]:.3f}" for k in cols) + " | "
                      + " ".join(f"{a}:{g}" for a, g in best_src[layer]) + " |")
     lines.append("| mean | | " + " | ".join(f"{np.nanmean(mean[k]):.3f}" for k in cols) + " | |")
