@@ -112,16 +112,13 @@ def resolve_anchors_and_head_map(model, tokenizer, r=None):
 
 
 def rerank_layers(model, tokenizer, r, anchors, head_map) -> tuple[int, ...]:
-    """The recipe's `decode_rerank_worst` reuse layers least similar to their anchor, from its calibration (the
-    one the anchors came from; with explicit anchors, the recipe's calibration all the same)."""
-    from kascade_jax.calibration import load_or_calibrate
-    from kascade_jax.calibration.head_map import identity_head_map, least_similar_layers
+    """The recipe's `decode_rerank_worst` reuse layers least similar to their anchor, from its calibration."""
+    from kascade_jax.calibration.resolve import rerank_layers as resolve_rerank_layers
 
     cfg = model.config
-    art = load_or_calibrate(MODEL.value, model=model, tokenizer=tokenizer, tile_size=TILE_SIZE.value,
-                            **{**recipe_flags.calibration_kwargs(r, DTYPE.value), "recalibrate": False})
-    hm = identity_head_map(cfg.num_layers, cfg.kv_heads) if head_map is None else head_map
-    return least_similar_layers(art.sim, anchors, hm, r.decode_rerank_worst)
+    return resolve_rerank_layers(MODEL.value, r, anchors, head_map, num_layers=cfg.num_layers,
+                                 kv_heads=cfg.kv_heads, tile_size=TILE_SIZE.value, model=model, tokenizer=tokenizer,
+                                 **recipe_flags.calibration_kwargs(r, DTYPE.value))
 
 
 def describe_strategy(strategy) -> str:

@@ -90,6 +90,19 @@ def recipe_kwargs(recipe) -> tuple:
     return tuple(kw.items())
 
 
+def variant_kwargs(model, tokenizer, recipe, anchors, head_map) -> tuple:
+    """`recipe_kwargs`, plus the reuse layers that rerank when the recipe names them by `decode_rerank_worst`."""
+    from kascade_jax.calibration.resolve import rerank_layers  # noqa: PLC0415
+
+    kw = recipe_kwargs(recipe)
+    cfg = model.config
+    kw_tile = dict(tile_size=FLAGS.tile_size) if FLAGS.tile_size else {}
+    layers = rerank_layers(FLAGS.model, recipe, anchors, head_map, num_layers=cfg.num_layers, kv_heads=cfg.kv_heads,
+                           model=model, tokenizer=tokenizer, **kw_tile,
+                           **recipe_flags.calibration_kwargs(recipe, FLAGS.dtype))
+    return kw if layers is None else kw + (("decode_rerank_layers", layers),)
+
+
 def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int, recipe):
     """(anchors or None, head_map or None, note) from --anchors / --head_map and the recipe's M and calibration."""
     from kascade_jax.calibration import resolve_flags  # noqa: PLC0415
@@ -197,12 +210,15 @@ def main(argv):
     anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, recipe)
     note = f"{recipe.describe()}; {note}"
     spec = dataclasses.replace(spec, anchors=anchors, head_map=head_map)
-    if len(recipes) > 1:  # one Variant per recipe, evaluated on the same prompts by this one process
-        variants = [suite.Variant(recipe.describe(), anchors, head_map, kw)]
-        for r in recipes[1:]:
-            a, hm, n = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, r)
-            variants.append(suite.Variant(r.describe(), a, hm, recipe_kwargs(r)))
-            note += f"\n- {r.describe()}; {n}"
+    # one Variant per recipe, evaluated on the same prompts by this one process; a recipe whose kwargs need the
+    # calibration (decode_rerank_worst) runs as a Variant even alone (variants are resolved late on --resume)
+    variants = [suite.Variant(recipe.describe(), anchors, head_map, variant_kwargs(model, tokenizer, recipe, anchors,
+                                                                                    head_map))]
+    for r in recipes[1:]:
+        a, hm, n = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, r)
+        variants.append(suite.Variant(r.describe(), a, hm, variant_kwargs(model, tokenizer, r, a, hm)))
+        note += f"\n- {r.describe()}; {n}"
+    if len(variants) > 1 or variants[0].strategy_kwargs != kw:
         spec = dataclasses.replace(spec, variants=tuple(variants))
     model = devices.place(model, mesh)  # after calibration (which runs one prompt at a time)
     record = suite.spec_record(spec, **flag_fields)

@@ -265,6 +265,8 @@ def test_merge_replaces_only_an_earlier_merge_and_stays_partial(tmp_path):
     report.write(_rows()[1:], str(b), env=dict(ENV, partial=True), plots=False)
     merged.mkdir()
     (merged / "fidelity_mass_by_layer.png").write_text("stale")
+    if not FLAGS.is_parsed():  # alone (pytest -k), no earlier test has parsed the flags
+        FLAGS(["merge_eval"])
     with flagsaver.flagsaver(inputs=[str(a), str(b)], merged_dir=str(merged)):
         with pytest.raises(ValueError, match=r"--merged_dir '.*m' is not empty .*--overwrite"):
             merge_eval.main([])  # a folder that holds anything is replaced only when asked
@@ -281,3 +283,36 @@ def test_merge_replaces_only_an_earlier_merge_and_stays_partial(tmp_path):
         with pytest.raises(ValueError, match="is one of --inputs"):
             merge_eval.main([])
     assert _json(b)["rows"][0]["strategy"] == "kascade"
+
+
+def test_decode_rerank_worst_reaches_every_recipe_of_the_eval(monkeypatch, tmp_path):
+    # the eval once ran `candidate:dps_rr4w5` as plain dps_rr4 (every reuse layer reranked; H200 dev 2026-12-03:
+    # identical predictions on all 260 prompts): its layers come from the calibration, as in the API
+    import kascade_jax
+    from tests.kascade_jax.test_api import _model as shipped_model
+
+    import models
+
+    seen = {}
+    model = shipped_model("smollm2-135m")
+    model.config.max_position_embeddings = 4096
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: (model, TOK))
+
+    def generate(model, tokenizer, prompts, strategy, key, max_len, limits, **kw):
+        seen[strategy.config.decode_rerank_layers] = strategy.config.decode_rerank
+        return [types.SimpleNamespace(text="nope", prompt_tokens=len(p), new_tokens=3, finish_reason="eos")
+                for p in prompts]
+
+    monkeypatch.setattr(harness, "_generate", generate)
+    api = kascade_jax.strategy_for(model, recipe="candidate:dps_rr4w5", calibrate=False, verbose=False).config
+    assert len(api.decode_rerank_layers) == 5
+    for recipes in ("candidate:dps_rr4w5", "candidate:dps_rr4,candidate:dps_rr4w5"):
+        seen.clear()
+        run_cli(tmp_path / recipes, "--model=smollm2-135m", "--anchors=auto", "--head_map=auto",
+                "--strategies=kascade", f"--recipe={recipes}")
+        assert seen[api.decode_rerank_layers] == 4
+        assert seen == ({api.decode_rerank_layers: 4} if "," not in recipes else
+                        {api.decode_rerank_layers: 4, None: 4})
+        spec = _json(tmp_path / recipes)["spec"]
+        assert [v["strategy_kwargs"][-1] for v in spec["variants"]][-1] == ["decode_rerank_layers",
+                                                                             list(api.decode_rerank_layers)]
