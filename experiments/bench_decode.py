@@ -23,7 +23,15 @@ MIN_K = flags.DEFINE_integer("decode_min_k", 128, "Minimum Top-k budget.")
 ITERS = flags.DEFINE_integer("decode_iterations", 10, "CUPTI iterations per measurement (median reported).")
 CHECK = flags.DEFINE_boolean("decode_check", True, "Check the kernels against the references first.")
 OUT = flags.DEFINE_string("decode_out", "benchmarks", "Output folder for decode[_<bench_tag>].md/json/png.")
+RERANKS = flags.DEFINE_list("decode_reranks", [], "Also time the decode_rerank lever with these C (e.g. 2,4): "
+                            "A0/A/R through the strategy, every reuse layer reranking, and its weighted speedup.")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
+
+
+
+@flags.validator("decode_reranks", message="--decode_reranks takes integers >= 2 (the candidates per key), e.g. 2,4")
+def _check_reranks(values):
+    return all(str(v).strip().isdigit() and int(v) >= 2 for v in values)
 
 
 def main(argv):
@@ -34,7 +42,7 @@ def main(argv):
     decode.run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [float(f) for f in FRACS.value],
                DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
                max_cache_gb=MAX_GB.value, tuning=dec.DEFAULT_TUNING,
-               shape=shape_from_flags(), tag=BENCH_TAG.value)
+               shape=shape_from_flags(), tag=BENCH_TAG.value, reranks=[int(c) for c in RERANKS.value])
 
 
 if __name__ == "__main__":

@@ -96,14 +96,56 @@ def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_D
     return errs
 
 
+def strategy_pieces(q, k, v, kv_len, frac, min_k, *, kernels="pallas", **levers):
+    """The three decode layers of a Kascade strategy with `levers` (e.g. decode_rerank=4), through the model's own
+    path (`KascadeStrategy.attend`, so the rerank's XLA gather, scoring and top-k are timed with the kernels):
+    [("A0", fn, args), ("A", ...), ("R", ...)], each fn returning that layer's output. Layer 0 is the dense-output
+    anchor, layer 1 an anchor, layer 2 a reuse layer reading layer 1's state (identity head map)."""
+    import jax
+
+    from kascade_jax.registry import make_strategy
+    from models.attention import AttentionInputs
+
+    strat = make_strategy("kascade", 3, k.shape[2], anchors=(0, 1), topk_frac=frac, min_k=min_k, kernels=kernels,
+                          **levers)
+
+    def layer(i):
+        def fn(q, k, v, kv_len, state):
+            inputs = AttentionInputs(q=q, k_cache=k, v_cache=v, q_start=kv_len - 1, kv_len=kv_len, seq_len=kv_len,
+                                     phase="decode")
+            return strat.attend(i, inputs, state)
+        return jax.jit(fn)
+
+    state = layer(1)(q, k, v, kv_len, None)[1]
+    out = lambda i: jax.jit(lambda *a: layer(i)(*a)[0])  # noqa: E731
+    return [("A0", out(0), (q, k, v, kv_len, None)), ("A", out(1), (q, k, v, kv_len, None)),
+            ("R", out(2), (q, k, v, kv_len, state))]
+
+
+def rerank_row(row: dict, dense, q, k, v, kv_len, frac, min_k, reranks, iters, shape, log=print) -> dict:
+    """row[f"{piece}_rr{C}"] for each C in `reranks` (the decode_rerank lever through the strategy's path; every
+    reuse layer reranks) and their weighted time and speedup over the row's dense, in the same run."""
+    from kascade_jax.bench.timing import cupti_time
+
+    for c in reranks:
+        for name, fn, args in strategy_pieces(q, k, v, kv_len, frac, min_k, decode_rerank=c):
+            row[f"{name}_rr{c}"], row[f"{name}_rr{c}_kernels"] = cupti_time(fn, args, iters)
+        row[f"weighted_rr{c}"] = shape.weighted(row[f"A0_rr{c}"], row[f"A_rr{c}"], row[f"R_rr{c}"])
+        row[f"speedup_rr{c}"] = dense / row[f"weighted_rr{c}"]
+        log(f"   rerank C={c}: A0 {row[f'A0_rr{c}']:.4f}  A {row[f'A_rr{c}']:.4f}  R {row[f'R_rr{c}']:.4f}  "
+            f"weighted {row[f'weighted_rr{c}']:.4f}  speedup {row[f'speedup_rr{c}']:.2f}x")
+    return row
+
+
 def cache_bytes(b, s, shape, itemsize):
     """Bytes of the K and V caches of b sequences of s tokens."""
     return 2 * b * s * shape.kv_heads * shape.head_dim * itemsize
 
 
-def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT):
+def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT, reranks=()):
     """One row: dense (cuDNN), A0, A and R at batch b and context s (every sequence full), their ratios to dense,
-    the weighted Kascade time and its speedup, and each piece's kernels."""
+    the weighted Kascade time and its speedup, and each piece's kernels; with `reranks`, the same through the
+    strategy with decode_rerank C (`rerank_row`)."""
     import jax
     import jax.numpy as jnp
 
@@ -131,12 +173,14 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
         f"A {row['A']:.4f} ({row['A/dense']:.3f})  R {row['R']:.4f} ({row['R/dense']:.3f})  "
         f"weighted {row['weighted']:.4f}  speedup {row['speedup']:.2f}x")
     log("   A kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_kernels"].items()))
+    if reranks:
+        rerank_row(row, row["dense"], q, k, v, kv_len, frac, min_k, reranks, iters, shape, log)
     del q, k, v
     return row
 
 
 def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", log=print):
+        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), log=print):
     """Time every (dtype, batch, context, top-k) on the GPU, after the checks (do_check); writes
     <out_dir>/decode[_<tag>].json/md/png and returns the rows. Shapes whose caches exceed max_cache_gb are skipped,
     a failing one is logged and the sweep goes on."""
@@ -165,7 +209,7 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
             log(f"skip b={b} s={s} k={f}: caches over {max_cache_gb} GB")
             continue
         try:
-            rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape))
+            rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape, reranks=reranks))
         except Exception as e:  # keep the sweep going; the failure is reported
             log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
     write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), tables.decode_markdown(rows, meta, shape),

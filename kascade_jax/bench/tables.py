@@ -68,6 +68,22 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
                      f"{r['R/dense']:.3f} | {r['weighted']:.4f} | **{r['speedup']:.2f}x** |")
     lines += _kernel_lines("Per-kernel breakdown of A (ms):", [
         (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%}", r["A_kernels"]) for r in rows], 4)
+    reranks = sorted({int(key[len("speedup_rr"):]) for r in rows for key in r if key.startswith("speedup_rr")})
+    if reranks:
+        lines += ["", "**The decode_rerank lever** (C x the budget as the anchors' candidates; every reuse layer scores "
+                  "them with its own query and attends its own Top-k), through the strategy's path, same run and dense:",
+                  "", "| dtype | batch | context | top-k | C | A0 | A | R | R/dense | weighted | speedup | vs plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            for c in reranks:
+                if f"speedup_rr{c}" in r:
+                    lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['topk_frac']:.0%} | {c} | "
+                                 f"{r[f'A0_rr{c}']:.4f} | {r[f'A_rr{c}']:.4f} | {r[f'R_rr{c}']:.4f} | "
+                                 f"{r[f'R_rr{c}'] / r['dense']:.3f} | {r[f'weighted_rr{c}']:.4f} | "
+                                 f"**{r[f'speedup_rr{c}']:.2f}x** | {r[f'speedup_rr{c}'] / r['speedup']:.2f} |")
+        lines += _kernel_lines("Per-kernel breakdown of R with the rerank (ms):", [
+            (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%} C={c}", r[f"R_rr{c}_kernels"])
+            for r in rows for c in reranks if f"R_rr{c}_kernels" in r], 4)
     return "\n".join(lines) + "\n"
 
 

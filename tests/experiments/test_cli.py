@@ -214,7 +214,15 @@ def test_bench_markdown_labels_shape():
     assert "14 q heads, 2 kv heads, d 64" in md
     assert "Weighted = (1*A0 + 4*A + 19*R)/24 (Qwen2.5-Coder-0.5B: 24 layers, 5 anchors)." in md
     w = (1.2 + 4 * 0.5 + 19 * 0.2) / 24
-    assert f"| {w:.4f} | **{1 / w:.2f}x** |" in md
+    assert f"| {w:.4f} | **{1 / w:.2f}x** |" in md and "decode_rerank" not in md
+    rr = _fake_rows(qwen, True)  # with the rerank pieces (--decode_reranks=4): their own table, against plain
+    rr[0].update(A0_rr4=1.3, A_rr4=0.6, R_rr4=0.5, R_rr4_kernels={"gather": 0.3})
+    rr[0].update(weighted_rr4=qwen.weighted(1.3, 0.6, 0.5))
+    rr[0]["speedup_rr4"] = 1 / rr[0]["weighted_rr4"]
+    md = tables.decode_markdown(rr, meta, qwen)
+    w4 = (1.3 + 4 * 0.6 + 19 * 0.5) / 24
+    assert f"| 4 | 1.3000 | 0.6000 | 0.5000 | 0.500 | {w4:.4f} | **{1 / w4:.2f}x** | {w / w4:.2f} |" in md
+    assert "C=4: `gather` 0.3000" in md
 
     md = tables.prefill_markdown(_fake_rows(llama, False), meta, llama)
     assert "Batch 1, 32 q heads, 8 kv heads, d 128, rolling budgets, tile 32, min_k 128.\nWeighted = " \

@@ -523,3 +523,37 @@ def test_decode_rerank_config_checks():
     acfg = rerank_config(cfg)
     assert (acfg.decode_frac, acfg.min_k, acfg.decode_rerank, acfg.topk_frac) == (0.4, 64, 1, 0.1)
     assert rerank_config(dataclasses.replace(cfg, decode_rerank=20)).decode_frac == 1.0  # capped: every key
+
+
+def test_decode_bench_strategy_pieces_are_the_strategys_layers(rng):
+    """The decode benchmark's rerank pieces (kascade_jax.bench.decode.strategy_pieces, timed on the GPU) run the
+    strategy's own layers: the reuse piece, called with another query than its anchor's, attends that query's own
+    Top-k with every key a candidate (oracle_topk on it), and its anchor's selection without the lever; layer 0 is
+    dense."""
+    from kascade_jax.bench.decode import strategy_pieces
+    from models.attention import AttentionInputs
+
+    b, s, hq, kvh, d = 2, 160, 6, 2, 16
+    q, q2 = (jnp.asarray(rng.normal(size=(b, 1, hq, d)) * 2, jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(b, s, kvh, d)), jnp.float32) for _ in range(2))
+    kv_len = jnp.asarray([s, 117], jnp.int32)
+
+    def own_topk(query):  # oracle_topk's layer 1: its own pooled Top-k 10% (layer 0 dense)
+        strat, state = make_strategy("oracle_topk", 2, kvh, topk_frac=0.1, min_k=8), None
+        for layer in range(2):
+            out, state = strat.attend(layer, AttentionInputs(q=query, k_cache=k, v_cache=v, q_start=kv_len - 1,
+                                                             kv_len=kv_len, seq_len=kv_len, phase="decode"), state)
+        return np.asarray(out)
+
+    every = {n: (fn, a) for n, fn, a in strategy_pieces(q, k, v, kv_len, 0.1, 8, kernels="reference",
+                                                        decode_rerank=10)}
+    plain = {n: (fn, a) for n, fn, a in strategy_pieces(q, k, v, kv_len, 0.1, 8, kernels="reference")}
+    reuse = lambda pieces, query: np.asarray(pieces["R"][0](query, *pieces["R"][1][1:]))  # noqa: E731
+    np.testing.assert_allclose(reuse(every, q2), own_topk(q2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(reuse(plain, q), own_topk(q), rtol=1e-5, atol=1e-5)  # q's anchor selected for q
+    assert not np.allclose(reuse(plain, q2), own_topk(q2), atol=1e-3)  # q2 reads q's selection
+    dense, _ = make_strategy("dense", 2, kvh).attend(0, AttentionInputs(
+        q=q, k_cache=k, v_cache=v, q_start=kv_len - 1, kv_len=kv_len, seq_len=kv_len, phase="decode"), None)
+    for pieces in (plain, every):
+        np.testing.assert_allclose(np.asarray(pieces["A0"][0](*pieces["A0"][1])), np.asarray(dense), rtol=1e-5,
+                                   atol=1e-5)
