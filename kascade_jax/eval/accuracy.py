@@ -38,7 +38,9 @@ PREFILL_RATIOS = dict(a0=1.899, anchor=1.700, reuse=0.194)
 
 
 def load_examples(run_dirs) -> list[dict]:
-    """Every example record of the runs (examples.jsonl), with the run's model and split attached."""
+    """Every example record of the runs (examples.jsonl), with the run's model and split attached. A run with
+    another sample seed than 0 (`--seed`) draws other prompts under the same indices: its split is labelled
+    `<split>-seed<N>`, so it pairs with its own dense cell and never with seed 0's (a replicate)."""
     from kascade_jax.eval.report import read_json  # noqa: PLC0415
 
     out = []
@@ -47,6 +49,12 @@ def load_examples(run_dirs) -> list[dict]:
         res = read_json(d / "results.json")
         env = res.get("environment", {})
         split = "dev" if "--split=dev" in env.get("command", "") else "test"
+        seed = (res.get("spec") or {}).get("seed")
+        if seed is None:  # runs older than the saved spec: the command line says it, else the default 0
+            m = re.search(r"--seed[= ](\d+)", env.get("command", ""))
+            seed = int(m.group(1)) if m else 0
+        if seed:
+            split = f"{split}-seed{seed}"
         models = {r["strategy"] + "|" + r["config"]: r["model"] for r in res.get("rows", [])}
         with open(d / "examples.jsonl") as f:
             for n, line in enumerate(f, 1):

@@ -251,3 +251,26 @@ def test_choose_takes_a_decode_only_cell_for_the_dense_prefill_candidate(rng):
     doc = accuracy.choose_recipe(accuracy.summarize(other, ruler_tasks=TASKS, reps=100), CANDIDATES, model="m",
                                  context=4096, num_layers=24, within_dense=1.0)
     assert doc["chosen_from"] == "paper" and "dps" not in {r["recipe"] for r in doc["measured"]}
+
+
+def test_a_run_with_another_seed_is_a_replicate_with_its_own_dense_twin(rng, tmp_path):
+    # seed 1 draws other prompts under the same indices: pairing them with seed 0's dense would be wrong, and
+    # reporting both runs together used to stop at "is in two runs"
+    base = _base(rng, n=4)
+    for name, seed, shift in (("d0", 0, 0.0), ("k0", 0, -0.3), ("d1", 1, 0.0), ("k1", 1, 0.0)):
+        run = tmp_path / name
+        run.mkdir()
+        strategy = "dense" if name[0] == "d" else "kascade"
+        recs = _records(rng, strategy, "" if strategy == "dense" else "k=0.1 recipe=dps", base, shift=shift, n=4,
+                           split="dev")
+        (run / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        spec = {} if name == "k1" else dict(spec=dict(seed=seed))  # k1: an older run without a saved spec
+        (run / "results.json").write_text(json.dumps(dict(
+            environment=dict(command=f"eval --split=dev{' --seed=1' if seed else ''}"), rows=[], **spec)))
+    ex = accuracy.load_examples([tmp_path / n for n in ("d0", "k0", "d1", "k1")])
+    assert sorted({(r["source"][-2:], r["split"]) for r in ex}) == [
+        ("d0", "dev"), ("d1", "dev-seed1"), ("k0", "dev"), ("k1", "dev-seed1")]
+    rows = {(r["split"], r["strategy"]): r for r in accuracy.summarize(ex, ruler_tasks=TASKS, reps=200)
+            if r["task"] == "ruler_avg"}
+    assert rows[("dev", "kascade")]["diff_vs_dense"] < -10  # paired with its own seed's dense
+    assert rows[("dev-seed1", "kascade")]["diff_vs_dense"] is not None
