@@ -28,7 +28,6 @@ RERANKS = flags.DEFINE_list("decode_reranks", [], "Also time the decode_rerank l
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
-
 @flags.validator("decode_reranks", message="--decode_reranks takes integers >= 2 (the candidates per key), e.g. 2,4")
 def _check_reranks(values):
     return all(str(v).strip().isdigit() and int(v) >= 2 for v in values)

@@ -269,7 +269,8 @@ CANDIDATES: dict[str, dict[str, Any]] = {
                       decode_rerank_worst=8),
     # issue 21 session 10 (H200 dev, 0.5B, paired against dps): rr4 +0.8, rr2 +0.6, and dps_tail_ans +0.9 (the same
     # anchors 0,1,3,5,9 with the answers calibration's head map): the two levers act on different things (which
-    # anchor head a layer reads; its own order among the candidates), so together
+    # anchor head a layer reads; its own order among the candidates), so together. Not run: on the CPU shift probe
+    # that head map keeps no more decode mass (0.841 vs 0.839), so its +0.9 is most likely noise
     "dps_tans_rr4": dict(num_anchors=5, calib_reduce="tail", calib_dataset="builtin_answers", sink_tokens=4,
                          recent_window=60, decode_only=True, decode_rerank=4),
 }
