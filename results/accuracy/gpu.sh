@@ -2,6 +2,7 @@
 # The accuracy matrix (issue 17) on a lent H200 (JAX 0.11.2 there, no network), run in pieces that survive between
 # calls: a detached job (setsid) runs the plan while short calls stage models and collect results.
 #
+#   bash results/accuracy/gpu.sh carry_check          (here, before a lease) tree + largest chunk under 64 MiB?
 #   bash results/accuracy/gpu.sh stage NAME           copy the carried chunk(s) .stage/NAME/* to $HOME/wcache/NAME/
 #   bash results/accuracy/gpu.sh setup [MODEL...]     assemble + sha-check staged models (q05 q15 smol), install wheels;
 #                                                     a plan's "barrier stage_q15" waits for the 1.5B's setup
@@ -20,7 +21,8 @@
 # PYTEST-ARGS` (the GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench); lines after
 # a line "barrier" start only when every job before it has ended. Each eval writes its results after every block,
 # so a job stopped early keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into
-# 56 MiB chunks into .stage/<model>/ (git-ignored); one call per chunk carries .stage/<model>/part.NN.
+# 38 MiB chunks into .stage/<model>/ (git-ignored); one call per chunk carries .stage/<model>/part.NN. The tree
+# travels with every call, so `gpu.sh carry_check` (here, before a lease) checks tree + largest chunk < 64 MiB.
 set -u
 ACC=$HOME/acc
 SITE=$HOME/site
@@ -34,6 +36,14 @@ declare -A SHA=(
 )
 cmd=${1:?command}; shift
 case "$cmd" in
+  carry_check)  # here: what one staging call carries (the tree git does not ignore + the largest chunk) vs 64 MiB
+    tree=$( { git ls-files -z; git ls-files -z -o --exclude-standard; } | xargs -0 du -cb 2>/dev/null | awk '$2 == "total" {s += $1} END {print s}')
+    chunk=$(du -b .stage/*/part.* 2>/dev/null | sort -n | tail -1 | cut -f1)
+    total=$((tree + ${chunk:-0}))
+    printf 'tree %.1f MiB + largest chunk %.1f MiB = %.1f MiB of 64\n' "$(echo "$tree/1048576" | bc -l)" \
+      "$(echo "${chunk:-0}/1048576" | bc -l)" "$(echo "$total/1048576" | bc -l)"
+    [ "$total" -le $((63 * 1048576)) ] || { echo "over: split the models into smaller chunks"; exit 1; }
+    ;;
   stage)
     mkdir -p "$HOME/wcache/$1" && cp .stage/"$1"/part.* "$HOME/wcache/$1/" && ls -la "$HOME/wcache/$1" | tail -n +2 | wc -l
     ;;
