@@ -14,7 +14,7 @@ import time
 
 from kascade_jax.bench import tables
 from kascade_jax.bench.store import note_overwrite, output_stem, write_outputs
-from kascade_jax.bench.timing import BenchShape, time_pieces
+from kascade_jax.bench.timing import BenchShape, cupti_time, time_pieces
 
 _DEFAULT = BenchShape()
 
@@ -125,8 +125,6 @@ def strategy_pieces(q, k, v, kv_len, frac, min_k, *, kernels="pallas", **levers)
 def rerank_row(row: dict, dense, q, k, v, kv_len, frac, min_k, reranks, iters, shape, log=print) -> dict:
     """row[f"{piece}_rr{C}"] for each C in `reranks` (the decode_rerank lever through the strategy's path; every
     reuse layer reranks) and their weighted time and speedup over the row's dense, in the same run."""
-    from kascade_jax.bench.timing import cupti_time
-
     for c in reranks:
         for name, fn, args in strategy_pieces(q, k, v, kv_len, frac, min_k, decode_rerank=c):
             row[f"{name}_rr{c}"], row[f"{name}_rr{c}_kernels"] = cupti_time(fn, args, iters)

@@ -264,18 +264,22 @@ def resolve_flags(model_name: str, anchors: str, head_map: str, *, num_layers: i
 
 
 def rerank_layers(model_name: str, recipe, anchors, head_map, *, num_layers: int, kv_heads: int,
-                  tile_size: int = 32, model=None, tokenizer=None, cache_dir=None, **calib) -> tuple[int, ...] | None:
+                  tile_size: int = 32, model=None, tokenizer=None, cache_dir=None, artifact=None,
+                  **calib) -> tuple[int, ...] | None:
     """The `decode_rerank_layers` of `recipe` with these anchors and head map: None unless it sets
-    `decode_rerank_worst` N, else the N reuse layers least similar to their anchor in its calibration (`calib`:
-    `load_or_calibrate` keywords; the one the anchors came from, or for explicit anchors the recipe's all the same).
-    Every entry point resolves the lever here: the eval once ran such a recipe as plain `decode_rerank`."""
+    `decode_rerank_worst` N, else the N reuse layers least similar to their anchor in its calibration (`artifact`
+    when the caller has it loaded, else `load_or_calibrate` with `calib`; the one the anchors came from, or for
+    explicit anchors the recipe's all the same). Every entry point resolves the lever here: the eval once ran such a
+    recipe as plain `decode_rerank`."""
     if not recipe.decode_rerank_worst:
         return None
     if anchors is None:
         raise ValueError(f"recipe {recipe.name!r}: decode_rerank_worst needs the anchors (--anchors=auto or a list), "
                          f"not the registry default")
-    art = load_or_calibrate(model_name, tile_size=tile_size, cache_dir=cache_dir, model=model, tokenizer=tokenizer,
-                            **{**calib, "recalibrate": False})
+    art = artifact
+    if art is None:
+        art = load_or_calibrate(model_name, tile_size=tile_size, cache_dir=cache_dir, model=model,
+                                tokenizer=tokenizer, **{**calib, "recalibrate": False})
     art.check_model(num_layers, kv_heads)
     hm = identity_head_map(num_layers, kv_heads) if head_map is None else head_map
     return least_similar_layers(art.sim, anchors, hm, recipe.decode_rerank_worst)
@@ -313,6 +317,7 @@ def recipe_kascade(model_name: str, num_layers: int, kv_heads: int, *, recipe="d
     anchors = tuple(int(a) for a in art.anchors_for(r.num_anchors, r.calib_importance))
     head_map = tuple(tuple(int(h) for h in row) for row in art.head_map(anchors))
     kw = dict(anchors=anchors, head_map=head_map, **r.levers())
-    if r.decode_rerank_worst:
-        kw["decode_rerank_layers"] = least_similar_layers(art.sim, anchors, head_map, r.decode_rerank_worst)
+    layers = rerank_layers(model_name, r, anchors, head_map, num_layers=num_layers, kv_heads=kv_heads, artifact=art)
+    if layers is not None:
+        kw["decode_rerank_layers"] = layers
     return kw, f"recipe {r.describe()}, anchors {list(anchors)} from {src}"
