@@ -57,6 +57,10 @@ flags.DEFINE_integer("batch_tokens", None, "if set, prompts per generate call = 
                      "length) instead of --batch_size (keeps memory flat across context lengths)")
 flags.DEFINE_integer("chunk_size", None, "prefill chunk length in tokens (a multiple of 64; default: whole "
                      "prompt on GPU, 1024 on CPU); smaller chunks bound the memory of the reference kernels")
+flags.DEFINE_bool("share_prefill", True, "strategies with a dense prefill (dense, decode-only Kascade recipes, "
+                  "quest, omnikv, less_is_more) share one prefill per batch, each decoding from its own copy of the "
+                  "cache: the same predictions, and their time split between them (rows' shared_prefill); "
+                  "--noshare_prefill times each strategy alone")
 cli.deprecated_alias("prefill_chunk", "chunk_size")  # the name of EvalSpec's field; generate/speed say chunk_size
 flags.DEFINE_enum("kernels", "reference", ["reference", "pallas"], "Kascade-family kernels: the pure-JAX "
                   "reference semantics, or the Pallas GPU kernels (bf16/fp16 on a GPU; their references elsewhere)")
@@ -180,7 +184,7 @@ def main(argv):
         max_new_tokens=FLAGS.max_new_tokens or None, strategy_kwargs=kw,
         longbench_dir=FLAGS.longbench_dir, aime_path=FLAGS.aime_path, aa_lcr_path=FLAGS.aa_lcr_path,
         aime_runs=FLAGS.aime_runs,
-        fidelity_docs=FLAGS.fidelity_docs, recipe=recipe.describe())
+        fidelity_docs=FLAGS.fidelity_docs, recipe=recipe.describe(), share_prefill=FLAGS.share_prefill)
     if mesh is not None:  # before the model loads: the batch of every context length (--batch_tokens varies it)
         for c in spec.context_lengths:
             try:

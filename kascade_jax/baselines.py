@@ -142,6 +142,7 @@ class StreamingLLMStrategy:
 class QuestStrategy:
     """Query-aware page selection from per-page key bounds; decode only."""
 
+    prefill_is_dense = True  # class attribute: a dense prefill, no state into decode (models.attention)
     page_size: int = 16
     budget_frac: float = 0.10
     min_budget: int = 128
@@ -202,6 +203,7 @@ class QuestStrategy:
 class OmniKVStrategy:
     """Filter layers pick one key set (max over all heads' probabilities) that the following layers reuse; decode only."""
 
+    prefill_is_dense = True  # class attribute: a dense prefill, no state into decode (models.attention)
     filter_layers: tuple[int, ...] = (2, 8, 18)
     budget_frac: float = 0.10
     min_budget: int = 128
@@ -247,6 +249,7 @@ class OmniKVStrategy:
 class LessIsMoreStrategy:
     """TidalDecode-style selection layers with one head-unified key set plus sinks and a recency window; decode only."""
 
+    prefill_is_dense = True  # class attribute: a dense prefill, no state into decode (models.attention)
     selection_layers: tuple[int, ...] = (2, 13)
     budget_frac: float = 0.10
     min_budget: int = 128

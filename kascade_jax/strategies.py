@@ -395,6 +395,12 @@ class KascadeStrategy:
         get_kernels(self.kernels)
 
     # models' interface ----------------------------------------------------------------------------------------
+    @property
+    def prefill_is_dense(self) -> bool:
+        """decode_only: the prefill is dense attention in every layer and carries no state into decode (each decode
+        step's anchors select anew), so the eval may share one prefill with other such strategies."""
+        return bool(self.config.decode_only)
+
     def attend(self, layer: int, inputs, state: Any):
         cfg = self.config
         if not 0 <= layer < cfg.num_layers:

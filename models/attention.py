@@ -48,6 +48,9 @@ class AttentionStrategy(Protocol):
 
     # Optional: `supports_paged = True` (a class attribute) to accept a paged cache (models/paged.py); without it
     # the Transformer refuses one (check_supports_paged).
+    # Optional: `prefill_is_dense` (True: its prefill is exactly DenseStrategy's, dense attention in every layer and
+    # no state carried into decode), so that models.generate.generate_shared_prefill may run it from a prefill
+    # shared with other such strategies. Absent means False.
     # Optional, needed to run on a mesh (models/sharding.py): the PartitionSpec tree of the state that
     # attend(layer, ...) returns, given the layout (P() for a state that stays None).
     # def state_spec(self, layer: int, phase: str, shards: ShardLayout) -> Any: ...
@@ -72,6 +75,7 @@ class DenseStrategy:
     (kernels_pallas.paged.dense_decode, the Pallas kernel on GPU, the gather reference elsewhere)."""
 
     supports_paged = True  # class attribute (not a field): paged caches are opt-in (check_supports_paged)
+    prefill_is_dense = True  # class attribute: see AttentionStrategy
     name: str = "dense"
     decode_kernel: str = "cudnn"
 

@@ -4,6 +4,8 @@
 - `prefill` runs a right-padded batch through the model in chunks of `chunk_size` tokens (multiples of 64, so Kascade
   tiles of 16/32/64 never straddle a chunk), so 32K+ prompts fit in memory; it returns each prompt's last logits.
 - `decode_step` appends one token per sequence (cache donated).
+- `generate_shared_prefill` runs several strategies with a dense prefill over the same prompts from one prefill
+  (the eval's dense-prefill cells: dense, decode-only Kascade, quest, omnikv), each decoding from a copy of the cache.
 - `generate` compiles the whole decode loop (`lax.while_loop`, greedy or temperature/top-p/top-k sampling with a
   seed, per-sequence EOS) into one jitted call. Stop strings need the text, so with `stop` the loop runs in jitted
   segments and the host checks the text between them.
@@ -287,6 +289,39 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Seque
     `timings`: a dict that gets the wall seconds of the prefill (`prefill_s`, synchronised) and of the decode loop
     (`decode_s`) and the decode steps run (`decode_steps`), added to what it holds.
     """
+    return generate_shared_prefill(model, tokenizer, prompts, [strategy], max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, chat=chat,
+                                   max_len=max_len, chunk_size=chunk_size, segment=segment, bucket=bucket,
+                                   timings=None if timings is None else [timings])[0]
+
+
+def prefill_is_dense(strategy) -> bool:
+    """Whether `strategy` declares its prefill identical to DenseStrategy's (`prefill_is_dense`, see
+    models.attention.AttentionStrategy): the same dense attention in every layer and no state carried into decode."""
+    return bool(getattr(strategy, "prefill_is_dense", False))
+
+
+def generate_shared_prefill(model, tokenizer, prompts, strategies, *, max_new_tokens: int | Sequence[int] = 64,
+                            temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                            stop: Sequence[str] = (), chat: bool = True, max_len: int | None = None,
+                            chunk_size: int | None = None, segment: int = 32, bucket: int = 512,
+                            timings: Sequence[dict] | None = None) -> list[list[GenerationResult]]:
+    """`generate` for several strategies over the same prompts with ONE prefill: every strategy must have a dense
+    prefill (`prefill_is_dense`), so the prefilled cache and first token are the same for all; each strategy then
+    decodes from its own copy of that cache (the last one from the cache itself: one extra cache in memory).
+    Returns one result list per strategy, each what `generate(..., strategy)` returns. `timings`: one dict per
+    strategy; each gets the shared prefill's seconds (`prefill_s`, the same in every dict) and its own decode's.
+    One strategy alone may have any prefill: `generate` is this with [strategy]."""
+    strategies = list(strategies)
+    if not strategies:
+        raise ValueError("generate_shared_prefill needs at least one strategy")
+    if len(strategies) > 1:
+        bad = [getattr(s, "name", type(s).__name__) for s in strategies if not prefill_is_dense(s)]
+        if bad:
+            raise ValueError(f"strategies {bad} have no dense prefill (prefill_is_dense), so they cannot share one "
+                             "prefill; generate them one at a time")
+    if timings is not None and len(timings) != len(strategies):
+        raise ValueError(f"timings has {len(timings)} dicts for {len(strategies)} strategies")
     if not prompts:
         raise ValueError("generate needs at least one prompt")
     if isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens, bool):
@@ -326,16 +361,35 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Seque
         tokens[i, :len(p)] = p
     cache = init_cache(model, len(ids), max_len)  # KVCache.init, laid out on the model's mesh if it has one
     t0 = time.perf_counter()
-    logits, cache = prefill(model, tokens, lens, cache, strategy, chunk_size=chunk_size)
+    logits, cache = prefill(model, tokens, lens, cache, strategies[0], chunk_size=chunk_size)
     if timings is not None:
         jax.block_until_ready(logits)
-        t1 = time.perf_counter()
+    t_prefill = time.perf_counter() - t0
     tok = sample(logits, jax.random.fold_in(jax.random.key(seed), 1 << 30), temperature, top_p, top_k)
-    b = len(ids)
-    out = jnp.full((b, _round_up(max_new_tokens, OUT_MULTIPLE)), -1, jnp.int32)
-    carry = (cache, tok, jnp.zeros((b,), bool), jnp.asarray(0, jnp.int32), out)
     tok_eos = getattr(tokenizer, "eos_token_ids", None)
     eos = tuple(sorted(set(cfg.eos_token_ids if tok_eos is None else tok_eos)))
+    out = []
+    for n, strategy in enumerate(strategies):
+        last = n == len(strategies) - 1
+        # The decode loop donates its carry (cache and first token): every strategy but the last gets copies.
+        mine, first = (cache, tok) if last else (jax.tree.map(jnp.copy, cache), jnp.copy(tok))
+        t1 = time.perf_counter()
+        rows, steps = _decode_rows(model, tokenizer, mine, first, strategy, limits, max_new_tokens, lens, seed, stop,
+                                   segment, temperature, top_p, top_k, eos)
+        if timings is not None:
+            t = timings[n]
+            for k, v in (("prefill_s", t_prefill), ("decode_s", time.perf_counter() - t1), ("decode_steps", steps)):
+                t[k] = t.get(k, 0) + v
+        out.append(rows)
+    return out
+
+
+def _decode_rows(model, tokenizer, cache, tok, strategy, limits, max_new_tokens, lens, seed, stop, segment,
+                 temperature, top_p, top_k, eos) -> tuple[list[GenerationResult], int]:
+    """The decode loop from a prefilled cache (donated) and first token `tok` [batch]; (results, steps run)."""
+    b = len(limits)
+    out = jnp.full((b, _round_up(max_new_tokens, OUT_MULTIPLE)), -1, jnp.int32)
+    carry = (cache, tok, jnp.zeros((b,), bool), jnp.asarray(0, jnp.int32), out)
     graphdef, params = nnx.split(model)
     steps = max_new_tokens if not stop else segment
     row_limits = jnp.asarray(limits, jnp.int32)
@@ -355,9 +409,6 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Seque
             if all(s or f for s, f in zip(stopped, ended)):
                 break
     out = to_host(carry[4])[:, :max_new_tokens]
-    if timings is not None:
-        for k, v in (("prefill_s", t1 - t0), ("decode_s", time.perf_counter() - t1), ("decode_steps", int(carry[3]))):
-            timings[k] = timings.get(k, 0) + v
     results = []
     for j in range(b):
         row = [int(t) for t in out[j] if t >= 0]
@@ -371,4 +422,4 @@ def generate(model, tokenizer, prompts, strategy, *, max_new_tokens: int | Seque
             text, reason = text[:pos], "stop"
         results.append(GenerationResult(text=text, token_ids=row, prompt_tokens=int(lens[j]), new_tokens=n_new,
                                         finish_reason=reason))
-    return results
+    return results, int(carry[3])

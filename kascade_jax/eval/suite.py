@@ -116,6 +116,7 @@ class EvalSpec:
     recipe: str = ""  # the Kascade recipe's description (recipes.Recipe.describe), recorded in each Kascade row
     variants: tuple[Variant, ...] = ()  # several recipes in one run; () = the one of the fields above
     sample_workers: int | None = None  # processes that build RULER/synthetic samples; None = up to 16 cores
+    share_prefill: bool = True  # strategies with a dense prefill share one prefill per batch (same results)
 
     def __post_init__(self):
         if not self.strategies:
@@ -162,7 +163,7 @@ class EvalSpec:
 # Fields a resume may change: what it adds (which blocks run), and the performance knobs (batch, prefill chunk, sample
 # workers), which move results by float rounding only (two dense runs of 325 prompts at batches 4 and 16: 6 scores).
 RESUME_FREE = ("strategies", "topk_fracs", "tasks", "context_lengths", "batch_size", "batch_tokens", "prefill_chunk",
-               "sample_workers")
+               "sample_workers", "share_prefill")
 
 
 def spec_record(spec: EvalSpec, **extra) -> dict:
@@ -407,21 +408,22 @@ def run(spec: EvalSpec, model, tokenizer, *, progress: bool = True, log=print, o
             _run_answers(spec, model, tokenizer, runs, ctx, window, finished, rows, records, progress, log, on_block,
                          fid)
             continue
-        todo = [r for r in runs if not finished(task, ctx, r)]
-        if not todo:
+        todo = [[task] if not finished(task, ctx, r) else [] for r in runs]
+        if not any(todo):
             continue
         samples = build_samples(spec, tokenizer, task, ctx, window)
-        for r in todo:
-            t0 = time.perf_counter()
-            results = harness.run_samples(model, tokenizer, samples, r.strategy, batch_size=spec.batch_for(ctx),
-                                          progress=progress, desc=f"{task}@{ctx} {r.label}",
-                                          prefill_chunk=spec.prefill_chunk)
-            wall = time.perf_counter() - t0
-            rows.append(report.make_row(results, model=spec.model, task=task, family=family_of(task),
-                                        context_length=ctx, strategy=r.label, config=r.config,
-                                        topk_frac=r.topk_frac, anchors=r.anchors, wall_s=wall))
-            rows[-1]["prompts_per_s"] = round(len(results) / wall, 3) if wall > 0 else float("nan")
-            _record(rows[-1], results, r, records, log)
+        for group in prefill_groups(runs, todo, spec.share_prefill):
+            stats = [{} for _ in group]
+            per = harness.run_samples_shared(model, tokenizer, samples, [r.strategy for r in group],
+                                             batch_size=spec.batch_for(ctx), progress=progress,
+                                             desc=f"{task}@{ctx} " + " + ".join(r.label for r in group),
+                                             prefill_chunk=spec.prefill_chunk, stats=stats)
+            for r, results, st in zip(group, per, stats):
+                rows.append(report.make_row(results, model=spec.model, task=task, family=family_of(task),
+                                            context_length=ctx, strategy=r.label, config=r.config,
+                                            topk_frac=r.topk_frac, anchors=r.anchors, wall_s=st["wall_s"]))
+                rows[-1].update(prompts_per_s=st["prompts_per_s"], shared_prefill=len(group))
+                _record(rows[-1], results, r, records, log)
             if on_block is not None:
                 on_block(rows, records, fid)
     return rows, records, fid
@@ -437,44 +439,68 @@ def _record(row, results, r, records, log):
         records.append(dict(dataclasses.asdict(x), strategy=r.label, config=r.config))
 
 
+def prefill_groups(runs, todo, share: bool) -> list[list]:
+    """The runs to evaluate together, in the order of `runs`: with `share`, every run whose strategy has a dense
+    prefill (`models.generate.prefill_is_dense`) joins the first group of such runs with the same work `todo[i]`
+    (one prefill per batch serves them all); any other run is alone. Runs with nothing to do are left out."""
+    from models.generate import prefill_is_dense  # noqa: PLC0415
+
+    groups, shared = [], {}
+    for i, r in enumerate(runs):
+        if not todo[i]:
+            continue
+        if share and prefill_is_dense(r.strategy):
+            key = tuple(todo[i])
+            if key in shared:
+                shared[key].append(r)
+                continue
+            shared[key] = [r]
+            groups.append(shared[key])
+        else:
+            groups.append([r])
+    return groups
+
+
 def _run_pooled(spec, model, tokenizer, runs, tasks, ctx, window, finished, rows, records, progress, log, on_block,
                 fid):
-    """Every strategy over the pooled samples of `tasks` at `ctx` in one batched pass each; rows per task."""
-    todo = {r.config + "\0" + r.label: [t for t in tasks if not finished(t, ctx, r)] for r in runs}
-    need = [t for t in tasks if any(t in ts for ts in todo.values())]
+    """Every strategy over the pooled samples of `tasks` at `ctx` in one batched pass each (dense-prefill strategies
+    in one pass together, `prefill_groups`); rows per task, saved when each pass ends."""
+    todo = [[t for t in tasks if not finished(t, ctx, r)] for r in runs]
+    need = [t for t in tasks if any(t in ts for ts in todo)]
     if not need:
         return
     samples = build_pooled_samples(spec, tokenizer, need, ctx, window, log=log)
-    for r in runs:
-        mine = todo[r.config + "\0" + r.label]
-        if not mine:
-            continue
+    for group in prefill_groups(runs, todo, spec.share_prefill):
+        mine = todo[runs.index(group[0])]
         pool = [x for t in mine for x in samples[t]]
-        stats: dict = {}
-        t0 = time.perf_counter()
-        results = harness.run_samples(model, tokenizer, pool, r.strategy, batch_size=spec.batch_for(ctx),
-                                      progress=progress, desc=f"{len(mine)} tasks@{ctx} {r.label}",
-                                      prefill_chunk=spec.prefill_chunk, stats=stats)
-        wall = time.perf_counter() - t0
-        log(f"{r.label} {r.config} @ {ctx}: {len(pool)} prompts in {wall:.1f} s = {stats['prompts_per_s']:.2f} "
-            f"prompts/s (batch {stats['batch_sizes']}, {stats['padded_rows']} padded rows; first batch "
-            f"{stats['first_batch_s']:.1f} s with its compiles, then {stats['warm_prompts_per_s']:.2f} prompts/s)"
-            + (f"; prefill {stats['prefill_s']:.1f} s, decode {stats['decode_s']:.1f} s over "
-               f"{stats['decode_steps']} steps" if "prefill_s" in stats else ""))
-        by_task: dict = {}
-        for x in results:
-            by_task.setdefault(x.task, []).append(x)
-        for t in mine:
-            res = by_task.get(t, [])
-            rows.append(report.make_row(res, model=spec.model, task=t, family=family_of(t), context_length=ctx,
-                                        strategy=r.label, config=r.config, topk_frac=r.topk_frac, anchors=r.anchors,
-                                        wall_s=wall * len(res) / max(1, len(pool))))
-            rows[-1].update(prompts_per_s=stats["prompts_per_s"], warm_prompts_per_s=stats["warm_prompts_per_s"],
-                            first_batch_s=stats["first_batch_s"], pass_prompts=len(pool),
-                            batch_size=max(stats["batch_sizes"]) if stats["batch_sizes"] else 0,
-                            padded_rows=stats["padded_rows"],
-                            **{k: stats[k] for k in ("prefill_s", "decode_s", "decode_steps") if k in stats})
-            _record(rows[-1], res, r, records, log)
+        stats = [{} for _ in group]
+        names = " + ".join(r.label for r in group)
+        per = harness.run_samples_shared(model, tokenizer, pool, [r.strategy for r in group],
+                                         batch_size=spec.batch_for(ctx), progress=progress,
+                                         desc=f"{len(mine)} tasks@{ctx} {names}", prefill_chunk=spec.prefill_chunk,
+                                         stats=stats)
+        for r, results, st in zip(group, per, stats):
+            wall = st["wall_s"]
+            log(f"{r.label} {r.config} @ {ctx}: {len(pool)} prompts in {wall:.1f} s = {st['prompts_per_s']:.2f} "
+                f"prompts/s (batch {st['batch_sizes']}, {st['padded_rows']} padded rows; first batch "
+                f"{st['first_batch_s']:.1f} s with its compiles, then {st['warm_prompts_per_s']:.2f} prompts/s)"
+                + (f"; prefill {st['prefill_s']:.1f} s" + (f" (one pass shared by {len(group)} strategies, its "
+                                                            "time split between them)" if len(group) > 1 else "")
+                   + f", decode {st['decode_s']:.1f} s over {st['decode_steps']} steps" if "prefill_s" in st else ""))
+            by_task: dict = {}
+            for x in results:
+                by_task.setdefault(x.task, []).append(x)
+            for t in mine:
+                res = by_task.get(t, [])
+                rows.append(report.make_row(res, model=spec.model, task=t, family=family_of(t), context_length=ctx,
+                                            strategy=r.label, config=r.config, topk_frac=r.topk_frac,
+                                            anchors=r.anchors, wall_s=wall * len(res) / max(1, len(pool))))
+                rows[-1].update(prompts_per_s=st["prompts_per_s"], warm_prompts_per_s=st["warm_prompts_per_s"],
+                                first_batch_s=st["first_batch_s"], pass_prompts=len(pool),
+                                batch_size=max(st["batch_sizes"]) if st["batch_sizes"] else 0,
+                                padded_rows=st["padded_rows"], shared_prefill=len(group),
+                                **{k: st[k] for k in ("prefill_s", "decode_s", "decode_steps") if k in st})
+                _record(rows[-1], res, r, records, log)
         if on_block is not None:
             on_block(rows, records, fid)
 

@@ -112,6 +112,7 @@ case "$cmd" in
     while read -r name kind rest; do
       case "$name" in ""|\#*) continue;; esac
       if [ "$name" = barrier ]; then  # barrier a,b,c: wait until each named job (of any runner) has ended
+        [ -z "$kind" ] && { wait; continue; }  # a bare barrier: every job this runner started has ended
         for n in ${kind//,/ }; do
           until grep -q "^$n exit" "$ACC/logs/_jobs.txt"; do sleep 3; done
         done
