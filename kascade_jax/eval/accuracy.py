@@ -210,6 +210,14 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
             have = sorted({(r.get("context"), r.get("batch")) for r in rows})
             raise ValueError(f"{path}: no {phase} row at {want} with Top-k 0.1 (have context, batch: {have})")
         out[phase] = got
+        if phase == "decode":  # the decode_rerank lever through the strategy's path (bench --decode_reranks)
+            rr = {int(m.group(1)): dict(a0=r[f"A0_rr{m.group(1)}"] / r["dense"],
+                                        anchor=r[f"A_rr{m.group(1)}"] / r["dense"], reuse=r[k] / r["dense"])
+                  for r in rows if all(r.get(k2) == v for k2, v in want.items()) and r.get("dense")
+                  and float(r.get("topk_frac", 0)) == 0.1
+                  for k in r if (m := re.fullmatch(r"R_rr(\d+)", k))}
+            if rr:
+                out["decode_rerank"] = rr
     return out
 
 
@@ -229,9 +237,12 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     a budget measured there is used as it is, others are scaled from the 10% row as described.
     `prefill_dense_anchors`: every prefill anchor costs what anchor 0 costs (dense output + scores + select,
     measured with a prompt in one chunk: cuDNN's output and LSE); `dense_prefill` (decode_only): prefill cost 1.
-    `decode_rerank` C: a decode reuse layer reads C k K rows and k V rows, (C + 1) / 2 of its plain bytes (an
-    estimate from bytes: the rerank's own arithmetic and the anchors' C k attended keys are left out until measured);
-    with `decode_rerank_worst` N only N of the reuse layers pay it.
+    `decode_rerank` C: with `ratios` holding the lever's measured layers (`bench_ratios`' decode_rerank: the anchors
+    selecting C k, a reranking reuse layer's gather, scores, top-k and attention), those; with `decode_rerank_worst`
+    N only N reuse layers pay the reranking cost and the others a plain one (the anchors' ordering of their
+    candidates, which the benchmark does not time, is left out: a lower bound). Without measured ratios, an estimate
+    from bytes, (C + 1) / 2 of a plain reuse layer: as built it is 7-13x (session 11's benchmark), so treat it as the
+    floor of a fused kernel, not as today's speed.
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
@@ -250,10 +261,16 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
             r = measured[frac[phase]] if exact else measured[0.1]
             if exact:
                 scale[phase] = 1.0
-        reuse = r["reuse"] * scale[phase] * rerank[phase]
+        measured_rr = (phase == "decode" and decode_rerank > 1 and ratios is not None
+                       and decode_rerank in ratios.get("decode_rerank", {}))
+        reuse = r["reuse"] * scale[phase] * (1.0 if measured_rr else rerank[phase])
         dense_anchors = phase == "prefill" and prefill_dense_anchors
         anchor = r["a0"] if dense_anchors else r["anchor"]
         cost = (r["a0"] + (m - 1) * anchor + (num_layers - m) * reuse) / num_layers
+        if measured_rr:
+            q = ratios["decode_rerank"][decode_rerank]
+            cost = (q["a0"] + (m - 1) * q["anchor"] + n_rr * q["reuse"] * scale[phase]
+                    + (n_reuse - n_rr) * reuse) / num_layers
         if phase == "prefill":
             if dense_prefill:
                 cost = 1.0
@@ -345,9 +362,111 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
     return {"default": fields, "chosen_from": name, "measured": table, "model": model, "context": context}
 
 
+# ---- the report: measured speed per cell, and the headline ------------------------------------------------------
+BASELINE_STRATEGIES = ("quest", "omnikv", "less_is_more", "streaming_llm")  # accuracy simulations: no kernels timed
+
+
+def _bench_contexts(decode_json, prefill_json) -> tuple[int, list[int]]:
+    """(num_layers, contexts with a Top-k 10% row in both benchmark files)."""
+    rows = {ph: json.loads(Path(p).read_text())["rows"] for ph, p in (("decode", decode_json), ("prefill", prefill_json))}
+    layers = {int(r["num_layers"]) for ph in rows for r in rows[ph] if "num_layers" in r}
+    if len(layers) != 1:
+        raise ValueError(f"{decode_json} / {prefill_json}: benchmark rows of {sorted(layers) or 'no'} layer counts; "
+                         "give one model shape's files")
+    ctx = [set(int(r["context"]) for r in rows[ph] if float(r.get("topk_frac", 0)) == 0.1) for ph in rows]
+    return layers.pop(), sorted(ctx[0] & ctx[1])
+
+
+def add_speed(rows, bench: dict, *, decode_batch: int = 32) -> list[dict]:
+    """Each summary row of a model in `bench` ({model: (decode json, prefill json)}, `experiments.bench` at its
+    shape) at a benchmarked length gets `decode_speedup` / `prefill_speedup`: the weighted attention speedup over
+    cuDNN of its cell's layer mix (`attention_cost` with the measured per-layer ratios; dense 1.0). Baselines
+    (quest, omnikv, ...) are accuracy simulations without kernels and get None, as do unbenchmarked lengths."""
+    from kascade_jax.registry import KASCADE_FAMILY  # noqa: PLC0415
+
+    cache = {}
+    for model, (dec, pre) in bench.items():
+        layers, contexts = _bench_contexts(dec, pre)
+        for c in contexts:
+            cache[(model, c)] = (layers, bench_ratios(dec, pre, context=c, decode_batch=decode_batch))
+    out = []
+    for r in rows:
+        r = dict(r, decode_speedup=None, prefill_speedup=None)
+        hit = cache.get((r["model"], int(r["context"])))
+        if hit is not None and r["strategy"] == "dense":
+            r.update(decode_speedup=1.0, prefill_speedup=1.0)
+        elif hit is not None and r["strategy"] in KASCADE_FAMILY:
+            layers, ratios = hit
+            f = config_fields(r["config"])
+            oracle = r["strategy"] == "oracle_topk"
+            m = f.get("num_anchors") or len([a for a in (r.get("anchors") or "").split(",") if a])
+            if m or oracle:
+                cost = attention_cost(
+                    layers, m or 1, context=int(r["context"]), oracle=oracle, topk_frac=r.get("topk_frac") or 0.1,
+                    dense_suffix=f.get("dense_suffix", 0), prefill_topk_frac=f.get("prefill_topk_frac"),
+                    decode_topk_frac=f.get("decode_topk_frac"), local_window=f.get("local_window", 0),
+                    dense_prefill=bool(f.get("decode_only")) or r["strategy"] == "decode_only",
+                    prefill_dense_anchors=bool(f.get("prefill_dense_anchors")),
+                    decode_rerank=f.get("decode_rerank") or 1, decode_rerank_worst=f.get("decode_rerank_worst"),
+                    ratios=ratios)
+                r.update(decode_speedup=cost["decode_speedup"], prefill_speedup=cost["prefill_speedup"])
+        out.append(r)
+    return out
+
+
+def _diff(r) -> str:
+    if r is None:
+        return "not run"
+    if r.get("diff_vs_dense") is None:
+        return f"{r['score']:.1f} (no dense pair)"
+    return f"{r['diff_vs_dense']:+.1f} [{r['diff_ci_low']:+.1f}, {r['diff_ci_high']:+.1f}]"
+
+
+def _speed(r) -> str:
+    if r is None or r.get("decode_speedup") is None:
+        return "-"
+    return f"{r['decode_speedup']:.2f}x / {r['prefill_speedup']:.2f}x"
+
+
+def headline_rows(rows, defaults: dict, *, split: str = "test") -> list[dict]:
+    """Per (model, context) with a dense `ruler_avg` cell on `split`: dense, the default (the cell whose config
+    states `defaults[model]`, today's shipped recipe's describe(); else the latest recipe=default cell), the paper
+    recipe and the best baseline (BASELINE_STRATEGIES), each with its paired difference to dense."""
+    avg = [r for r in rows if r["task"] == "ruler_avg" and r["split"] == split]
+    out = []
+    for model, ctx in sorted({(r["model"], r["context"]) for r in avg if r["strategy"] == "dense"}):
+        here = [r for r in avg if r["model"] == model and r["context"] == ctx]
+        dense = next(r for r in here if r["strategy"] == "dense")
+        want = defaults.get(model)
+        cands = [r for r in here if r["strategy"] == "kascade" and r["recipe"] == "default"]
+        shipped = [r for r in cands if want and want.split(" ", 1)[-1] in r["config"]]
+        default = (shipped or [None])[0]
+        paper = next((r for r in here if r["strategy"] == "kascade" and r["recipe"] == "paper"), None)
+        base = [r for r in here if r["strategy"] in BASELINE_STRATEGIES]
+        best = max(base, key=lambda r: r["score"]) if base else None
+        out.append(dict(model=model, context=ctx, split=split, n=dense["n"], dense=dense["score"], default=default,
+                        default_is_shipped=default is not None, older_default=None if shipped else
+                        (cands[-1] if cands else None), paper=paper, best_baseline=best))
+    return out
+
+
+def headline_markdown(hrows) -> str:
+    lines = ["| model | ctx | prompts | dense | default vs dense [95% CI] | default decode / prefill speedup | "
+             "paper vs dense | best baseline vs dense |", "|---|---|---|---|---|---|---|---|"]
+    for h in hrows:
+        d = h["default"]
+        dtext = _diff(d) if d is not None else ("not run (an older default: " + _diff(h["older_default"]) + ")"
+                                               if h["older_default"] is not None else "not run")
+        b = h["best_baseline"]
+        btext = "not run" if b is None else f"{b['strategy']} {_diff(b)}"
+        lines.append(f"| {h['model']} | {h['context']} | {h['n']} | {h['dense']:.1f} | {dtext} | {_speed(d)} | "
+                     f"{_diff(h['paper'])} | {btext} |")
+    return "\n".join(lines)
+
+
 def markdown_table(rows, *, task: str = "ruler_avg") -> str:
-    lines = ["| model | ctx | split | strategy | recipe / config | score [95% CI] | n | vs dense [95% CI] |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | ctx | split | strategy | recipe / config | score [95% CI] | n | vs dense [95% CI] | "
+             "decode / prefill speedup |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["task"] != task:
             continue
@@ -355,7 +474,7 @@ def markdown_table(rows, *, task: str = "ruler_avg") -> str:
                                                         f"{r['diff_ci_high']:+.1f}]")
         cfg = r["config"] if len(r["config"]) < 90 else r["config"][:87] + "..."
         lines.append(f"| {r['model']} | {r['context']} | {r['split']} | {r['strategy']} | {cfg} | "
-                     f"{r['score']:.1f} [{r['ci_low']:.1f}, {r['ci_high']:.1f}] | {r['n']} | {diff} |")
+                     f"{r['score']:.1f} [{r['ci_low']:.1f}, {r['ci_high']:.1f}] | {r['n']} | {diff} | {_speed(r)} |")
     return "\n".join(lines)
 
 

@@ -274,3 +274,58 @@ def test_a_run_with_another_seed_is_a_replicate_with_its_own_dense_twin(rng, tmp
             if r["task"] == "ruler_avg"}
     assert rows[("dev", "kascade")]["diff_vs_dense"] < -10  # paired with its own seed's dense
     assert rows[("dev-seed1", "kascade")]["diff_vs_dense"] is not None
+
+
+_ACC = __import__("pathlib").Path(__file__).resolve().parents[2] / "results" / "accuracy"
+_RR05 = _ACC / "h200_2026-12-03_i21s11" / "bench" / "decode_qwen05_rr.json"
+_PF05 = _ACC / "h200_2026-12-02_i21s3" / "bench" / "prefill_qwen05.json"
+
+
+def test_the_rerank_is_priced_by_its_measured_layers():
+    """bench --decode_reranks rows (A0/A/R_rr{C}) reach the speed model: a reranking reuse layer costs what the
+    benchmark timed, not the bytes estimate; with decode_rerank_worst only N reuse layers pay it."""
+    ratios = accuracy.bench_ratios(_RR05, _PF05, context=16384)
+    row = next(r for r in json.loads(_RR05.read_text())["rows"] if r["context"] == 16384)
+    q = ratios["decode_rerank"][4]
+    assert set(ratios["decode_rerank"]) == {2, 4} and q["reuse"] == pytest.approx(row["R_rr4"] / row["dense"])
+    all4 = accuracy.attention_cost(24, 5, context=16384, decode_rerank=4, ratios=ratios)
+    assert all4["decode_speedup"] == pytest.approx(row["speedup_rr4"], rel=1e-3)  # the benchmark's own weighting
+    w5 = accuracy.attention_cost(24, 5, context=16384, decode_rerank=4, decode_rerank_worst=5, ratios=ratios)
+    plain = ratios["decode"][0.1]["reuse"]
+    want = (q["a0"] + 4 * q["anchor"] + 5 * q["reuse"] + 14 * plain) / 24
+    assert w5["decode_cost"] == pytest.approx(want, abs=1e-4)
+    guess = accuracy.attention_cost(24, 5, context=16384, decode_rerank=4)  # no measured rerank: the bytes floor
+    assert guess["decode_speedup"] > 3 * all4["decode_speedup"]
+
+
+def test_report_rows_get_measured_speed_and_a_headline():
+    cfg = "k=0.1 anchors=0,1,3,5,9 head_map=calibrated recipe=default M=5 calib=k64/min/w=paper decode_only"
+    paper = "k=0.1 anchors=0,1,3,5,9 head_map=calibrated recipe=paper M=5 calib=k64/min/w=paper"
+
+    def row(strategy, config, score, diff, ctx=16384, model="qwen2.5-coder-0.5b", split="test"):
+        return dict(model=model, task="ruler_avg", context=ctx, split=split, strategy=strategy,
+                    recipe=accuracy.recipe_of(config), config=config, topk_frac=0.1 if config else None,
+                    anchors=accuracy._anchors(config), score=score, n=325, ci_low=score - 3, ci_high=score + 3,
+                    diff_vs_dense=diff, diff_ci_low=None if diff is None else diff - 2,
+                    diff_ci_high=None if diff is None else diff + 2)
+
+    rows = [row("dense", "", 62.6, None), row("kascade", cfg, 61.0, -1.6), row("kascade", paper, 55.0, -7.6),
+            row("quest", "budget=0.1", 51.1, -11.5), row("omnikv", "budget=0.1", 25.6, -37.0),
+            row("dense", "", 50.0, None, ctx=8192)]
+    out = accuracy.add_speed(rows, {"qwen2.5-coder-0.5b": (_RR05, _PF05)})
+    ratios = accuracy.bench_ratios(_RR05, _PF05, context=16384)
+    want = accuracy.attention_cost(24, 5, context=16384, dense_prefill=True, ratios=ratios)
+    assert (out[0]["decode_speedup"], out[0]["prefill_speedup"]) == (1.0, 1.0)
+    assert (out[1]["decode_speedup"], out[1]["prefill_speedup"]) == (want["decode_speedup"], 1.0)
+    assert out[2]["prefill_speedup"] != 1.0 and out[3]["decode_speedup"] is None  # a baseline: no kernels timed
+    assert out[5]["decode_speedup"] is None  # 8K was not benchmarked
+    head = accuracy.headline_rows(out, {"qwen2.5-coder-0.5b": "recipe=default M=5 calib=k64/min/w=paper decode_only"})
+    h16 = next(h for h in head if h["context"] == 16384)
+    assert h16["default"]["score"] == 61.0 and h16["paper"]["score"] == 55.0
+    assert h16["best_baseline"]["strategy"] == "quest"
+    md = accuracy.headline_markdown(head)
+    assert "-1.6 [-3.6, +0.4]" in md and f"{want['decode_speedup']:.2f}x / 1.00x" in md and "quest -11.5" in md
+    # a default cell of another recipe than today's shipped one is not shown as the default
+    other = accuracy.headline_rows(out, {"qwen2.5-coder-0.5b": "recipe=default M=5 calib=k64/min/w=paper dense_suffix=512"})
+    assert next(h for h in other if h["context"] == 16384)["default"] is None
+    assert "not run (an older default: -1.6" in accuracy.headline_markdown(other)

@@ -31,8 +31,7 @@ def _strategies(model):
     kw = dict(anchors=(0, 2), topk_frac=0.1, min_k=8, tile_size=16)
     return [DenseStrategy(),
             make_strategy("decode_only", cfg.num_layers, cfg.kv_heads, **kw),
-            make_strategy("quest", cfg.num_layers, cfg.kv_heads, budget_frac=0.1),
-            make_strategy("omnikv", cfg.num_layers, cfg.kv_heads, budget_frac=0.1)]
+            make_strategy("quest", cfg.num_layers, cfg.kv_heads, budget_frac=0.1)]
 
 
 def test_shared_prefill_gives_each_strategy_its_own_generation(rng):
@@ -40,13 +39,13 @@ def test_shared_prefill_gives_each_strategy_its_own_generation(rng):
     from models.params import random_model
 
     model = random_model(tiny_config(tie_word_embeddings=False), seed=1)  # untied: greedy tokens vary
-    prompts = [rng.integers(5, 128, n).tolist() for n in (300, 170, 233)]
+    prompts = [rng.integers(5, 128, n).tolist() for n in (300, 170)]
     sts = _strategies(model)
     assert all(gen.prefill_is_dense(s) for s in sts)
     timings = [{} for _ in sts]
-    shared = gen.generate_shared_prefill(model, ToyTokenizer(), prompts, sts, max_new_tokens=[12, 5, 9],
+    shared = gen.generate_shared_prefill(model, ToyTokenizer(), prompts, sts, max_new_tokens=[12, 5],
                                          chat=False, timings=timings)
-    alone = [gen.generate(model, ToyTokenizer(), prompts, s, max_new_tokens=[12, 5, 9], chat=False) for s in sts]
+    alone = [gen.generate(model, ToyTokenizer(), prompts, s, max_new_tokens=[12, 5], chat=False) for s in sts]
     assert [[r.token_ids for r in rs] for rs in shared] == [[r.token_ids for r in rs] for rs in alone]
     assert len({tuple(alone[0][0].token_ids)}) == 1 and len(set(alone[0][0].token_ids)) > 3  # not a constant run
     assert len({t["prefill_s"] for t in timings}) == 1 and all(t["decode_steps"] == 12 for t in timings)
@@ -87,14 +86,14 @@ def test_eval_with_shared_prefill_equals_separate_runs():
     model = random_model(tiny_config(vocab_size=50_000, max_position_embeddings=2048, tie_word_embeddings=False),
                          seed=3)
     tok = Tok()
-    base = dict(tasks=("synthetic:niah_single_1", "synthetic:vt"), context_lengths=(512,), num_samples=3,
-                strategies=("dense", "decode_only", "quest", "kascade"), batch_size=2, anchors=(0, 2),
+    base = dict(tasks=("synthetic:niah_single_1", "synthetic:vt"), context_lengths=(512,), num_samples=2,
+                strategies=("dense", "decode_only", "quest", "kascade"), batch_size=4, anchors=(0, 2),
                 strategy_kwargs=(("tile_size", 16), ("min_k", 8)), max_new_tokens=6)
     out = {}
     for share in (True, False):
         rows, records, _ = suite.run(suite.EvalSpec(share_prefill=share, **base), model, tok, progress=False)
         out[share] = (rows, {(r["strategy"], r["task"], r["index"]): r["prediction"] for r in records})
-    assert out[True][1] == out[False][1] and len(out[True][1]) == 4 * 2 * 3
+    assert out[True][1] == out[False][1] and len(out[True][1]) == 4 * 2 * 2
     by = {s: [p for (st, _, _), p in sorted(out[False][1].items()) if st == s] for s in base["strategies"]}
     assert by["dense"] != by["decode_only"] and by["dense"] != by["quest"]  # a swap of results would show
     shared = {r["strategy"]: r["shared_prefill"] for r in out[True][0]}
