@@ -95,6 +95,10 @@ class Kernels:
     # after v, same results; indices stay logical token positions. None = this bundle has no paged decode.
     paged_anchor_decode: Callable | None = None  # (q, k_pages, v_pages, page_table, kv_len, *, cfg, k_max, ...)
     paged_reuse_decode: Callable | None = None  # (q, k_pages, v_pages, page_table, kv_len, idx, counts, row)
+    # The decode_rerank lever's Top-k over candidate scores: (scores [batch, heads, n] fp32, >= 0 eligible, -inf
+    # not; n_valid [batch], the eligible ones first; counts [batch]; k_max) -> positions [batch, heads, k_max], -1 past
+    # the count, the same set as lax.top_k's (ties: lowest position first). None: lax.top_k (a full sort on a GPU).
+    select_topk: Callable | None = None
 
 
 def _anchor_decode_reference(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
@@ -182,9 +186,14 @@ def _pallas_kernels() -> Kernels:
                                 head_map_row=head_map_row, dense_out=dense, pool=cfg.pool, sinks=cfg.sink_tokens,
                                 window=cfg.recent_window)
 
+    def select_topk(scores, n_valid, counts, k_max):
+        if on_gpu():  # the anchors' sort-free Top-k pipeline (kernels_pallas/topk.py); a sort elsewhere
+            return pd.select_topk(scores, n_valid, counts, k_max)
+        return select_topk_reference(scores, counts[:, None], k_max)
+
     return Kernels(anchor_decode=anchor_decode, reuse_decode=pd.reuse_decode, anchor_prefill=anchor_prefill,
                    reuse_prefill=pp.reuse_prefill, query_block=None, paged_anchor_decode=paged_anchor_decode,
-                   paged_reuse_decode=pg.reuse_decode)
+                   paged_reuse_decode=pg.reuse_decode, select_topk=select_topk)
 
 
 _KERNELS: dict[str, Kernels] = {"reference": REFERENCE_KERNELS}
@@ -275,27 +284,45 @@ def _candidate_scores(q, key_rows, kv_len, cand, cfg: KascadeConfig):
     return jnp.where(valid, pooled, -jnp.inf)
 
 
-def rerank_decode(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int):
+def _top_positions(pooled, cand, counts, k_max: int, select):
+    """Positions [batch, heads, k_max] of the top-`counts` of pooled [batch, heads, C] (-1 past the count): through
+    `select` (Kernels.select_topk) when given, else lax.top_k. The valid candidates come first in each row."""
+    counts = jnp.minimum(counts, k_max)
+    if select is None:
+        vals, pos = lax.top_k(pooled, k_max)
+        keep = (jnp.arange(k_max)[None, None, :] < counts[:, None, None]) & jnp.isfinite(vals)
+        return jnp.where(keep, pos, -1)
+    n_valid = jnp.sum(cand[:, 0] >= 0, axis=-1).astype(jnp.int32)  # the anchor's count: the same for every head
+    return select(pooled, n_valid, counts, k_max)
+
+
+def rerank_decode(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int, select=None):
     """A reuse layer's own decode Top-k among its anchor's candidates.
 
     q [batch, 1, q_heads, d]; cand [batch, kv_heads, C] int32 (-1 past the anchor's count), already mapped through
     the head map; key_rows(idx [batch, kv_heads, C]) -> K rows [batch, kv_heads, C, d]. Scores: `_candidate_scores`;
-    the forced keys stay first. Returns (idx [batch, kv_heads, k_max] int32, -1 past the count; counts [batch])."""
+    the forced keys are always kept. `select`: Kernels.select_topk (None: lax.top_k). Returns (idx [batch, kv_heads,
+    k_max] int32, -1 past the count; counts [batch])."""
     pooled = _candidate_scores(q, key_rows, kv_len, cand, cfg)
     counts = decode_budget(cfg, kv_len)
-    k_max = min(k_max, cand.shape[-1])
-    vals, pos = lax.top_k(pooled, k_max)
-    keep = (jnp.arange(k_max)[None, None, :] < counts[:, None, None]) & jnp.isfinite(vals)
-    return jnp.where(keep, jnp.take_along_axis(cand, pos, axis=-1), -1).astype(jnp.int32), counts
+    pos = _top_positions(pooled, cand, counts, min(k_max, cand.shape[-1]), select)
+    return jnp.where(pos >= 0, jnp.take_along_axis(cand, jnp.maximum(pos, 0), axis=-1), -1).astype(jnp.int32), counts
 
 
-def order_candidates(q, key_rows, kv_len, cand, cfg: KascadeConfig):
-    """An anchor's candidates cand [batch, kv_heads, C] re-ordered by its own `_candidate_scores` (forced keys
-    first, -1 last), so that the first `decode_budget(cfg)` of them are its own Top-k among them: what the reuse
-    layers outside `decode_rerank_layers` attend."""
+def order_candidates(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int, select=None):
+    """An anchor's candidates cand [batch, kv_heads, C] re-ordered so that the first `decode_budget(cfg)` of them are
+    its own Top-k among them by its own `_candidate_scores` (forced keys included): what the reuse layers outside
+    `decode_rerank_layers` attend. The other valid candidates follow in their order, then the -1s (a partition: no
+    sort of the C candidates)."""
     pooled = _candidate_scores(q, key_rows, kv_len, cand, cfg)
-    vals, pos = lax.top_k(pooled, cand.shape[-1])
-    return jnp.where(jnp.isfinite(vals), jnp.take_along_axis(cand, pos, axis=-1), -1).astype(jnp.int32)
+    pos = _top_positions(pooled, cand, decode_budget(cfg, kv_len), min(k_max, cand.shape[-1]), select)
+    b, h, c = cand.shape
+    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+    chosen = jnp.zeros((b, h, c), bool).at[bi, hi, jnp.where(pos >= 0, pos, c)].set(True, mode="drop")
+    rest = ~chosen & (cand >= 0)
+    dest = jnp.where(chosen, jnp.cumsum(chosen, -1) - 1,
+                     jnp.where(rest, jnp.sum(chosen, -1, keepdims=True) + jnp.cumsum(rest, -1) - 1, c))
+    return jnp.full_like(cand, -1).at[bi, hi, dest].set(cand, mode="drop").astype(jnp.int32)
 
 
 def _first(idx, counts, k_max: int):
@@ -493,12 +520,14 @@ class KascadeStrategy:
             out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=acfg, k_max=static_k_max(acfg, k.shape[1]),
                                                   dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
             if cfg.decode_rerank_layers is not None:
-                idx = order_candidates(q, _rows_contiguous(k), kv_len, idx, cfg)
+                idx = order_candidates(q, _rows_contiguous(k), kv_len, idx, cfg, static_k_max(cfg, k.shape[1]),
+                                       kern.select_topk)
             return out, {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": counts}
         idx, row = self._reuse_indices(layer, state["idx"], inputs.shards, k.shape[2])
         if cfg.reranks(layer):
             cand = jnp.take(idx, jnp.asarray(row), axis=1)
-            idx, counts = rerank_decode(q, _rows_contiguous(k), kv_len, cand, cfg, static_k_max(cfg, k.shape[1]))
+            idx, counts = rerank_decode(q, _rows_contiguous(k), kv_len, cand, cfg, static_k_max(cfg, k.shape[1]),
+                                        kern.select_topk)
             return kern.reuse_decode(q, k, v, kv_len, idx, counts, tuple(range(k.shape[2]))), state
         if cfg.decode_rerank > 1:  # the anchor's own Top-k: the first k of its ordered candidates
             idx, counts = _first(idx, decode_budget(cfg, kv_len), static_k_max(cfg, k.shape[1]))
@@ -519,11 +548,13 @@ class KascadeStrategy:
                                                         k_max=static_k_max(acfg, max_len),
                                                         dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
             if cfg.decode_rerank_layers is not None:
-                idx = order_candidates(q, _rows_paged(k, pt), kv_len, idx, cfg)
+                idx = order_candidates(q, _rows_paged(k, pt), kv_len, idx, cfg, static_k_max(cfg, max_len),
+                                       kern.select_topk)
             return out, {"idx": idx, "counts": counts}
         if cfg.reranks(layer):
             cand = jnp.take(state["idx"], jnp.asarray(row), axis=1)
-            idx, counts = rerank_decode(q, _rows_paged(k, pt), kv_len, cand, cfg, static_k_max(cfg, max_len))
+            idx, counts = rerank_decode(q, _rows_paged(k, pt), kv_len, cand, cfg, static_k_max(cfg, max_len),
+                                        kern.select_topk)
             return kern.paged_reuse_decode(q, k, v, pt, kv_len, idx, counts, tuple(range(k.shape[2]))), state
         if cfg.decode_rerank > 1:  # the anchor's own Top-k: the first k of its ordered candidates
             idx, counts = _first(state["idx"], decode_budget(cfg, kv_len), static_k_max(cfg, max_len))
