@@ -99,6 +99,9 @@ class Kernels:
     # not; n_valid [batch], the eligible ones first; counts [batch]; k_max) -> positions [batch, heads, k_max], -1 past
     # the count, the same set as lax.top_k's (ties: lowest position first). None: lax.top_k (a full sort on a GPU).
     select_topk: Callable | None = None
+    # Its candidate logits: (q, k_cache [batch, keys, kv_heads, d], kv_len, cand [batch, kv_heads, C]) -> scaled
+    # logits [batch, kv_heads, group, C] fp32, -inf where cand is -1. None: an XLA gather of the C K rows + einsum.
+    candidate_logits: Callable | None = None
 
 
 def _anchor_decode_reference(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
@@ -193,7 +196,7 @@ def _pallas_kernels() -> Kernels:
 
     return Kernels(anchor_decode=anchor_decode, reuse_decode=pd.reuse_decode, anchor_prefill=anchor_prefill,
                    reuse_prefill=pp.reuse_prefill, query_block=None, paged_anchor_decode=paged_anchor_decode,
-                   paged_reuse_decode=pg.reuse_decode, select_topk=select_topk)
+                   paged_reuse_decode=pg.reuse_decode, select_topk=select_topk, candidate_logits=pd.candidate_logits)
 
 
 _KERNELS: dict[str, Kernels] = {"reference": REFERENCE_KERNELS}
@@ -263,17 +266,21 @@ def rerank_config(cfg: KascadeConfig) -> KascadeConfig:
                                decode_rerank=1, decode_rerank_layers=None)
 
 
-def _candidate_scores(q, key_rows, kv_len, cand, cfg: KascadeConfig):
+def _candidate_scores(q, key_rows, kv_len, cand, cfg: KascadeConfig, logits_fn=None):
     """This layer's post-softmax probabilities over cand [batch, kv_heads, C] (softmax over the candidates), summed
     over the GQA group -> [batch, kv_heads, C] fp32: the forced keys (sinks, recent window) at FORCED_SCORE, -inf
-    where cand is -1 (past the anchor's count)."""
-    b, _, hq, d = q.shape
-    kvh = cand.shape[1]
+    where cand is -1 (past the anchor's count). logits_fn(cand) -> [batch, kv_heads, group, C] scaled logits
+    (Kernels.candidate_logits: one kernel pass over the candidates' K rows); None: gather them with key_rows."""
     valid = cand >= 0
-    kc = key_rows(jnp.maximum(cand, 0))  # the cache's dtype: an fp32 copy of C k gathered rows would double the bytes
-    qg = q[:, 0].astype(kc.dtype).reshape(b, kvh, hq // kvh, d)
-    logits = jnp.einsum("bhgd,bhcd->bhgc", qg, kc, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    if logits_fn is not None:
+        logits = logits_fn(cand)
+    else:
+        b, _, hq, d = q.shape
+        kvh = cand.shape[1]
+        kc = key_rows(jnp.maximum(cand, 0))  # the cache's dtype: an fp32 copy of C k gathered rows would double it
+        qg = q[:, 0].astype(kc.dtype).reshape(b, kvh, hq // kvh, d)
+        logits = jnp.einsum("bhgd,bhcd->bhgc", qg, kc, precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
     logits = jnp.where(valid[:, :, None], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
@@ -296,25 +303,25 @@ def _top_positions(pooled, cand, counts, k_max: int, select):
     return select(pooled, n_valid, counts, k_max)
 
 
-def rerank_decode(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int, select=None):
+def rerank_decode(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int, select=None, logits_fn=None):
     """A reuse layer's own decode Top-k among its anchor's candidates.
 
     q [batch, 1, q_heads, d]; cand [batch, kv_heads, C] int32 (-1 past the anchor's count), already mapped through
     the head map; key_rows(idx [batch, kv_heads, C]) -> K rows [batch, kv_heads, C, d]. Scores: `_candidate_scores`;
-    the forced keys are always kept. `select`: Kernels.select_topk (None: lax.top_k). Returns (idx [batch, kv_heads,
-    k_max] int32, -1 past the count; counts [batch])."""
-    pooled = _candidate_scores(q, key_rows, kv_len, cand, cfg)
+    the forced keys are always kept. `select`: Kernels.select_topk (None: lax.top_k); `logits_fn`: see
+    `_candidate_scores`. Returns (idx [batch, kv_heads, k_max] int32, -1 past the count; counts [batch])."""
+    pooled = _candidate_scores(q, key_rows, kv_len, cand, cfg, logits_fn)
     counts = decode_budget(cfg, kv_len)
     pos = _top_positions(pooled, cand, counts, min(k_max, cand.shape[-1]), select)
     return jnp.where(pos >= 0, jnp.take_along_axis(cand, jnp.maximum(pos, 0), axis=-1), -1).astype(jnp.int32), counts
 
 
-def order_candidates(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int, select=None):
+def order_candidates(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int, select=None, logits_fn=None):
     """An anchor's candidates cand [batch, kv_heads, C] re-ordered so that the first `decode_budget(cfg)` of them are
     its own Top-k among them by its own `_candidate_scores` (forced keys included): what the reuse layers outside
     `decode_rerank_layers` attend. The other valid candidates follow in their order, then the -1s (a partition: no
     sort of the C candidates)."""
-    pooled = _candidate_scores(q, key_rows, kv_len, cand, cfg)
+    pooled = _candidate_scores(q, key_rows, kv_len, cand, cfg, logits_fn)
     pos = _top_positions(pooled, cand, decode_budget(cfg, kv_len), min(k_max, cand.shape[-1]), select)
     b, h, c = cand.shape
     bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
@@ -323,6 +330,13 @@ def order_candidates(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int, 
     dest = jnp.where(chosen, jnp.cumsum(chosen, -1) - 1,
                      jnp.where(rest, jnp.sum(chosen, -1, keepdims=True) + jnp.cumsum(rest, -1) - 1, c))
     return jnp.full_like(cand, -1).at[bi, hi, dest].set(cand, mode="drop").astype(jnp.int32)
+
+
+def _logits_fn(kern, q, k, kv_len):
+    """The bundle's candidate logits over a contiguous cache k, as `_candidate_scores` takes them (or None)."""
+    if kern.candidate_logits is None:
+        return None
+    return lambda cand: kern.candidate_logits(q, k, kv_len, cand)
 
 
 def _first(idx, counts, k_max: int):
@@ -521,13 +535,13 @@ class KascadeStrategy:
                                                   dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
             if cfg.decode_rerank_layers is not None:
                 idx = order_candidates(q, _rows_contiguous(k), kv_len, idx, cfg, static_k_max(cfg, k.shape[1]),
-                                       kern.select_topk)
+                                       kern.select_topk, _logits_fn(kern, q, k, kv_len))
             return out, {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": counts}
         idx, row = self._reuse_indices(layer, state["idx"], inputs.shards, k.shape[2])
         if cfg.reranks(layer):
             cand = jnp.take(idx, jnp.asarray(row), axis=1)
             idx, counts = rerank_decode(q, _rows_contiguous(k), kv_len, cand, cfg, static_k_max(cfg, k.shape[1]),
-                                        kern.select_topk)
+                                        kern.select_topk, _logits_fn(kern, q, k, kv_len))
             return kern.reuse_decode(q, k, v, kv_len, idx, counts, tuple(range(k.shape[2]))), state
         if cfg.decode_rerank > 1:  # the anchor's own Top-k: the first k of its ordered candidates
             idx, counts = _first(idx, decode_budget(cfg, kv_len), static_k_max(cfg, k.shape[1]))

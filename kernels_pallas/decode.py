@@ -321,6 +321,68 @@ def reuse_decode(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, *, scal
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Candidate logits: the decode_rerank lever's scores, one gathered pass over the candidates' K rows.
+
+
+def _cand_kernel(kvlen_ref, cand_ref, q_ref, k_ref, out_ref, *, layout: Layout, scale: float):
+    kv_len = kvlen_ref[pl.program_id(0)]
+    ids = cand_ref[...]  # [block] logical token positions, -1 = none
+    valid = (ids >= 0) & (ids < kv_len)
+    k = layout.load(k_ref, layout.gather(None, jnp.where(valid, ids, 0)), valid)  # [block, d] gathered rows
+    qk = plgpu.dot(q_ref[...], k, trans_b=True) * scale  # [rows, block] fp32
+    out_ref[...] = jnp.where(valid[None, :], qk, -jnp.inf)
+
+
+def candidate_logits(q, k_cache, kv_len, cand, *, scale=None, impl="auto", interpret=False, block: int = 128):
+    """Scaled logits of every query head at its KV head's candidates -> [batch, kv_heads, group, C] fp32, -inf where
+    cand is -1 or >= kv_len. q [batch, 1, q_heads, d]; k_cache [batch, max_len, kv_heads, d]; cand [batch, kv_heads,
+    C] int32 (a reuse layer's candidates, already mapped through the head map). The Pallas kernel reads each
+    candidate's K row once (grid batch x kv_heads x blocks of candidates, no loop): what the XLA gather + einsum
+    of the rerank did with a materialised [batch, kv_heads, C, d] copy. Reference: `candidate_logits_reference`."""
+    v_dummy = k_cache
+    pallas = use_pallas(impl, interpret, pallas_supported(q, k_cache, v_dummy))
+    b, hq, kvh, d, _ = _check_common(q, k_cache, v_dummy, kv_len, pallas)
+    if cand.ndim != 3 or cand.shape[:2] != (b, kvh):
+        raise ValueError(f"cand must have shape [batch, kv_heads, C]=({b}, {kvh}, C), got {jnp.shape(cand)}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    kv_len, cand = jnp.asarray(kv_len, jnp.int32), jnp.asarray(cand, jnp.int32)
+    if not pallas:
+        return candidate_logits_reference(q, k_cache, kv_len, cand, scale=scale)
+    k_cache = _pad_keys(k_cache, 16)
+    group = hq // kvh
+    qg, rows = _group_rows(q, kvh)
+    c = cand.shape[2]
+    c_pad = pl.cdiv(c, block) * block
+    cand_p = jnp.pad(cand, ((0, 0), (0, 0), (0, c_pad - c)), constant_values=-1)
+    layout = Layout(k_cache.shape[1])
+    k_spec, _ = layout.operand(k_cache)
+    out = pl.pallas_call(
+        functools.partial(_cand_kernel, layout=layout, scale=scale),
+        grid=(b, kvh, c_pad // block),
+        in_specs=[_vector(b), pl.BlockSpec((None, None, block), lambda i, j, s: (i, j, s)),
+                  pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0)), k_spec],
+        out_specs=pl.BlockSpec((None, None, rows, block), lambda i, j, s: (i, j, 0, s)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, rows, c_pad), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="kascade_candidate_logits",
+    )(kv_len, cand_p, qg, k_cache)
+    return out[:, :, :group, :c]
+
+
+def candidate_logits_reference(q, k_cache, kv_len, cand, *, scale: float):
+    """`candidate_logits` in plain JAX: gather the candidates' K rows, then one einsum (fp32 accumulation)."""
+    b, _, hq, d = q.shape
+    kvh = k_cache.shape[2]
+    valid = (cand >= 0) & (cand < kv_len[:, None, None])
+    kc = k_cache[jnp.arange(b)[:, None, None], jnp.maximum(cand, 0), jnp.arange(kvh)[None, :, None]]
+    qg = q[:, 0].astype(kc.dtype).reshape(b, kvh, hq // kvh, d)
+    logits = jnp.einsum("bhgd,bhcd->bhgc", qg, kc, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32) * scale
+    return jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The whole-cache pass: anchor logits and per-head lse (and the dense output for anchor layer 0), or dense decode.
 
 

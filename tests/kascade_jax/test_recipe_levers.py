@@ -571,9 +571,10 @@ def test_decode_bench_strategy_pieces_are_the_strategys_layers(rng):
 
 @pytest.mark.gpu
 def test_rerank_top_k_through_the_pallas_pipeline_gpu():
-    """On the GPU the Pallas bundle's rerank selects with the anchors' sort-free Top-k pipeline: at a Qwen-like
-    decode shape (bf16 cache, 16K keys, 4k candidates) the same sets as lax.top_k on the same scores, for both the
-    reranking layers (rerank_decode) and the anchors' own Top-k among their candidates (order_candidates)."""
+    """On the GPU the Pallas bundle's rerank scores its candidates with the candidate-logits kernel (equal to the
+    gather + einsum reference within bf16 rounding) and selects with the anchors' sort-free Top-k pipeline: at a
+    Qwen-like decode shape (bf16 cache, 16K keys, 4k candidates) the same sets as lax.top_k on the same scores, for
+    the reranking layers (rerank_decode) and the anchors' own Top-k among their candidates (order_candidates)."""
     from kascade_jax.strategies import decode_budget, get_kernels, order_candidates, rerank_decode, static_k_max
 
     if jax.default_backend() != "gpu":
@@ -591,9 +592,13 @@ def test_rerank_top_k_through_the_pallas_pipeline_gpu():
     q = jnp.asarray(rng.normal(size=(b, 1, hq, d)) * 2, jnp.bfloat16)
     k = jnp.asarray(rng.normal(size=(b, s, kvh, d)), jnp.bfloat16)
     args = (q, _rows_contiguous(k), jnp.asarray(kv_len, jnp.int32), jnp.asarray(cand))
-    k_max, select = static_k_max(cfg, s), get_kernels("pallas").select_topk
-    for fn in (rerank_decode, order_candidates):
-        got, want = fn(*args, cfg, k_max, select), fn(*args, cfg, k_max, None)
+    kern = get_kernels("pallas")
+    k_max, select = static_k_max(cfg, s), kern.select_topk
+    logits = lambda c: kern.candidate_logits(q, k, jnp.asarray(kv_len, jnp.int32), c)  # the Pallas kernel here
+    ref_logits = dec.candidate_logits(q, k, jnp.asarray(kv_len, jnp.int32), jnp.asarray(cand), impl="reference")
+    np.testing.assert_allclose(np.asarray(logits(jnp.asarray(cand))), np.asarray(ref_logits), rtol=2e-3, atol=2e-3)
+    for fn in (rerank_decode, order_candidates):  # the same logits: the pipeline's sets equal lax.top_k's exactly
+        got, want = fn(*args, cfg, k_max, select, logits), fn(*args, cfg, k_max, None, logits)
         got, want = (np.asarray(x[0] if isinstance(x, tuple) else x) for x in (got, want))
         counts = np.asarray(decode_budget(cfg, jnp.asarray(kv_len, jnp.int32)))
         for bi in range(b):
