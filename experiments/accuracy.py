@@ -24,7 +24,11 @@ from absl import app, flags
 from experiments import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "report", ["report", "choose"], "what to do")
+flags.DEFINE_enum("mode", "report", ["report", "choose", "compare"], "what to do (compare: the paired difference "
+                  "of two cells, --a minus --b, per split and pooled)")
+flags.DEFINE_string("a", "", "--mode=compare: a cell, STRATEGY[:RECIPE][@ANCHORS] (e.g. kascade:dps_rr4, dense)")
+flags.DEFINE_string("b", "dense", "--mode=compare: the cell it is compared with")
+flags.DEFINE_list("splits", ["test"], "--mode=compare: splits to compare on (e.g. dev,dev-seed1: each, then pooled)")
 flags.DEFINE_list("inputs", [], "experiments.eval output folders (globs allowed)")
 flags.DEFINE_string("model", "", "--mode=choose: the model whose dev results decide")
 flags.DEFINE_integer("context", 16384, "--mode=choose: the context length whose dev results decide")
@@ -89,7 +93,15 @@ def main(argv):
             if not Path(p).is_file():
                 raise app.UsageError(f"--speed_bench {entry!r}: {p} is not a file")
         bench[parts[0]] = (parts[1], parts[2])
+    if FLAGS.mode == "compare" and not (FLAGS.a and FLAGS.model):
+        raise app.UsageError("--mode=compare needs --a (and --b, default dense) and --model")
     examples = accuracy.load_examples(_dirs(FLAGS.inputs))
+    if FLAGS.mode == "compare":
+        for r in accuracy.compare(examples, FLAGS.a, FLAGS.b, model=FLAGS.model, context=FLAGS.context,
+                                  splits=FLAGS.splits, ruler_tasks=list(ruler.TASKS)):
+            print(f"{r['a']} - {r['b']} on {r['split']} ({r['n']} paired prompts): {r['diff']:+.1f} "
+                  f"[{r['ci_low']:+.1f}, {r['ci_high']:+.1f}]")
+        return
     rows = accuracy.summarize(examples, ruler_tasks=list(ruler.TASKS))
     if not rows:
         raise ValueError(f"--inputs hold no real-RULER results ({len(examples)} example records; this report needs "

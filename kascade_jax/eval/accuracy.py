@@ -136,6 +136,49 @@ def summarize(examples, *, ruler_tasks=None, reps: int = REPS, seed: int = 0) ->
     return rows
 
 
+def _find_cell(cells, spec: str, model: str, ctx: int, split: str):
+    """The cell of `spec` ("STRATEGY", "STRATEGY:RECIPE" or "STRATEGY:RECIPE@ANCHORS") among `_cells` at (model,
+    ctx, split): its {task: {index: score}}, or None when absent. Several matches are an error naming them."""
+    strategy, _, rest = spec.partition(":")
+    recipe, _, anchors = rest.partition("@")
+    hits = [(k, v) for k, v in cells.items() if k[0] == model and int(k[1]) == ctx and k[2] == split
+            and k[3] == strategy and (not recipe or recipe_of(k[4]) == recipe)
+            and (not anchors or _anchors(k[4]) == anchors)]
+    if len(hits) > 1:
+        raise ValueError(f"{spec!r} matches {len(hits)} cells of {model} at {ctx} ({split}): "
+                         + "; ".join(k[4] for k, _ in hits) + ": add @ANCHORS (e.g. kascade:dps@0,1,3,5,9)")
+    return hits[0][1] if hits else None
+
+
+def compare(examples, a: str, b: str, *, model: str, context: int, splits, ruler_tasks, reps: int = REPS,
+            seed: int = 0) -> list[dict]:
+    """Paired RULER-average difference a - b (cell specs as `_find_cell`) on the same prompts, per split and pooled
+    over `splits` (prompts resampled within each (split, task): draws of other prompts add up, each paired with
+    itself). Rows: split ("+"-joined for the pool), diff, ci_low, ci_high, n (paired prompts)."""
+    cells = _cells(examples)
+    per_split = {}
+    for split in splits:
+        ca, cb = (_find_cell(cells, x, model, context, split) for x in (a, b))
+        missing = [x for x, c in ((a, ca), (b, cb)) if c is None or not set(ruler_tasks) <= set(c)]
+        if missing:
+            raise ValueError(f"no complete RULER cell {missing[0]!r} of {model} at {context} on split {split!r}")
+        per_split[split] = {(split, t): [ca[t][i] - cb[t][i] for i in sorted(set(ca[t]) & set(cb[t]))]
+                            for t in ruler_tasks}
+    out = []
+    groups = [[sp] for sp in splits] + ([list(splits)] if len(splits) > 1 else [])
+    for group in groups:
+        strata = {k: v for sp in group for k, v in per_split[sp].items()}
+        if not all(strata.values()):
+            raise ValueError(f"{a!r} and {b!r} share no prompt of some task on {'+'.join(group)}")
+        boot = _stratified(strata, np.random.default_rng(seed + 1), reps)
+        out.append(dict(split="+".join(group), a=a, b=b,
+                        diff=round(float(np.mean([np.mean(v) for v in strata.values()])), 2),
+                        ci_low=round(float(np.percentile(boot, 2.5)), 2),
+                        ci_high=round(float(np.percentile(boot, 97.5)), 2),
+                        n=int(sum(len(v) for v in strata.values()))))
+    return out
+
+
 def _frac(config: str):
     m = re.search(r"(?:k|budget)=([0-9.]+)", config or "")
     return float(m.group(1)) if m else None

@@ -329,3 +329,25 @@ def test_report_rows_get_measured_speed_and_a_headline():
     other = accuracy.headline_rows(out, {"qwen2.5-coder-0.5b": "recipe=default M=5 calib=k64/min/w=paper dense_suffix=512"})
     assert next(h for h in other if h["context"] == 16384)["default"] is None
     assert "not run (an older default: -1.6" in accuracy.headline_markdown(other)
+
+
+def test_compare_two_cells_per_split_and_pooled(rng):
+    """--mode=compare: a - b on the same prompts of each split, then pooled over the splits (prompts resampled within
+    each split's tasks); a spec matching two cells asks for @ANCHORS; a missing cell is named."""
+    ex = []
+    for split, shift in (("dev", -0.2), ("dev-seed1", -0.4)):
+        base = _base(rng)
+        ex += _records(rng, "kascade", "k=0.1 anchors=0,1 recipe=dps", base, split=split)
+        ex += _records(rng, "kascade", "k=0.1 anchors=0,1 recipe=rr4", base, shift=shift, split=split)
+        ex += _records(rng, "kascade", "k=0.1 anchors=0,1,2 recipe=dps", base, split=split)
+    rows = accuracy.compare(ex, "kascade:rr4", "kascade:dps@0,1", model="m", context=4096,
+                            splits=["dev", "dev-seed1"], ruler_tasks=TASKS, reps=300)
+    assert [r["split"] for r in rows] == ["dev", "dev-seed1", "dev+dev-seed1"]
+    assert [r["n"] for r in rows] == [156, 156, 312]
+    assert rows[0]["diff"] > rows[1]["diff"] and rows[2]["ci_low"] < rows[2]["diff"] < rows[2]["ci_high"]
+    assert rows[2]["diff"] == pytest.approx((rows[0]["diff"] + rows[1]["diff"]) / 2, abs=0.02)
+    assert rows[2]["ci_high"] - rows[2]["ci_low"] < rows[0]["ci_high"] - rows[0]["ci_low"]  # more prompts: narrower
+    with pytest.raises(ValueError, match="matches 2 cells.*add @ANCHORS"):
+        accuracy.compare(ex, "kascade:rr4", "kascade:dps", model="m", context=4096, splits=["dev"], ruler_tasks=TASKS)
+    with pytest.raises(ValueError, match="no complete RULER cell 'dense'"):
+        accuracy.compare(ex, "kascade:rr4", "dense", model="m", context=4096, splits=["dev"], ruler_tasks=TASKS)
