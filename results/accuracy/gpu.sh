@@ -21,7 +21,7 @@
 # PYTEST-ARGS` (the GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench); lines after
 # a line "barrier" start only when every job before it has ended. Each eval writes its results after every block,
 # so a job stopped early keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into
-# 38 MiB chunks into .stage/<model>/ (git-ignored); one call per chunk carries .stage/<model>/part.NN. The tree
+# 32 MiB chunks into .stage/<model>/ (git-ignored); one call per chunk carries .stage/<model>/part.NN. The tree
 # travels with every call, so `gpu.sh carry_check` (here, before a lease) checks tree + largest chunk < 64 MiB.
 set -u
 ACC=$HOME/acc
@@ -40,8 +40,7 @@ case "$cmd" in
     tree=$( { git ls-files -z; git ls-files -z -o --exclude-standard; } | xargs -0 du -cb 2>/dev/null | awk '$2 == "total" {s += $1} END {print s}')
     chunk=$(du -b .stage/*/part.* 2>/dev/null | sort -n | tail -1 | cut -f1)
     total=$((tree + ${chunk:-0}))
-    printf 'tree %.1f MiB + largest chunk %.1f MiB = %.1f MiB of 64\n' "$(echo "$tree/1048576" | bc -l)" \
-      "$(echo "${chunk:-0}/1048576" | bc -l)" "$(echo "$total/1048576" | bc -l)"
+    awk -v t="$tree" -v c="${chunk:-0}" 'BEGIN {m = 1048576; printf "tree %.1f MiB + largest chunk %.1f MiB = %.1f MiB of 64\n", t / m, c / m, (t + c) / m}'
     [ "$total" -le $((63 * 1048576)) ] || { echo "over: split the models into smaller chunks"; exit 1; }
     ;;
   stage)
