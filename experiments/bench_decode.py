@@ -10,7 +10,7 @@ overwritten by one). The measurement is kascade_jax/bench/decode.py; this parses
 
 from __future__ import annotations
 
-from absl import flags
+from absl import app, flags
 
 from experiments import cli
 from experiments.timing import BENCH_TAG, shape_from_flags
@@ -25,6 +25,10 @@ CHECK = flags.DEFINE_boolean("decode_check", True, "Check the kernels against th
 OUT = flags.DEFINE_string("decode_out", "benchmarks", "Output folder for decode[_<bench_tag>].md/json/png.")
 RERANKS = flags.DEFINE_list("decode_reranks", [], "Also time the decode_rerank lever with these C (e.g. 2,4): "
                             "A0/A/R through the strategy, every reuse layer reranking, and its weighted speedup.")
+WORST = flags.DEFINE_integer("decode_rerank_worst", 0, "With --decode_reranks: also time each C with only this many "
+                             "reuse layers reranking (the recipe lever decode_rerank_worst): the anchors' candidate "
+                             "ordering, a reranking layer and a non-reranking one, weighted over the layer mix. 0: off.",
+                             lower_bound=0)
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
@@ -35,13 +39,16 @@ def _check_reranks(values):
 
 def main(argv):
     del argv
+    if WORST.value and not RERANKS.value:
+        raise app.UsageError("--decode_rerank_worst needs --decode_reranks (the C values to time)")
     from kascade_jax.bench import decode
     from kernels_pallas import decode as dec
 
     decode.run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [float(f) for f in FRACS.value],
                DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
                max_cache_gb=MAX_GB.value, tuning=dec.DEFAULT_TUNING,
-               shape=shape_from_flags(), tag=BENCH_TAG.value, reranks=[int(c) for c in RERANKS.value])
+               shape=shape_from_flags(), tag=BENCH_TAG.value, reranks=[int(c) for c in RERANKS.value],
+               rerank_worst=WORST.value)
 
 
 if __name__ == "__main__":

@@ -97,16 +97,18 @@ def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_D
 
 
 def strategy_pieces(q, k, v, kv_len, frac, min_k, *, kernels="pallas", **levers):
-    """The three decode layers of a Kascade strategy with `levers` (e.g. decode_rerank=4), through the model's own
-    path (`KascadeStrategy.attend`, so the rerank's XLA gather, scoring and top-k are timed with the kernels):
-    [("A0", fn, args), ("A", ...), ("R", ...)], each fn returning that layer's output. Layer 0 is the dense-output
-    anchor, layer 1 an anchor, layer 2 a reuse layer reading layer 1's state (identity head map)."""
+    """The decode layers of a Kascade strategy with `levers` (e.g. decode_rerank=4), through the model's own path
+    (`KascadeStrategy.attend`, so the rerank's candidate scoring and top-k are timed with the kernels):
+    [("A0", fn, args), ("A", ...), ("R", ...)] and, with decode_rerank_layers=(2,), ("F", ...): each fn returns
+    that layer's output. Layer 0 is the dense-output anchor, layer 1 an anchor, layers 2 and 3 reuse layers reading
+    layer 1's state (identity head map); with decode_rerank_layers=(2,) layer 2 reranks and layer 3 (F) attends
+    the anchor's own Top-k among its candidates."""
     import jax
 
     from kascade_jax.registry import make_strategy
     from models.attention import AttentionInputs
 
-    strat = make_strategy("kascade", 3, k.shape[2], anchors=(0, 1), topk_frac=frac, min_k=min_k, kernels=kernels,
+    strat = make_strategy("kascade", 4, k.shape[2], anchors=(0, 1), topk_frac=frac, min_k=min_k, kernels=kernels,
                           **levers)
 
     def layer(i):
@@ -118,20 +120,43 @@ def strategy_pieces(q, k, v, kv_len, frac, min_k, *, kernels="pallas", **levers)
 
     state = layer(1)(q, k, v, kv_len, None)[1]
     out = lambda i: jax.jit(lambda *a: layer(i)(*a)[0])  # noqa: E731
-    return [("A0", out(0), (q, k, v, kv_len, None)), ("A", out(1), (q, k, v, kv_len, None)),
-            ("R", out(2), (q, k, v, kv_len, state))]
+    pieces = [("A0", out(0), (q, k, v, kv_len, None)), ("A", out(1), (q, k, v, kv_len, None)),
+              ("R", out(2), (q, k, v, kv_len, state))]
+    if levers.get("decode_rerank_layers") is not None:
+        pieces.append(("F", out(3), (q, k, v, kv_len, state)))
+    return pieces
 
 
-def rerank_row(row: dict, dense, q, k, v, kv_len, frac, min_k, reranks, iters, shape, log=print) -> dict:
+def worst_weighted(shape, n_worst: int, a0: float, a: float, r: float, f: float) -> tuple[int, float]:
+    """(reranking layers, weighted time) of the decode_rerank_worst mix: (A0 + (M-1) A + N R + (L-M-N) F) / L."""
+    m, n = shape.num_anchors, shape.num_layers
+    w = min(n_worst, n - m)
+    return w, (a0 + (m - 1) * a + w * r + (n - m - w) * f) / n
+
+
+def rerank_row(row: dict, dense, q, k, v, kv_len, frac, min_k, reranks, iters, shape, log=print,
+               worst: int = 0) -> dict:
     """row[f"{piece}_rr{C}"] for each C in `reranks` (the decode_rerank lever through the strategy's path; every
-    reuse layer reranks) and their weighted time and speedup over the row's dense, in the same run."""
+    reuse layer reranks) and their weighted time and speedup over the row's dense, in the same run; with `worst`
+    N, also row[f"{piece}_rr{C}w{N}"] (pieces A0, A, R, F: only N reuse layers rerank, `worst_weighted`)."""
     for c in reranks:
         for name, fn, args in strategy_pieces(q, k, v, kv_len, frac, min_k, decode_rerank=c):
-            row[f"{name}_rr{c}"], row[f"{name}_rr{c}_kernels"] = cupti_time(fn, args, iters)
+            if name != "F":
+                row[f"{name}_rr{c}"], row[f"{name}_rr{c}_kernels"] = cupti_time(fn, args, iters)
         row[f"weighted_rr{c}"] = shape.weighted(row[f"A0_rr{c}"], row[f"A_rr{c}"], row[f"R_rr{c}"])
         row[f"speedup_rr{c}"] = dense / row[f"weighted_rr{c}"]
         log(f"   rerank C={c}: A0 {row[f'A0_rr{c}']:.4f}  A {row[f'A_rr{c}']:.4f}  R {row[f'R_rr{c}']:.4f}  "
             f"weighted {row[f'weighted_rr{c}']:.4f}  speedup {row[f'speedup_rr{c}']:.2f}x")
+        if worst:
+            tag = f"rr{c}w{worst}"
+            for name, fn, args in strategy_pieces(q, k, v, kv_len, frac, min_k, decode_rerank=c,
+                                                  decode_rerank_layers=(2,)):
+                row[f"{name}_{tag}"], row[f"{name}_{tag}_kernels"] = cupti_time(fn, args, iters)
+            n_rr, row[f"weighted_{tag}"] = worst_weighted(shape, worst, *(row[f"{p}_{tag}"] for p in "A0 A R F".split()))
+            row[f"speedup_{tag}"] = dense / row[f"weighted_{tag}"]
+            log(f"   rerank C={c}, {n_rr} reranking layers: A0 {row[f'A0_{tag}']:.4f}  A {row[f'A_{tag}']:.4f}  "
+                f"R {row[f'R_{tag}']:.4f}  F {row[f'F_{tag}']:.4f}  weighted {row[f'weighted_{tag}']:.4f}  "
+                f"speedup {row[f'speedup_{tag}']:.2f}x")
     return row
 
 
@@ -140,7 +165,7 @@ def cache_bytes(b, s, shape, itemsize):
     return 2 * b * s * shape.kv_heads * shape.head_dim * itemsize
 
 
-def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT, reranks=()):
+def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT, reranks=(), rerank_worst=0):
     """One row: dense (cuDNN), A0, A and R at batch b and context s (every sequence full), their ratios to dense,
     the weighted Kascade time and its speedup, and each piece's kernels; with `reranks`, the same through the
     strategy with decode_rerank C (`rerank_row`)."""
@@ -172,13 +197,13 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
         f"weighted {row['weighted']:.4f}  speedup {row['speedup']:.2f}x")
     log("   A kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_kernels"].items()))
     if reranks:
-        rerank_row(row, row["dense"], q, k, v, kv_len, frac, min_k, reranks, iters, shape, log)
+        rerank_row(row, row["dense"], q, k, v, kv_len, frac, min_k, reranks, iters, shape, log, worst=rerank_worst)
     del q, k, v
     return row
 
 
 def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), log=print):
+        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), rerank_worst=0, log=print):
     """Time every (dtype, batch, context, top-k) on the GPU, after the checks (do_check); writes
     <out_dir>/decode[_<tag>].json/md/png and returns the rows. Shapes whose caches exceed max_cache_gb are skipped,
     a failing one is logged and the sweep goes on."""
@@ -207,7 +232,8 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
             log(f"skip b={b} s={s} k={f}: caches over {max_cache_gb} GB")
             continue
         try:
-            rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape, reranks=reranks))
+            rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape, reranks=reranks,
+                                  rerank_worst=rerank_worst))
         except Exception as e:  # keep the sweep going; the failure is reported
             log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
     write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), tables.decode_markdown(rows, meta, shape),

@@ -5,6 +5,8 @@ saved JSON rewrites the same report, and none of them measures anything.
 
 from __future__ import annotations
 
+import re
+
 from kascade_jax.bench.store import order
 from kascade_jax.bench.timing import BenchShape
 
@@ -68,7 +70,8 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
                      f"{r['R/dense']:.3f} | {r['weighted']:.4f} | **{r['speedup']:.2f}x** |")
     lines += _kernel_lines("Per-kernel breakdown of A (ms):", [
         (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%}", r["A_kernels"]) for r in rows], 4)
-    reranks = sorted({int(key[len("speedup_rr"):]) for r in rows for key in r if key.startswith("speedup_rr")})
+    reranks = sorted({int(m.group(1)) for r in rows for key in r if (m := re.fullmatch(r"speedup_rr(\d+)", key))})
+    worst = sorted({m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(rr\d+w\d+)", key))})
     if reranks:
         lines += ["", "**The decode_rerank lever** (C x the budget as the anchors' candidates; every reuse layer scores "
                   "them with its own query and attends its own Top-k), through the strategy's path, same run and dense:",
@@ -81,6 +84,19 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
                                  f"{r[f'A0_rr{c}']:.4f} | {r[f'A_rr{c}']:.4f} | {r[f'R_rr{c}']:.4f} | "
                                  f"{r[f'R_rr{c}'] / r['dense']:.3f} | {r[f'weighted_rr{c}']:.4f} | "
                                  f"**{r[f'speedup_rr{c}']:.2f}x** | {r[f'speedup_rr{c}'] / r['speedup']:.2f} |")
+        if worst:
+            lines += ["", "**Only the worst reuse layers rerank** (`decode_rerank_worst`: rrCwN = C candidates per key, "
+                      "N reranking layers): A includes the anchor's ordering of its candidates, F is a reuse layer "
+                      "that attends the anchor's own Top-k among them; weighted (A0 + (M-1) A + N R + (L-M-N) F) / L:",
+                      "", "| dtype | batch | context | top-k | lever | A0 | A | R | F | weighted | speedup | vs plain |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for r in rows:
+                for t in worst:
+                    if f"speedup_{t}" in r:
+                        lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['topk_frac']:.0%} | {t} | "
+                                     f"{r[f'A0_{t}']:.4f} | {r[f'A_{t}']:.4f} | {r[f'R_{t}']:.4f} | "
+                                     f"{r[f'F_{t}']:.4f} | {r[f'weighted_{t}']:.4f} | **{r[f'speedup_{t}']:.2f}x** | "
+                                     f"{r[f'speedup_{t}'] / r['speedup']:.2f} |")
         lines += _kernel_lines("Per-kernel breakdown of R with the rerank (ms):", [
             (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%} C={c}", r[f"R_rr{c}_kernels"])
             for r in rows for c in reranks if f"R_rr{c}_kernels" in r], 4)

@@ -261,6 +261,13 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
                   for k in r if (m := re.fullmatch(r"R_rr(\d+)", k))}
             if rr:
                 out["decode_rerank"] = rr
+            worst = {(int(m.group(1)), int(m.group(2))): dict(
+                a0=r[f"A0_rr{m.group(1)}w{m.group(2)}"] / r["dense"], anchor=r[f"A_rr{m.group(1)}w{m.group(2)}"] / r["dense"],
+                reuse=r[k] / r["dense"], first=r[f"F_rr{m.group(1)}w{m.group(2)}"] / r["dense"])
+                for r in rows if all(r.get(k2) == v for k2, v in want.items()) and r.get("dense")
+                and float(r.get("topk_frac", 0)) == 0.1 for k in r if (m := re.fullmatch(r"R_rr(\d+)w(\d+)", k))}
+            if worst:
+                out["decode_rerank_worst"] = worst
     return out
 
 
@@ -283,7 +290,8 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     `decode_rerank` C: with `ratios` holding the lever's measured layers (`bench_ratios`' decode_rerank: the anchors
     selecting C k, a reranking reuse layer's gather, scores, top-k and attention), those; with `decode_rerank_worst`
     N only N reuse layers pay the reranking cost and the others a plain one (the anchors' ordering of their
-    candidates, which the benchmark does not time, is left out: a lower bound). Without measured ratios, an estimate
+    candidates left out: a lower bound), unless the benchmark timed that mix (`--decode_rerank_worst`: its A, R and F
+    layers, bench_ratios' decode_rerank_worst), which is then used as measured. Without measured ratios, an estimate
     from bytes, (C + 1) / 2 of a plain reuse layer: as built it is 7-13x (session 11's benchmark), so treat it as the
     floor of a fused kernel, not as today's speed.
     """
@@ -314,6 +322,10 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
             q = ratios["decode_rerank"][decode_rerank]
             cost = (q["a0"] + (m - 1) * q["anchor"] + n_rr * q["reuse"] * scale[phase]
                     + (n_reuse - n_rr) * reuse) / num_layers
+            w = (ratios.get("decode_rerank_worst") or {}).get((decode_rerank, decode_rerank_worst))
+            if decode_rerank_worst is not None and w is not None:  # timed as such: the anchors' ordering included
+                cost = (w["a0"] + (m - 1) * w["anchor"] + n_rr * w["reuse"] * scale[phase]
+                        + (n_reuse - n_rr) * w["first"] * scale[phase]) / num_layers
         if phase == "prefill":
             if dense_prefill:
                 cost = 1.0

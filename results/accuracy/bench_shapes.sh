@@ -3,8 +3,8 @@
 # H200: decode at batch 8 and 32 (Top-k 10, 15, 20%: the decode_topk_frac candidates), prefill at batch 1 (10%), 16K
 # and 32K. Output: OUTDIR/{decode,prefill}_qwen*.
 # `bench_shapes.sh OUTDIR rerank` times the decode_rerank lever's price instead (issue 21; needs no model): plain
-# Kascade and C = 2, 4 (every reuse layer reranks, through the strategy's path) at batch 32, 16K/32K, Top-k 10%,
-# into OUTDIR/decode_qwen*_rr.*.
+# Kascade and C = 2, 4 (every reuse layer reranks, through the strategy's path, and only the 5 worst:
+# decode_rerank_worst) at batch 32, 16K/32K, Top-k 10%, into OUTDIR/decode_qwen*_rr.*.
 set -u
 OUTDIR=${1:?output dir}
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
@@ -13,8 +13,8 @@ if [ "${2:-}" = rerank ]; then
     read -r tag heads layers <<< "$shape"
     python3 -m experiments.bench --phase=decode --heads=$heads --num_layers=$layers --num_anchors=5 \
       --bench_tag=$tag --decode_contexts=16384,32768 --decode_batches=32 --decode_topk_fracs=0.1 \
-      --decode_reranks=2,4 --decode_iterations=5 --decode_check=false --decode_out="$OUTDIR" 2>&1 \
-      | grep -v "^[IW]1" | tail -n 16
+      --decode_reranks=2,4 --decode_rerank_worst=5 --decode_iterations=5 --decode_check=false \
+      --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 24
   done
   exit 0
 fi

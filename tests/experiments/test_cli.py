@@ -201,6 +201,7 @@ def _fake_rows(shape, decode):
 
 
 def test_bench_markdown_labels_shape():
+    from kascade_jax.bench import decode as decode_bench
     from kascade_jax.bench import tables
     from kascade_jax.bench.timing import BenchShape
 
@@ -222,7 +223,15 @@ def test_bench_markdown_labels_shape():
     md = tables.decode_markdown(rr, meta, qwen)
     w4 = (1.3 + 4 * 0.6 + 19 * 0.5) / 24
     assert f"| 4 | 1.3000 | 0.6000 | 0.5000 | 0.500 | {w4:.4f} | **{1 / w4:.2f}x** | {w / w4:.2f} |" in md
-    assert "C=4: `gather` 0.3000" in md
+    assert "C=4: `gather` 0.3000" in md and "Only the worst" not in md
+    rr[0].update(A0_rr4w5=1.3, A_rr4w5=0.7, R_rr4w5=0.5, F_rr4w5=0.2, R_rr4w5_kernels={"x": 0.1})
+    n_rr, rr[0]["weighted_rr4w5"] = decode_bench.worst_weighted(qwen, 5, 1.3, 0.7, 0.5, 0.2)
+    rr[0]["speedup_rr4w5"] = 1 / rr[0]["weighted_rr4w5"]
+    ww = (1.3 + 4 * 0.7 + 5 * 0.5 + 14 * 0.2) / 24
+    assert n_rr == 5 and rr[0]["weighted_rr4w5"] == pytest.approx(ww)
+    md = tables.decode_markdown(rr, meta, qwen)
+    assert f"| rr4w5 | 1.3000 | 0.7000 | 0.5000 | 0.2000 | {ww:.4f} | **{1 / ww:.2f}x** | {w / ww:.2f} |" in md
+    assert f"| 4 | 1.3000 | 0.6000 | 0.5000 | 0.500 | {w4:.4f} |" in md  # the every-layer row is unchanged
 
     md = tables.prefill_markdown(_fake_rows(llama, False), meta, llama)
     assert "Batch 1, 32 q heads, 8 kv heads, d 128, rolling budgets, tile 32, min_k 128.\nWeighted = " \

@@ -289,6 +289,8 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
           f"--recipe={tmp_path / 'list.json'}"],
          ["list.json must hold a JSON object", "got a list"]),
         (["-m", "experiments.speed", nomodel, "--repeats=0"], ["--repeats"]),
+        (["-m", "experiments.bench", "--phase=decode", "--decode_rerank_worst=5"],
+         ["--decode_rerank_worst needs --decode_reranks"]),
         (["-m", "experiments.speed", nomodel, f"--out={tmp_path}"], ["is a directory"]),
         (["-m", "experiments.speed", nomodel, f"--out={tmp_path / 'agree.json'}"], ["--out would replace"]),
         (["-m", "experiments.kascade_agreement", nomodel, "--doc_tokens=0"], ["--doc_tokens"]),

@@ -296,6 +296,25 @@ def test_the_rerank_is_priced_by_its_measured_layers():
     assert w5["decode_cost"] == pytest.approx(want, abs=1e-4)
     guess = accuracy.attention_cost(24, 5, context=16384, decode_rerank=4)  # no measured rerank: the bytes floor
     assert guess["decode_speedup"] > 3 * all4["decode_speedup"]
+    # a benchmark that timed the worst-layers mix (--decode_rerank_worst=5: A, R, F) is used as measured
+    import tempfile
+    from pathlib import Path
+
+    doc = json.loads(_RR05.read_text())
+    for r in doc["rows"]:
+        r.update(A0_rr4w5=r["A0_rr4"], A_rr4w5=2 * r["A_rr4"], R_rr4w5=r["R_rr4"], F_rr4w5=1.5 * r["R"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "d.json"
+        path.write_text(json.dumps(doc))
+        timed = accuracy.bench_ratios(path, _PF05, context=16384)
+    w = timed["decode_rerank_worst"][(4, 5)]
+    assert w["anchor"] == pytest.approx(2 * q["anchor"]) and w["first"] == pytest.approx(1.5 * plain)
+    got = accuracy.attention_cost(24, 5, context=16384, decode_rerank=4, decode_rerank_worst=5, ratios=timed)
+    want = (w["a0"] + 4 * w["anchor"] + 5 * w["reuse"] + 14 * w["first"]) / 24
+    assert got["decode_cost"] == pytest.approx(want, abs=1e-4)
+    other = accuracy.attention_cost(24, 5, context=16384, decode_rerank=4, decode_rerank_worst=3, ratios=timed)
+    assert other["decode_cost"] == pytest.approx((q["a0"] + 4 * q["anchor"] + 3 * q["reuse"] + 16 * plain) / 24,
+                                                 abs=1e-4)  # another N than timed: the lower bound
 
 
 def test_report_rows_get_measured_speed_and_a_headline():

@@ -567,6 +567,14 @@ def test_decode_bench_strategy_pieces_are_the_strategys_layers(rng):
     for pieces in (plain, every):
         np.testing.assert_allclose(np.asarray(pieces["A0"][0](*pieces["A0"][1])), np.asarray(dense), rtol=1e-5,
                                    atol=1e-5)
+    # decode_rerank_worst's mix: layer 2 reranks (R), layer 3 (F) attends the anchor's own Top-k among its
+    # candidates, which with every key a candidate is the anchor's own Top-k: plain Kascade's reuse layer
+    worst = {n: (fn, a) for n, fn, a in strategy_pieces(q, k, v, kv_len, 0.1, 8, kernels="reference",
+                                                        decode_rerank=10, decode_rerank_layers=(2,))}
+    assert sorted(worst) == ["A", "A0", "F", "R"] and "F" not in every
+    np.testing.assert_allclose(reuse(worst, q2), own_topk(q2), rtol=1e-5, atol=1e-5)
+    first = np.asarray(worst["F"][0](q2, *worst["F"][1][1:]))
+    np.testing.assert_allclose(first, reuse(plain, q2), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
