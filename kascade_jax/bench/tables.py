@@ -73,34 +73,37 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
     reranks = sorted({int(m.group(1)) for r in rows for key in r if (m := re.fullmatch(r"speedup_rr(\d+)", key))})
     worst = sorted({m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(rr\d+w\d+)", key))})
     if reranks:
-        lines += ["", "**The decode_rerank lever** (C x the budget as the anchors' candidates; every reuse layer scores "
-                  "them with its own query and attends its own Top-k), through the strategy's path, same run and dense:",
-                  "", "| dtype | batch | context | top-k | C | A0 | A | R | R/dense | weighted | speedup | vs plain |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            for c in reranks:
-                if f"speedup_rr{c}" in r:
-                    lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['topk_frac']:.0%} | {c} | "
-                                 f"{r[f'A0_rr{c}']:.4f} | {r[f'A_rr{c}']:.4f} | {r[f'R_rr{c}']:.4f} | "
-                                 f"{r[f'R_rr{c}'] / r['dense']:.3f} | {r[f'weighted_rr{c}']:.4f} | "
-                                 f"**{r[f'speedup_rr{c}']:.2f}x** | {r[f'speedup_rr{c}'] / r['speedup']:.2f} |")
+        lines += _lever_table(
+            rows, [(str(c), f"rr{c}") for c in reranks], ["A0", "A", "R"], "C", True,
+            "**The decode_rerank lever** (C x the budget as the anchors' candidates; every reuse layer scores them "
+            "with its own query and attends its own Top-k), through the strategy's path, same run and dense:")
         if worst:
-            lines += ["", "**Only the worst reuse layers rerank** (`decode_rerank_worst`: rrCwN = C candidates per key, "
-                      "N reranking layers): A includes the anchor's ordering of its candidates, F is a reuse layer "
-                      "that attends the anchor's own Top-k among them; weighted (A0 + (M-1) A + N R + (L-M-N) F) / L:",
-                      "", "| dtype | batch | context | top-k | lever | A0 | A | R | F | weighted | speedup | vs plain |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-            for r in rows:
-                for t in worst:
-                    if f"speedup_{t}" in r:
-                        lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['topk_frac']:.0%} | {t} | "
-                                     f"{r[f'A0_{t}']:.4f} | {r[f'A_{t}']:.4f} | {r[f'R_{t}']:.4f} | "
-                                     f"{r[f'F_{t}']:.4f} | {r[f'weighted_{t}']:.4f} | **{r[f'speedup_{t}']:.2f}x** | "
-                                     f"{r[f'speedup_{t}'] / r['speedup']:.2f} |")
+            lines += _lever_table(
+                rows, [(t, t) for t in worst], ["A0", "A", "R", "F"], "lever", False,
+                "**Only the worst reuse layers rerank** (`decode_rerank_worst`: rrCwN = C candidates per key, N "
+                "reranking layers): A includes the anchor's ordering of its candidates, F is a reuse layer that "
+                "attends the anchor's own Top-k among them; weighted (A0 + (M-1) A + N R + (L-M-N) F) / L:")
         lines += _kernel_lines("Per-kernel breakdown of R with the rerank (ms):", [
             (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%} C={c}", r[f"R_rr{c}_kernels"])
             for r in rows for c in reranks if f"R_rr{c}_kernels" in r], 4)
     return "\n".join(lines) + "\n"
+
+
+def _lever_table(rows, levers, pieces, label: str, r_ratio: bool, title: str) -> list[str]:
+    """A table of a decode lever's pieces (keys f"{piece}_{suffix}", weighted_/speedup_{suffix}) per row, its
+    speedup against the row's plain Kascade; levers: [(shown name, key suffix)]."""
+    cols = pieces + (["R/dense"] if r_ratio else []) + ["weighted", "speedup", "vs plain"]
+    out = ["", title, "", f"| dtype | batch | context | top-k | {label} | " + " | ".join(cols) + " |",
+           "|" + "---|" * (5 + len(cols))]
+    for r in rows:
+        for name, t in levers:
+            if f"speedup_{t}" not in r:
+                continue
+            vals = [f"{r[f'{p}_{t}']:.4f}" for p in pieces] + ([f"{r[f'R_{t}'] / r['dense']:.3f}"] if r_ratio else [])
+            vals += [f"{r[f'weighted_{t}']:.4f}", f"**{r[f'speedup_{t}']:.2f}x**", f"{r[f'speedup_{t}'] / r['speedup']:.2f}"]
+            out.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['topk_frac']:.0%} | {name} | "
+                       + " | ".join(vals) + " |")
+    return out
 
 
 def decode_plot(rows, path, shape=_DEFAULT):
