@@ -54,6 +54,7 @@ from kernels_pallas.reference import (
     FORCED_SCORE,
     attention_reference,
     decode_counts,
+    gathered_logits,
     max_budget,
     pooled_scores_decode_reference,
     pooled_scores_prefill_reference,
@@ -274,13 +275,8 @@ def _candidate_scores(q, key_rows, kv_len, cand, cfg: KascadeConfig, logits_fn=N
     valid = cand >= 0
     if logits_fn is not None:
         logits = logits_fn(cand)
-    else:
-        b, _, hq, d = q.shape
-        kvh = cand.shape[1]
-        kc = key_rows(jnp.maximum(cand, 0))  # the cache's dtype: an fp32 copy of C k gathered rows would double it
-        qg = q[:, 0].astype(kc.dtype).reshape(b, kvh, hq // kvh, d)
-        logits = jnp.einsum("bhgd,bhcd->bhgc", qg, kc, precision=lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    else:  # K rows in the cache's dtype: an fp32 copy of C k gathered rows would double the bytes
+        logits = gathered_logits(q, key_rows(jnp.maximum(cand, 0))) / jnp.sqrt(jnp.float32(q.shape[-1]))
     logits = jnp.where(valid[:, :, None], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
@@ -296,9 +292,7 @@ def _top_positions(pooled, cand, counts, k_max: int, select):
     `select` (Kernels.select_topk) when given, else lax.top_k. The valid candidates come first in each row."""
     counts = jnp.minimum(counts, k_max)
     if select is None:
-        vals, pos = lax.top_k(pooled, k_max)
-        keep = (jnp.arange(k_max)[None, None, :] < counts[:, None, None]) & jnp.isfinite(vals)
-        return jnp.where(keep, pos, -1)
+        return select_topk_reference(pooled, counts[:, None], k_max)
     n_valid = jnp.sum(cand[:, 0] >= 0, axis=-1).astype(jnp.int32)  # the anchor's count: the same for every head
     return select(pooled, n_valid, counts, k_max)
 

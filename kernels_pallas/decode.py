@@ -338,7 +338,7 @@ def candidate_logits(q, k_cache, kv_len, cand, *, scale=None, impl="auto", inter
     cand is -1 or >= kv_len. q [batch, 1, q_heads, d]; k_cache [batch, max_len, kv_heads, d]; cand [batch, kv_heads,
     C] int32 (a reuse layer's candidates, already mapped through the head map). The Pallas kernel reads each
     candidate's K row once (grid batch x kv_heads x blocks of candidates, no loop): what the XLA gather + einsum
-    of the rerank did with a materialised [batch, kv_heads, C, d] copy. Reference: `candidate_logits_reference`."""
+    of the rerank did with a materialised [batch, kv_heads, C, d] copy. Reference: `reference.candidate_logits_reference`."""
     v_dummy = k_cache
     pallas = use_pallas(impl, interpret, pallas_supported(q, k_cache, v_dummy))
     b, hq, kvh, d, _ = _check_common(q, k_cache, v_dummy, kv_len, pallas)
@@ -347,7 +347,7 @@ def candidate_logits(q, k_cache, kv_len, cand, *, scale=None, impl="auto", inter
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     kv_len, cand = jnp.asarray(kv_len, jnp.int32), jnp.asarray(cand, jnp.int32)
     if not pallas:
-        return candidate_logits_reference(q, k_cache, kv_len, cand, scale=scale)
+        return ref.candidate_logits_reference(q, k_cache, kv_len, cand, scale=scale)
     k_cache = _pad_keys(k_cache, 16)
     group = hq // kvh
     qg, rows = _group_rows(q, kvh)
@@ -368,18 +368,6 @@ def candidate_logits(q, k_cache, kv_len, cand, *, scale=None, impl="auto", inter
         name="kascade_candidate_logits",
     )(kv_len, cand_p, qg, k_cache)
     return out[:, :, :group, :c]
-
-
-def candidate_logits_reference(q, k_cache, kv_len, cand, *, scale: float):
-    """`candidate_logits` in plain JAX: gather the candidates' K rows, then one einsum (fp32 accumulation)."""
-    b, _, hq, d = q.shape
-    kvh = k_cache.shape[2]
-    valid = (cand >= 0) & (cand < kv_len[:, None, None])
-    kc = k_cache[jnp.arange(b)[:, None, None], jnp.maximum(cand, 0), jnp.arange(kvh)[None, :, None]]
-    qg = q[:, 0].astype(kc.dtype).reshape(b, kvh, hq // kvh, d)
-    logits = jnp.einsum("bhgd,bhcd->bhgc", qg, kc, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32) * scale
-    return jnp.where(valid[:, :, None, :], logits, -jnp.inf)
 
 
 # ----------------------------------------------------------------------------------------------------------

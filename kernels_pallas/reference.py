@@ -216,6 +216,25 @@ def select_topk_reference(scores, counts, k_max: int):
     return jnp.where(valid, idx, -1).astype(jnp.int32)
 
 
+def gathered_logits(q, kc):
+    """Unscaled fp32 logits of every query head at gathered K rows: q [batch, 1, q_heads, d], kc [batch, kv_heads,
+    C, d] (the cache's dtype) -> [batch, kv_heads, group, C]."""
+    b, _, hq, d = q.shape
+    kvh = kc.shape[1]
+    qg = q[:, 0].astype(kc.dtype).reshape(b, kvh, hq // kvh, d)
+    return jnp.einsum("bhgd,bhcd->bhgc", qg, kc, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
+
+
+def candidate_logits_reference(q, k_cache, kv_len, cand, *, scale: float):
+    """`decode.candidate_logits` in plain JAX: gather the candidates' K rows, then `gathered_logits`, scaled; -inf
+    where cand is -1 or >= kv_len."""
+    b, kvh = cand.shape[:2]
+    valid = (cand >= 0) & (cand < kv_len[:, None, None])
+    kc = k_cache[jnp.arange(b)[:, None, None], jnp.maximum(cand, 0), jnp.arange(kvh)[None, :, None]]
+    return jnp.where(valid[:, :, None, :], gathered_logits(q, kc) * scale, -jnp.inf)
+
+
 def decode_counts(kv_len, topk_frac: float, min_k: int):
     """[batch] decode budgets."""
     return topk_budget(kv_len, topk_frac, min_k)

@@ -246,28 +246,22 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
     for phase, path, want in (("decode", decode_json, dict(context=context, batch=decode_batch)),
                               ("prefill", prefill_json, dict(context=context))):
         rows = json.loads(Path(path).read_text())["rows"]
+        at = [r for r in rows if all(r.get(k) == v for k, v in want.items()) and r.get("dense")]
         got = {float(r["topk_frac"]): dict(a0=r["A0"] / r["dense"], anchor=r["A"] / r["dense"],
-                                           reuse=r["R"] / r["dense"])
-               for r in rows if all(r.get(k) == v for k, v in want.items()) and r.get("dense") and r.get("R")}
+                                           reuse=r["R"] / r["dense"]) for r in at if r.get("R")}
         if 0.1 not in got:
             have = sorted({(r.get("context"), r.get("batch")) for r in rows})
             raise ValueError(f"{path}: no {phase} row at {want} with Top-k 0.1 (have context, batch: {have})")
         out[phase] = got
         if phase == "decode":  # the decode_rerank lever through the strategy's path (bench --decode_reranks)
-            rr = {int(m.group(1)): dict(a0=r[f"A0_rr{m.group(1)}"] / r["dense"],
-                                        anchor=r[f"A_rr{m.group(1)}"] / r["dense"], reuse=r[k] / r["dense"])
-                  for r in rows if all(r.get(k2) == v for k2, v in want.items()) and r.get("dense")
-                  and float(r.get("topk_frac", 0)) == 0.1
-                  for k in r if (m := re.fullmatch(r"R_rr(\d+)", k))}
-            if rr:
-                out["decode_rerank"] = rr
-            worst = {(int(m.group(1)), int(m.group(2))): dict(
-                a0=r[f"A0_rr{m.group(1)}w{m.group(2)}"] / r["dense"], anchor=r[f"A_rr{m.group(1)}w{m.group(2)}"] / r["dense"],
-                reuse=r[k] / r["dense"], first=r[f"F_rr{m.group(1)}w{m.group(2)}"] / r["dense"])
-                for r in rows if all(r.get(k2) == v for k2, v in want.items()) and r.get("dense")
-                and float(r.get("topk_frac", 0)) == 0.1 for k in r if (m := re.fullmatch(r"R_rr(\d+)w(\d+)", k))}
-            if worst:
-                out["decode_rerank_worst"] = worst
+            ten = [r for r in at if float(r.get("topk_frac", 0)) == 0.1]
+            for name, pattern, pieces in (("decode_rerank", r"R_(rr(\d+))", ("A0", "A")),
+                                          ("decode_rerank_worst", r"R_(rr(\d+)w(\d+))", ("A0", "A", "F"))):
+                found = {tuple(int(x) for x in m.groups()[1:]): dict(
+                    zip(("a0", "anchor", "first"), (r[f"{p}_{m.group(1)}"] / r["dense"] for p in pieces)),
+                    reuse=r[k] / r["dense"]) for r in ten for k in r if (m := re.fullmatch(pattern, k))}
+                if found:  # keyed by C, or by (C, N) for the worst-layers mix
+                    out[name] = {(key[0] if len(key) == 1 else key): v for key, v in found.items()}
     return out
 
 
@@ -337,9 +331,10 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     return out
 
 
-def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | None = None) -> dict:
-    """attention_cost of one candidate recipe's fields."""
-    return attention_cost(num_layers, fields["num_anchors"], context=context,
+def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | None = None, oracle: bool = False,
+                topk_frac: float = 0.1) -> dict:
+    """attention_cost of one candidate recipe's fields (`oracle`: every layer selects; `topk_frac`: the cell's)."""
+    return attention_cost(num_layers, fields["num_anchors"], context=context, oracle=oracle, topk_frac=topk_frac,
                           dense_suffix=fields.get("dense_suffix", 0), prefill_topk_frac=fields.get("prefill_topk_frac"),
                           decode_topk_frac=fields.get("decode_topk_frac"), local_window=fields.get("local_window", 0),
                           dense_prefill=bool(fields.get("decode_only")),
@@ -456,17 +451,17 @@ def add_speed(rows, bench: dict, *, decode_batch: int = 32) -> list[dict]:
             oracle = r["strategy"] == "oracle_topk"
             m = f.get("num_anchors") or len([a for a in (r.get("anchors") or "").split(",") if a])
             if m or oracle:
-                cost = attention_cost(
-                    layers, m or 1, context=int(r["context"]), oracle=oracle, topk_frac=r.get("topk_frac") or 0.1,
-                    dense_suffix=f.get("dense_suffix", 0), prefill_topk_frac=f.get("prefill_topk_frac"),
-                    decode_topk_frac=f.get("decode_topk_frac"), local_window=f.get("local_window", 0),
-                    dense_prefill=bool(f.get("decode_only")) or r["strategy"] == "decode_only",
-                    prefill_dense_anchors=bool(f.get("prefill_dense_anchors")),
-                    decode_rerank=f.get("decode_rerank") or 1, decode_rerank_worst=f.get("decode_rerank_worst"),
-                    ratios=ratios)
+                f.update(num_anchors=m or 1, decode_only=bool(f.get("decode_only")) or r["strategy"] == "decode_only")
+                cost = recipe_cost(f, num_layers=layers, context=int(r["context"]), ratios=ratios, oracle=oracle,
+                                   topk_frac=r.get("topk_frac") or 0.1)
                 r.update(decode_speedup=cost["decode_speedup"], prefill_speedup=cost["prefill_speedup"])
         out.append(r)
     return out
+
+
+def _paired(r) -> str:
+    """A row's paired difference to dense with its interval, e.g. "-2.8 [-5.3, -0.3]"."""
+    return f"{r['diff_vs_dense']:+.1f} [{r['diff_ci_low']:+.1f}, {r['diff_ci_high']:+.1f}]"
 
 
 def _diff(r) -> str:
@@ -474,7 +469,7 @@ def _diff(r) -> str:
         return "not run"
     if r.get("diff_vs_dense") is None:
         return f"{r['score']:.1f} (no dense pair)"
-    return f"{r['diff_vs_dense']:+.1f} [{r['diff_ci_low']:+.1f}, {r['diff_ci_high']:+.1f}]"
+    return _paired(r)
 
 
 def _speed(r) -> str:
@@ -525,8 +520,7 @@ def markdown_table(rows, *, task: str = "ruler_avg") -> str:
     for r in rows:
         if r["task"] != task:
             continue
-        diff = "-" if r["diff_vs_dense"] is None else (f"{r['diff_vs_dense']:+.1f} [{r['diff_ci_low']:+.1f}, "
-                                                        f"{r['diff_ci_high']:+.1f}]")
+        diff = "-" if r["diff_vs_dense"] is None else _paired(r)
         cfg = r["config"] if len(r["config"]) < 90 else r["config"][:87] + "..."
         lines.append(f"| {r['model']} | {r['context']} | {r['split']} | {r['strategy']} | {cfg} | "
                      f"{r['score']:.1f} [{r['ci_low']:.1f}, {r['ci_high']:.1f}] | {r['n']} | {diff} | {_speed(r)} |")
