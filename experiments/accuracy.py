@@ -55,12 +55,14 @@ flags.DEFINE_string("out_dir", "runs/accuracy", "--mode=report: where summary.js
 
 
 def _dirs(patterns):
+    from kascade_jax.eval import report  # noqa: PLC0415
+
     out = []
     for p in patterns:
         out += sorted(glob.glob(os.path.expanduser(p))) or [p]
-    out = [d for d in out if (Path(d) / "examples.jsonl").is_file() and (Path(d) / "results.json").is_file()]
+    out = [d for d in out if report.examples_path(d) and (Path(d) / "results.json").is_file()]
     if not out:
-        raise app.UsageError(f"no experiments.eval output folders (examples.jsonl + results.json) in {patterns}")
+        raise app.UsageError(f"no experiments.eval output folders (examples.jsonl or .gz + results.json) in {patterns}")
     return out
 
 

@@ -24,6 +24,8 @@ flags.DEFINE_string("title_note", "", "a line for the top of summary.md (how the
 
 
 def merge(inputs, labels: dict[str, str]):
+    from kascade_jax.eval import report  # noqa: PLC0415
+
     rows, records, fid, envs = [], [], {}, []
     for d in inputs:
         path = os.path.join(d, "results.json")
@@ -36,12 +38,9 @@ def merge(inputs, labels: dict[str, str]):
             rows.append(dict(r, strategy=rename or r["strategy"]))
         for k, v in (res.get("fidelity") or {}).items():
             fid[(rename + " " + k.split(" ", 1)[1]) if rename else k] = dict(v, strategy=rename or v["strategy"])
-        ex = os.path.join(d, "examples.jsonl")
-        if os.path.isfile(ex):
-            with open(ex) as f:
-                for line in f:
-                    rec = json.loads(line)
-                    records.append(dict(rec, strategy=rename or rec["strategy"]))
+        ex = report.examples_path(d)
+        if ex:
+            records += [dict(rec, strategy=rename or rec["strategy"]) for _, rec in report.iter_examples(ex)]
         envs.append(dict(res.get("environment", {}), source=d))
     return rows, records, fid, envs
 

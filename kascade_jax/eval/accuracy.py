@@ -38,10 +38,10 @@ PREFILL_RATIOS = dict(a0=1.899, anchor=1.700, reuse=0.194)
 
 
 def load_examples(run_dirs) -> list[dict]:
-    """Every example record of the runs (examples.jsonl), with the run's model and split attached. A run with
+    """Every example record of the runs (examples.jsonl, or .gz), with the run's model and split attached. A run with
     another sample seed than 0 (`--seed`) draws other prompts under the same indices: its split is labelled
     `<split>-seed<N>`, so it pairs with its own dense cell and never with seed 0's (a replicate)."""
-    from kascade_jax.eval.report import read_json  # noqa: PLC0415
+    from kascade_jax.eval.report import examples_path, iter_examples, read_json  # noqa: PLC0415
 
     out = []
     for d in run_dirs:
@@ -56,16 +56,14 @@ def load_examples(run_dirs) -> list[dict]:
         if seed:
             split = f"{split}-seed{seed}"
         models = {r["strategy"] + "|" + r["config"]: r["model"] for r in res.get("rows", [])}
-        with open(d / "examples.jsonl") as f:
-            for n, line in enumerate(f, 1):
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{d / 'examples.jsonl'} line {n} is not valid JSON ({e.msg})") from None
-                r.setdefault("model", models.get(r["strategy"] + "|" + r["config"], ""))
-                r["split"] = split
-                r["source"] = str(d)
-                out.append(r)
+        ex = examples_path(d)
+        if ex is None:
+            raise ValueError(f"{d} holds no examples.jsonl (nor examples.jsonl.gz)")
+        for _, r in iter_examples(ex):
+            r.setdefault("model", models.get(r["strategy"] + "|" + r["config"], ""))
+            r["split"] = split
+            r["source"] = str(d)
+            out.append(r)
     return out
 
 

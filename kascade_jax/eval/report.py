@@ -17,6 +17,7 @@ import contextlib
 import csv
 import datetime
 import glob
+import gzip
 import json
 import math
 import os
@@ -30,7 +31,8 @@ ROW_FIELDS = ("model", "task", "family", "context_length", "strategy", "config",
               "failures", "score", "score_ok", "ci_low", "ci_high", "prefill_tokens", "decode_tokens", "wall_s",
               "prompts_per_s")
 CSV_FIELDS = ROW_FIELDS + ("status",)  # status: "partial" (a checkpoint of an unfinished run) or "complete"
-RESULT_FILES = ("results.json", "results.csv", "examples.jsonl", "summary.md")  # plus the *.png plots
+RESULT_FILES = ("results.json", "results.csv", "examples.jsonl", "examples.jsonl.gz", "summary.md")  # + *.png
+EXAMPLES = "examples.jsonl"  # what eval writes; committed folders keep it gzipped (EXAMPLES + ".gz")
 
 
 @contextlib.contextmanager
@@ -93,23 +95,36 @@ def _check_writable(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
 
 
+def examples_path(output_dir) -> str | None:
+    """A run folder's examples: examples.jsonl (what eval writes), else examples.jsonl.gz (how the repository keeps
+    committed runs, to keep the tree small enough to travel with the device calls), else None."""
+    for name in (EXAMPLES, EXAMPLES + ".gz"):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def iter_examples(path):
+    """(line number, record) of an examples file, plain or gzipped; a damaged line names the file and the line."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} line {n} is not valid JSON ({e.msg}): the file is damaged") from None
+
+
 def read_results(output_dir: str) -> tuple[dict | None, list[dict]]:
     """(results.json as a dict, or None where there is none; the examples.jsonl records) of an output folder."""
     path = os.path.join(output_dir, "results.json")
     if not os.path.isfile(path):
         return None, []
     data = read_json(path)
-    records = []
-    ex = os.path.join(output_dir, "examples.jsonl")
-    if os.path.isfile(ex):
-        with open(ex) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{ex} line {n} is not valid JSON ({e.msg}): the file is damaged") from None
-    return data, records
+    ex = examples_path(output_dir)
+    return data, [r for _, r in iter_examples(ex)] if ex else []
 
 
 def read_json(path) -> Any:

@@ -21,8 +21,10 @@
 # PYTEST-ARGS` (the GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench); lines after
 # a line "barrier" start only when every job before it has ended. Each eval writes its results after every block,
 # so a job stopped early keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into
-# 32 MiB chunks into .stage/<model>/ (git-ignored); one call per chunk carries .stage/<model>/part.NN. The tree
-# travels with every call, so `gpu.sh carry_check` (here, before a lease) checks tree + largest chunk < 64 MiB.
+# 40 MiB chunks into .stage/<model>/ (git-ignored; q05 12, q15 27, smol 3); one call per chunk carries
+# .stage/<model>/part.NN. The tree travels with every call, so `gpu.sh carry_check` (here, before a lease) checks
+# tree + largest chunk < 64 MiB; committed runs keep their examples gzipped (`gzip -9n DIR/*/examples.jsonl`
+# before `git add`: the readers and `restore` take either) to keep the tree small.
 set -u
 ACC=$HOME/acc
 SITE=$HOME/site
@@ -65,8 +67,10 @@ case "$cmd" in
     ;;
   restore)
     for d in "$@"; do
-      [ -f "$d/results.json" ] && [ -f "$d/examples.jsonl" ] || { echo "restore: $d is not an eval folder" >&2; exit 2; }
-      mkdir -p "$ACC/$(basename "$d")" && cp "$d"/results.json "$d"/examples.jsonl "$ACC/$(basename "$d")/" \
+      [ -f "$d/results.json" ] && { [ -f "$d/examples.jsonl" ] || [ -f "$d/examples.jsonl.gz" ]; } \
+        || { echo "restore: $d is not an eval folder" >&2; exit 2; }
+      dest=$ACC/$(basename "$d"); mkdir -p "$dest" && cp "$d"/results.json "$dest/" || exit 2
+      if [ -f "$d/examples.jsonl" ]; then cp "$d/examples.jsonl" "$dest/"; else gzip -dc "$d/examples.jsonl.gz" > "$dest/examples.jsonl"; fi \
         && echo "restored $(basename "$d")"
     done
     ;;

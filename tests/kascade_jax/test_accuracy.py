@@ -370,3 +370,34 @@ def test_compare_two_cells_per_split_and_pooled(rng):
         accuracy.compare(ex, "kascade:rr4", "kascade:dps", model="m", context=4096, splits=["dev"], ruler_tasks=TASKS)
     with pytest.raises(ValueError, match="no complete RULER cell 'dense'"):
         accuracy.compare(ex, "kascade:rr4", "dense", model="m", context=4096, splits=["dev"], ruler_tasks=TASKS)
+
+
+def test_gzipped_examples_read_as_the_plain_file(rng, tmp_path):
+    """Committed runs keep examples.jsonl gzipped (the tree travels with every device call): every reader (the
+    accuracy report, a resume's read_results; merge_eval and the accuracy CLI's folder discovery go through the
+    same report.examples_path / iter_examples) sees the same records; a damaged line names the .gz file; a folder
+    with neither file is refused by name."""
+    import gzip
+
+    from kascade_jax.eval import report
+
+    recs = _records(rng, "dense", "", _base(rng, n=3), n=3, split="dev")
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    for run in (plain, packed):
+        run.mkdir()
+        (run / "results.json").write_text(json.dumps(dict(environment=dict(command="eval --split=dev"), rows=[])))
+    text = "".join(json.dumps(r) + "\n" for r in recs)
+    (plain / "examples.jsonl").write_text(text)
+    with gzip.open(packed / "examples.jsonl.gz", "wt") as f:
+        f.write(text)
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "source"} for r in rs]  # noqa: E731
+    assert strip(accuracy.load_examples([packed])) == strip(accuracy.load_examples([plain])) != []
+    assert report.read_results(str(packed))[1] == report.read_results(str(plain))[1] == recs
+    assert report.examples_path(packed).endswith(".gz") and report.examples_path(tmp_path) is None
+    with gzip.open(packed / "examples.jsonl.gz", "wt") as f:
+        f.write(text + "{not json\n")
+    with pytest.raises(ValueError, match=rf"examples\.jsonl\.gz line {len(recs) + 1} is not valid JSON"):
+        accuracy.load_examples([packed])
+    (packed / "examples.jsonl.gz").unlink()
+    with pytest.raises(ValueError, match="holds no examples.jsonl"):
+        accuracy.load_examples([packed])
