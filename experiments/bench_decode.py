@@ -29,12 +29,20 @@ WORST = flags.DEFINE_integer("decode_rerank_worst", 0, "With --decode_reranks: a
                              "reuse layers reranking (the recipe lever decode_rerank_worst): the anchors' candidate "
                              "ordering, a reranking layer and a non-reranking one, weighted over the layer mix. 0: off.",
                              lower_bound=0)
+POOLS = flags.DEFINE_list("decode_pools", [], "Also time these selection pools through the strategy (gqa: Kascade's "
+                          "per-KV-head selection, all: all_heads_pooled's one set for every head), e.g. gqa,all: "
+                          "A0/A/R and the weighted speedup of each, like for like.")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
 @flags.validator("decode_reranks", message="--decode_reranks takes integers >= 2 (the candidates per key), e.g. 2,4")
 def _check_reranks(values):
     return all(str(v).strip().isdigit() and int(v) >= 2 for v in values)
+
+
+@flags.validator("decode_pools", message="--decode_pools takes gqa, all or pre_softmax, e.g. gqa,all")
+def _check_pools(values):
+    return all(v in ("gqa", "all", "pre_softmax") for v in values)
 
 
 def main(argv):
@@ -48,7 +56,7 @@ def main(argv):
                DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
                max_cache_gb=MAX_GB.value, tuning=dec.DEFAULT_TUNING,
                shape=shape_from_flags(), tag=BENCH_TAG.value, reranks=[int(c) for c in RERANKS.value],
-               rerank_worst=WORST.value)
+               rerank_worst=WORST.value, pools=list(POOLS.value))
 
 
 if __name__ == "__main__":

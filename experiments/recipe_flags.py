@@ -3,7 +3,7 @@
 A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`, `--calib_dataset`,
 `--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`, `--decode_topk_frac`,
-`--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`; each defaults to None,
+`--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`, `--pool`; each defaults to None,
 "the recipe's", and an explicitly given value wins over the `--recipe`. `--anchors` is defined here too, so it
 parses and means the same everywhere
 (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
@@ -50,6 +50,9 @@ RERANK = flags.DEFINE_integer("decode_rerank", None, "recipe lever (decode): anc
 RERANK_WORST = flags.DEFINE_integer("decode_rerank_worst", None, "recipe lever (decode, with --decode_rerank > 1): "
                                     "only the N reuse layers least similar to their anchor in the calibration rerank",
                                     lower_bound=1)
+POOL = flags.DEFINE_enum("pool", None, ["gqa", "all", "pre_softmax"], "recipe lever: the anchors' selection pool "
+                         "(gqa: one Top-k per KV head, Kascade; all: one set pooled over every query head and shared, "
+                         "no head map, as --strategies=all_heads_pooled)")
 DENSE_ANCHORS = flags.DEFINE_boolean("prefill_dense_anchors", None, "recipe lever (prefill): anchor layers output "
                                      "dense attention (they still select the Top-k for the reuse layers)")
 DECODE_ONLY = flags.DEFINE_boolean("decode_only", None, "recipe lever: dense prefill, Kascade decode (as the "
@@ -88,7 +91,7 @@ def _apply_flags(recipe):
         num_anchors=NUM_ANCHORS.value, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
         local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
         prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
-        decode_rerank_worst=RERANK_WORST.value, calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,
+        decode_rerank_worst=RERANK_WORST.value, pool=POOL.value, calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,
         calib_importance=CALIB_IMPORTANCE.value,
         calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
         calib_dtype=CALIB_DTYPE.value, calib_dataset=CALIB_DATASET.value)

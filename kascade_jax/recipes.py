@@ -2,7 +2,8 @@
 
 A recipe fixes everything the user does not pass explicitly: the calibration that chooses anchors and head maps
 (k, reduction over tiles, DP importance weighting, development prompts), the anchor count M, and the
-`KascadeConfig` levers (`recipes.LEVERS`: forced keys, dense suffix, budgets, dense anchor outputs, dense prefill).
+`KascadeConfig` levers (`recipes.LEVERS`: forced keys, dense suffix, budgets, dense anchor outputs, dense prefill,
+the rerank, the selection pool).
 Two names exist for every model:
 - `paper`: the paper's method exactly (DP over k = 64 similarity, min over tiles, importance-weighted, M = 5, no
   levers);
@@ -24,7 +25,7 @@ from typing import Any
 
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
-          "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank")
+          "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank", "pool")
 BOOL_LEVERS = ("prefill_dense_anchors", "decode_only")
 
 
@@ -50,10 +51,13 @@ class Recipe:
     decode_only: bool = False  # dense prefill, Kascade decode
     decode_rerank: int | None = None  # decode: anchors select C x the budget, each reuse layer keeps its own Top-k
     decode_rerank_worst: int | None = None  # only the N reuse layers least similar to their anchor rerank (None: all)
+    pool: str | None = None  # selection pool (KascadeConfig.pool): "all" = one Top-k set shared by every head, no
+    # head map (the all_heads_pooled strategy as a recipe); None: the strategy's ("gqa", one set per KV head)
     note: str = ""  # why this recipe (what it measured on the dev split)
 
     def __post_init__(self):
         from kascade_jax.calibration.stats import IMPORTANCE, REDUCES  # noqa: PLC0415
+        from kascade_jax.config import POOLS  # noqa: PLC0415
 
         for f in ("num_anchors", "calib_k", "calib_num_prompts", "calib_max_tokens"):
             v = getattr(self, f)
@@ -79,6 +83,11 @@ class Recipe:
         if n is not None and (rr or 1) == 1:
             raise ValueError(f"recipe {self.name!r}: decode_rerank_worst={n} needs decode_rerank > 1 (the candidates "
                              "those layers rerank)")
+        if self.pool is not None and self.pool not in POOLS:
+            raise ValueError(f"recipe {self.name!r}: pool must be null or one of {POOLS}, got {self.pool!r}")
+        if self.pool == "all" and (rr or 1) > 1:
+            raise ValueError(f"recipe {self.name!r}: pool 'all' shares one index set between all heads, and "
+                             f"decode_rerank={rr} ranks candidates per KV head: use one or the other")
         ts = self.tile_size
         if ts is not None and (isinstance(ts, bool) or ts not in (16, 32, 64)):
             raise ValueError(f"recipe {self.name!r}: tile_size must be null, 16, 32 or 64, got {ts!r}")
@@ -273,6 +282,11 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # that head map keeps no more decode mass (0.841 vs 0.839), so its +0.9 is most likely noise
     "dps_tans_rr4": dict(num_anchors=5, calib_reduce="tail", calib_dataset="builtin_answers", sink_tokens=4,
                          recent_window=60, decode_only=True, decode_rerank=4),
+    # issue 21 session 14 (H200, 0.5B, 16K dev): one Top-k set per anchor pooled over all query heads and shared by
+    # both KV heads (the all_heads_pooled strategy) was +3.0 [+0.7, +5.5] over dps, at dense: as recipes, with a
+    # dense prefill and with the 0.5B's sparse-prefill default
+    "dps_all": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all"),
+    "ds512s_all": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=512, pool="all"),
 }
 
 

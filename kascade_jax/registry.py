@@ -7,7 +7,8 @@ can forward every flag it has. Unknown or inapplicable kwargs raise, naming the 
 Kascade names and what they set on `KascadeConfig`:
   kascade              the method (head_map as given, None = identity)
   no_remap             head_map forced to identity (None)
-  all_heads_pooled     pool="all" (one index set per layer shared by all heads)
+  all_heads_pooled     pool="all" (one index set per layer shared by all heads; like a recipe's pool="all", it
+                       drops the head map)
   pre_softmax_pooling  pool="pre_softmax"
   oracle_topk          every layer is an anchor (anchors default to (0,))
   decode_only          dense prefill, Kascade decode
@@ -106,6 +107,8 @@ def make_strategy(name: str, num_layers: int, kv_heads: int, **kwargs: Any):
             kwargs["anchors"] = default_anchors(num_layers)
         kwargs["head_map"] = load_head_map(kwargs.get("head_map"))
         kwargs.update(_KASCADE_VARIANTS[name])
+        if kwargs.get("pool") == "all":  # one set shared by every head (all_heads_pooled, or a recipe's pool)
+            kwargs["head_map"] = None
         config = KascadeConfig(num_layers=num_layers, kv_heads=kv_heads, **kwargs)
         return KascadeStrategy(config, name=name, kernels=kernels)
     if name in _BASELINES:

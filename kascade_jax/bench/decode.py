@@ -160,15 +160,32 @@ def rerank_row(row: dict, dense, q, k, v, kv_len, frac, min_k, reranks, iters, s
     return row
 
 
+def pool_row(row: dict, dense, q, k, v, kv_len, frac, min_k, pools, iters, shape, log=print) -> dict:
+    """row[f"{piece}_pool{P}"] for each pool P in `pools` ("gqa": Kascade's per-KV-head selection, "all":
+    all_heads_pooled's one set shared by every head) through the strategy's path, with their weighted time and
+    speedup over the row's dense: the strategy-path pair compares the two selections like for like (the plain
+    row times the kernels alone)."""
+    for p in pools:
+        for name, fn, args in strategy_pieces(q, k, v, kv_len, frac, min_k, pool=p):
+            row[f"{name}_pool{p}"], row[f"{name}_pool{p}_kernels"] = cupti_time(fn, args, iters)
+        row[f"weighted_pool{p}"] = shape.weighted(row[f"A0_pool{p}"], row[f"A_pool{p}"], row[f"R_pool{p}"])
+        row[f"speedup_pool{p}"] = dense / row[f"weighted_pool{p}"]
+        log(f"   pool={p}: A0 {row[f'A0_pool{p}']:.4f}  A {row[f'A_pool{p}']:.4f}  R {row[f'R_pool{p}']:.4f}  "
+            f"weighted {row[f'weighted_pool{p}']:.4f}  speedup {row[f'speedup_pool{p}']:.2f}x")
+    return row
+
+
 def cache_bytes(b, s, shape, itemsize):
     """Bytes of the K and V caches of b sequences of s tokens."""
     return 2 * b * s * shape.kv_heads * shape.head_dim * itemsize
 
 
-def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT, reranks=(), rerank_worst=0):
+def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT, reranks=(), rerank_worst=0,
+              pools=()):
     """One row: dense (cuDNN), A0, A and R at batch b and context s (every sequence full), their ratios to dense,
     the weighted Kascade time and its speedup, and each piece's kernels; with `reranks`, the same through the
-    strategy with decode_rerank C (`rerank_row`)."""
+    strategy with decode_rerank C (`rerank_row`); with `pools`, through the strategy with each selection pool
+    (`pool_row`)."""
     import jax
     import jax.numpy as jnp
 
@@ -198,12 +215,14 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
     log("   A kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_kernels"].items()))
     if reranks:
         rerank_row(row, row["dense"], q, k, v, kv_len, frac, min_k, reranks, iters, shape, log, worst=rerank_worst)
+    if pools:
+        pool_row(row, row["dense"], q, k, v, kv_len, frac, min_k, pools, iters, shape, log)
     del q, k, v
     return row
 
 
 def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), rerank_worst=0, log=print):
+        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), rerank_worst=0, pools=(), log=print):
     """Time every (dtype, batch, context, top-k) on the GPU, after the checks (do_check); writes
     <out_dir>/decode[_<tag>].json/md/png and returns the rows. Shapes whose caches exceed max_cache_gb are skipped,
     a failing one is logged and the sweep goes on."""
@@ -233,7 +252,7 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
             continue
         try:
             rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape, reranks=reranks,
-                                  rerank_worst=rerank_worst))
+                                  rerank_worst=rerank_worst, pools=pools))
         except Exception as e:  # keep the sweep going; the failure is reported
             log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
     write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), tables.decode_markdown(rows, meta, shape),

@@ -72,6 +72,12 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
         (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%}", r["A_kernels"]) for r in rows], 4)
     reranks = sorted({int(m.group(1)) for r in rows for key in r if (m := re.fullmatch(r"speedup_rr(\d+)", key))})
     worst = sorted({m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(rr\d+w\d+)", key))})
+    pools = sorted({m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_pool(\w+)", key))})
+    if pools:
+        lines += _lever_table(
+            rows, [(p, f"pool{p}") for p in pools], ["A0", "A", "R"], "pool", True,
+            "**The selection pool** through the strategy's path (gqa: one Top-k per KV head, Kascade; all: one set "
+            "pooled over every query head and shared, all_heads_pooled), same run and dense:")
     if reranks:
         lines += _lever_table(
             rows, [(str(c), f"rr{c}") for c in reranks], ["A0", "A", "R"], "C", True,

@@ -203,6 +203,8 @@ def config_fields(config: str) -> dict:
                 out["calib_dataset"] = m.group(4)
         elif key in BOOL_LEVERS and not eq:
             out[key] = True
+        elif key == "pool" and eq:
+            out[key] = val
         elif (key in LEVERS or key == "decode_rerank_worst") and eq:
             out[key] = float(val) if "." in val else int(val)
     return out
@@ -260,13 +262,19 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
                     reuse=r[k] / r["dense"]) for r in ten for k in r if (m := re.fullmatch(pattern, k))}
                 if found:  # keyed by C, or by (C, N) for the worst-layers mix
                     out[name] = {(key[0] if len(key) == 1 else key): v for key, v in found.items()}
+            pools = {m.group(1): dict(a0=r[f"A0_pool{m.group(1)}"] / r["dense"], anchor=r[k] / r["dense"],
+                                      reuse=r[f"R_pool{m.group(1)}"] / r["dense"])
+                     for r in ten for k in r if (m := re.fullmatch(r"A_pool(\w+)", k))}
+            if pools:  # the selection pools through the strategy's path (bench --decode_pools), keyed by pool
+                out["pool"] = pools
     return out
 
 
 def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suffix: int = 0, oracle: bool = False,
                    dense_prefill: bool = False, topk_frac: float = 0.1, prefill_topk_frac: float | None = None,
                    decode_topk_frac: float | None = None, local_window: int = 0, prefill_dense_anchors: bool = False,
-                   decode_rerank: int = 1, decode_rerank_worst: int | None = None, ratios: dict | None = None) -> dict:
+                   decode_rerank: int = 1, decode_rerank_worst: int | None = None, pool: str = "gqa",
+                   ratios: dict | None = None) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
@@ -286,6 +294,10 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     layers, bench_ratios' decode_rerank_worst), which is then used as measured. Without measured ratios, an estimate
     from bytes, (C + 1) / 2 of a plain reuse layer: as built it is 7-13x (session 11's benchmark), so treat it as the
     floor of a fused kernel, not as today's speed.
+    `pool` other than "gqa" (all_heads_pooled's one shared set): each decode piece scaled by its measured ratio
+    to the gqa selection through the same strategy path (`bench_ratios`' pool, bench --decode_pools=gqa,<pool>);
+    without that measurement the decode speed is unknown (None), never assumed equal. The prefill keeps the
+    plain ratios (a dense-prefill recipe does not use them).
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
@@ -318,6 +330,14 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
             if decode_rerank_worst is not None and w is not None:  # timed as such: the anchors' ordering included
                 cost = (w["a0"] + (m - 1) * w["anchor"] + n_rr * w["reuse"] * scale[phase]
                         + (n_reuse - n_rr) * w["first"] * scale[phase]) / num_layers
+        if phase == "decode" and pool != "gqa" and ratios is not None:  # (without ratios all is an estimate)
+            pools = ratios.get("pool", {})
+            if pool not in pools or "gqa" not in pools:
+                out.update(decode_cost=None, decode_speedup=None)
+                continue
+            p, g = pools[pool], pools["gqa"]
+            cost = (r["a0"] * p["a0"] / g["a0"] + (m - 1) * r["anchor"] * p["anchor"] / g["anchor"]
+                    + (num_layers - m) * reuse * p["reuse"] / g["reuse"]) / num_layers
         if phase == "prefill":
             if dense_prefill:
                 cost = 1.0
@@ -338,7 +358,8 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | N
                           dense_prefill=bool(fields.get("decode_only")),
                           prefill_dense_anchors=bool(fields.get("prefill_dense_anchors")),
                           decode_rerank=fields.get("decode_rerank") or 1,
-                          decode_rerank_worst=fields.get("decode_rerank_worst"), ratios=ratios)
+                          decode_rerank_worst=fields.get("decode_rerank_worst"), pool=fields.get("pool") or "gqa",
+                          ratios=ratios)
 
 
 def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, num_layers: int,
@@ -372,12 +393,13 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
         if name not in dev:
             continue
         speed = recipe_cost(fields, num_layers=num_layers, context=context, ratios=ratios)
+        timed = all(speed[f"{p}_cost"] is not None for p in ("decode", "prefill"))  # else its price is unknown
         if within_dense is not None:
             diff = dev[name]["diff_vs_dense"]
-            ok = diff is not None and finite(diff) and diff >= -within_dense
+            ok = timed and diff is not None and finite(diff) and diff >= -within_dense
         else:
-            ok = all(speed[f"{p}_speedup"] >= (1 - max_slowdown) * base_speed[f"{p}_speedup"]
-                     for p in ("decode", "prefill"))
+            ok = timed and all(speed[f"{p}_speedup"] >= (1 - max_slowdown) * base_speed[f"{p}_speedup"]
+                               for p in ("decode", "prefill"))
         table.append(dict(recipe=name, dev_score=dev[name]["score"], dev_n=dev[name]["n"],
                           dev_ci=[dev[name]["ci_low"], dev[name]["ci_high"]],
                           dev_diff_vs_dense=dev[name]["diff_vs_dense"],
@@ -398,7 +420,7 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
         fields["name"] = "default"
         return {"default": fields, "chosen_from": pick["recipe"], "measured": table, "model": model,
                 "context": context, "rule": f"fastest within {within_dense:g} of dense", "speed": src}
-    table.sort(key=lambda r: (-r["dev_score"], r["prefill_cost"] + r["decode_cost"]))
+    table.sort(key=lambda r: (-r["dev_score"], (r["prefill_cost"] or math.inf) + (r["decode_cost"] or math.inf)))
     best = next((r for r in table if r["qualifies"]), None)
     base_score = dev[baseline]["score"]
     name = best["recipe"] if best is not None and best["dev_score"] > base_score else baseline
@@ -425,6 +447,9 @@ def _bench_contexts(decode_json, prefill_json) -> tuple[int, list[int]]:
     return layers.pop(), sorted(ctx[0] & ctx[1])
 
 
+_VARIANT_POOL = {"all_heads_pooled": "all", "pre_softmax_pooling": "pre_softmax"}  # registry._KASCADE_VARIANTS
+
+
 def add_speed(rows, bench: dict, *, decode_batch: int = 32) -> list[dict]:
     """Each summary row of a model in `bench` ({model: (decode json, prefill json)}, `experiments.bench` at its
     shape) at a benchmarked length gets `decode_speedup` / `prefill_speedup`: the weighted attention speedup over
@@ -447,7 +472,9 @@ def add_speed(rows, bench: dict, *, decode_batch: int = 32) -> list[dict]:
             layers, ratios = hit
             f = config_fields(r["config"])
             oracle = r["strategy"] == "oracle_topk"
-            m = f.get("num_anchors") or len([a for a in (r.get("anchors") or "").split(",") if a])
+            # the anchors the cell ran with (an explicit --anchors list overrides the recipe's M), else M
+            m = len([a for a in (r.get("anchors") or "").split(",") if a]) or f.get("num_anchors")
+            f["pool"] = _VARIANT_POOL.get(r["strategy"], f.get("pool"))
             if m or oracle:
                 f.update(num_anchors=m or 1, decode_only=bool(f.get("decode_only")) or r["strategy"] == "decode_only")
                 cost = recipe_cost(f, num_layers=layers, context=int(r["context"]), ratios=ratios, oracle=oracle,

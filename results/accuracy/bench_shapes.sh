@@ -4,10 +4,22 @@
 # and 32K. Output: OUTDIR/{decode,prefill}_qwen*.
 # `bench_shapes.sh OUTDIR rerank` times the decode_rerank lever's price instead (issue 21; needs no model): plain
 # Kascade and C = 2, 4 (every reuse layer reranks, through the strategy's path, and only the 5 worst:
-# decode_rerank_worst) at batch 32, 16K/32K, Top-k 10%, into OUTDIR/decode_qwen*_rr.*.
+# decode_rerank_worst) at batch 32, 16K/32K, Top-k 10%, into OUTDIR/decode_qwen*_rr.*. `bench_shapes.sh OUTDIR
+# pool` times the selection pools gqa (Kascade) and all (all_heads_pooled) through the strategy, into
+# OUTDIR/decode_qwen*_pool.*.
 set -u
 OUTDIR=${1:?output dir}
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
+if [ "${2:-}" = pool ]; then  # Kascade's per-KV-head selection vs all_heads_pooled's shared set, like for like
+  for shape in "qwen05_pool 14,2,64 24" "qwen15_pool 12,2,128 28"; do
+    read -r tag heads layers <<< "$shape"
+    python3 -m experiments.bench --phase=decode --heads=$heads --num_layers=$layers --num_anchors=5 \
+      --bench_tag=$tag --decode_contexts=16384,32768 --decode_batches=32 --decode_topk_fracs=0.1 \
+      --decode_pools=gqa,all --decode_iterations=5 --decode_check=false \
+      --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 16
+  done
+  exit 0
+fi
 if [ "${2:-}" = rerank ]; then
   for shape in "qwen05_rr 14,2,64 24" "qwen15_rr 12,2,128 28"; do
     read -r tag heads layers <<< "$shape"

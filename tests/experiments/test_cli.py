@@ -216,6 +216,13 @@ def test_bench_markdown_labels_shape():
     assert "Weighted = (1*A0 + 4*A + 19*R)/24 (Qwen2.5-Coder-0.5B: 24 layers, 5 anchors)." in md
     w = (1.2 + 4 * 0.5 + 19 * 0.2) / 24
     assert f"| {w:.4f} | **{1 / w:.2f}x** |" in md and "decode_rerank" not in md
+    pl = _fake_rows(qwen, True)  # with the pool pieces (--decode_pools=all): their own table, against plain
+    pl[0].update(A0_poolall=1.1, A_poolall=0.4, R_poolall=0.2, weighted_poolall=qwen.weighted(1.1, 0.4, 0.2))
+    pl[0]["speedup_poolall"] = 1 / pl[0]["weighted_poolall"]
+    md = tables.decode_markdown(pl, meta, qwen)
+    wa = (1.1 + 4 * 0.4 + 19 * 0.2) / 24
+    assert "The selection pool" in md and "decode_rerank" not in md
+    assert f"| all | 1.1000 | 0.4000 | 0.2000 | 0.200 | {wa:.4f} | **{1 / wa:.2f}x** | {w / wa:.2f} |" in md
     rr = _fake_rows(qwen, True)  # with the rerank pieces (--decode_reranks=4): their own table, against plain
     rr[0].update(A0_rr4=1.3, A_rr4=0.6, R_rr4=0.5, R_rr4_kernels={"gather": 0.3})
     rr[0].update(weighted_rr4=qwen.weighted(1.3, 0.6, 0.5))

@@ -291,6 +291,7 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
         (["-m", "experiments.speed", nomodel, "--repeats=0"], ["--repeats"]),
         (["-m", "experiments.bench", "--phase=decode", "--decode_rerank_worst=5"],
          ["--decode_rerank_worst needs --decode_reranks"]),
+        (["-m", "experiments.bench", "--phase=decode", "--decode_pools=max"], ["--decode_pools takes gqa, all"]),
         (["-m", "experiments.speed", nomodel, f"--out={tmp_path}"], ["is a directory"]),
         (["-m", "experiments.speed", nomodel, f"--out={tmp_path / 'agree.json'}"], ["--out would replace"]),
         (["-m", "experiments.kascade_agreement", nomodel, "--doc_tokens=0"], ["--doc_tokens"]),

@@ -58,3 +58,19 @@ def test_decode_rerank_worst_flag_reaches_the_recipe_and_the_config_string():
         cli._parse_flags(["generate", "--recipe=candidate:dps", "--decode_rerank_worst=3"])
         with pytest.raises(ValueError, match="decode_rerank_worst=3 needs decode_rerank > 1"):
             recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+
+
+def test_pool_flag_reaches_the_recipe_and_is_refused_with_the_rerank():
+    from kascade_jax.eval import accuracy
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--recipe=candidate:dps", "--pool=all"])
+        r = recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+    assert r.name == "dps*" and r.levers()["pool"] == "all"
+    assert accuracy.config_fields(r.describe())["pool"] == "all"
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--recipe=candidate:dps_rr4", "--pool=all"])
+        with pytest.raises(ValueError, match="pool 'all' shares one index set"):
+            recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")

@@ -317,6 +317,38 @@ def test_the_rerank_is_priced_by_its_measured_layers():
                                                  abs=1e-4)  # another N than timed: the lower bound
 
 
+def test_the_shared_selection_is_priced_by_its_measured_layers(tmp_path):
+    """bench --decode_pools rows (A0/A/R_pool{P}) reach the speed model as each piece's ratio to the gqa selection
+    through the same path; an all_heads_pooled row without them gets no decode speed (never plain Kascade's), and
+    a row's explicit anchors count over its recipe's M."""
+    doc = json.loads(_RR05.read_text())
+    for r in doc["rows"]:
+        r.update(A0_poolgqa=r["A0"], A_poolgqa=r["A"], R_poolgqa=r["R"],
+                 A0_poolall=r["A0"], A_poolall=0.5 * r["A"], R_poolall=2 * r["R"])
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(doc))
+    ratios = accuracy.bench_ratios(path, _PF05, context=16384)
+    plain = ratios["decode"][0.1]
+    assert set(ratios["pool"]) == {"gqa", "all"}
+    got = accuracy.attention_cost(24, 5, context=16384, pool="all", dense_prefill=True, ratios=ratios)
+    want = (plain["a0"] + 4 * 0.5 * plain["anchor"] + 19 * 2 * plain["reuse"]) / 24
+    assert got["decode_cost"] == pytest.approx(want, abs=1e-4) and got["prefill_cost"] == 1.0
+    assert accuracy.attention_cost(24, 5, context=16384, ratios=ratios)["decode_cost"] != got["decode_cost"]
+    bare = accuracy.bench_ratios(_RR05, _PF05, context=16384)  # no pool rows: the shared set's price is unknown
+    unknown = accuracy.attention_cost(24, 5, context=16384, pool="all", ratios=bare)
+    assert unknown["decode_speedup"] is None and unknown["prefill_speedup"] is not None
+    cfg = "k=0.1 anchors=0,1,3,5,9 head_map=identity recipe=dps M=5 calib=k64/min/w=paper decode_only"
+    row = dict(model="qwen2.5-coder-0.5b", task="ruler_avg", context=16384, split="dev", strategy="all_heads_pooled",
+               config=cfg, topk_frac=0.1, anchors="0,1,3,5,9")
+    bench = {"qwen2.5-coder-0.5b": (_RR05, _PF05)}
+    assert accuracy.add_speed([row], bench)[0]["decode_speedup"] is None
+    timed = accuracy.add_speed([row], {"qwen2.5-coder-0.5b": (path, _PF05)})[0]
+    assert timed["decode_speedup"] == pytest.approx(1 / want, rel=1e-3)
+    four = dict(row, strategy="kascade", anchors="0,2,8,18", config=cfg.replace("0,1,3,5,9", "0,2,8,18"))
+    want4 = (plain["a0"] + 3 * plain["anchor"] + 20 * plain["reuse"]) / 24
+    assert accuracy.add_speed([four], bench)[0]["decode_speedup"] == pytest.approx(1 / want4, rel=1e-3)
+
+
 def test_report_rows_get_measured_speed_and_a_headline():
     cfg = "k=0.1 anchors=0,1,3,5,9 head_map=calibrated recipe=default M=5 calib=k64/min/w=paper decode_only"
     paper = "k=0.1 anchors=0,1,3,5,9 head_map=calibrated recipe=paper M=5 calib=k64/min/w=paper"

@@ -498,6 +498,46 @@ def test_decode_rerank_layers_config_and_recipe():
     with pytest.raises(ValueError, match="decode_rerank_worst must be null or an int >= 1"):
         Recipe(decode_rerank=2, decode_rerank_worst=0)
     assert "decode_rerank_worst=5" in candidate("dps_rr4w5").describe()
+
+
+def test_recipe_pool_is_the_all_heads_pooled_strategy(rng):
+    """A recipe's pool="all" lever builds the same strategy as --strategies=all_heads_pooled: one set shared by
+    every head, the calibrated head map dropped; it is refused with the per-KV-head rerank, and its describe()
+    string round-trips through the report's parser."""
+    from kascade_jax.eval.accuracy import config_fields
+    from kascade_jax.recipes import Recipe, candidate
+    from models.attention import AttentionInputs
+
+    with pytest.raises(ValueError, match="pool must be null or one of"):
+        Recipe(pool="max")
+    with pytest.raises(ValueError, match="pool 'all' shares one index set"):
+        Recipe(pool="all", decode_rerank=4)
+    r = candidate("dps_all")
+    assert r.levers()["pool"] == "all" and "pool=all" in r.describe()
+    assert config_fields("k=0.1 anchors=0,2 head_map=identity " + r.describe())["pool"] == "all"
+    assert "pool" not in candidate("dps").levers()
+    num_layers, kvh, b, s, hq, d = 4, 2, 2, 96, 4, 16
+    hm = ((0, 1), (1, 0), (0, 1), (1, 1))
+    kw = dict(anchors=(0, 2), topk_frac=0.1, min_k=8, decode_only=True)
+    via_recipe = make_strategy("kascade", num_layers, kvh, head_map=hm, **kw, pool="all")
+    variant = make_strategy("all_heads_pooled", num_layers, kvh, head_map=hm, **kw)
+    plain = make_strategy("kascade", num_layers, kvh, head_map=hm, **kw)
+    assert via_recipe.config == variant.config and via_recipe.config.head_map is None
+    q = jnp.asarray(rng.normal(size=(b, 1, hq, d)) * 2, jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, s, kvh, d)), jnp.float32) for _ in range(2))
+    kv_len = jnp.asarray([s, 70], jnp.int32)
+
+    def outs(strat):
+        state, got = None, []
+        for layer in range(num_layers):
+            out, state = strat.attend(layer, AttentionInputs(q=q, k_cache=k, v_cache=v, q_start=kv_len - 1,
+                                                             kv_len=kv_len, seq_len=kv_len, phase="decode"), state)
+            got.append(np.asarray(out))
+        return got
+
+    shared, per_head = outs(via_recipe), outs(plain)
+    np.testing.assert_allclose(shared[3], outs(variant)[3], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(shared[3], per_head[3], atol=1e-3)  # a reuse layer reads another selection
     assert "decode_rerank_worst" not in candidate("dps_rr4w5").levers()  # resolved to layers with the calibration
 
 
@@ -575,6 +615,15 @@ def test_decode_bench_strategy_pieces_are_the_strategys_layers(rng):
     np.testing.assert_allclose(reuse(worst, q2), own_topk(q2), rtol=1e-5, atol=1e-5)
     first = np.asarray(worst["F"][0](q2, *worst["F"][1][1:]))
     np.testing.assert_allclose(first, reuse(plain, q2), rtol=1e-5, atol=1e-5)
+    # --decode_pools=all: the pieces are all_heads_pooled's layers (one set pooled over every head, shared), which
+    # differ from Kascade's per-KV-head selection on the same query
+    shared = {n: (fn, a) for n, fn, a in strategy_pieces(q, k, v, kv_len, 0.1, 8, kernels="reference", pool="all")}
+    ahp, state = make_strategy("all_heads_pooled", 4, kvh, anchors=(0, 1), topk_frac=0.1, min_k=8), None
+    for layer in range(3):
+        out, state = ahp.attend(layer, AttentionInputs(q=q, k_cache=k, v_cache=v, q_start=kv_len - 1, kv_len=kv_len,
+                                                       seq_len=kv_len, phase="decode"), state)
+    np.testing.assert_allclose(reuse(shared, q), np.asarray(out), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(reuse(shared, q), reuse(plain, q), atol=1e-3)
 
 
 @pytest.mark.gpu
