@@ -570,6 +570,8 @@ def plot_frontier(doc: dict, path, *, speed: str | None = None) -> str:
     for ax, phase in zip(axes, ("decode", "prefill")):
         for i, r in enumerate(table):
             x, y = r[f"{phase}_speedup"], r["dev_diff_vs_dense"]
+            if x is None:  # an unmeasured price (a shared selection without its benchmark): no point
+                continue
             ci = r.get("dev_diff_ci")
             yerr = None if not ci else [[y - ci[0]], [ci[1] - y]]
             ax.errorbar(x, y, yerr=yerr, fmt="o", capsize=3, color=f"C{i % 10}", alpha=0.8)

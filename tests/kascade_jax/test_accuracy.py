@@ -344,6 +344,25 @@ def test_the_shared_selection_is_priced_by_its_measured_layers(tmp_path):
     assert accuracy.add_speed([row], bench)[0]["decode_speedup"] is None
     timed = accuracy.add_speed([row], {"qwen2.5-coder-0.5b": (path, _PF05)})[0]
     assert timed["decode_speedup"] == pytest.approx(1 / want, rel=1e-3)
+    # --mode=choose: a shared-set candidate at dense but with no measured price does not qualify (nor plot)
+    from kascade_jax.recipes import CANDIDATES
+
+    rng = np.random.default_rng(5)
+    base = _base(rng)
+    recs = _records(rng, "dense", "", base, split="dev", ctx=16384)
+    recs += [dict(r, strategy="kascade", config=f"k=0.1 recipe={n}") for r in recs for n in ("dps_all", "dps")]
+    cands = {n: CANDIDATES[n] for n in ("dps_all", "dps")}
+    rows = accuracy.summarize(recs, ruler_tasks=TASKS, reps=100)
+    doc = accuracy.choose_recipe(rows, cands, model="m", context=16384, num_layers=24, within_dense=1.0,
+                                 baseline="dps", ratios=bare)
+    table = {r["recipe"]: r for r in doc["measured"]}
+    assert doc["chosen_from"] == "dps" and not table["dps_all"]["qualifies"] and table["dps"]["qualifies"]
+    accuracy.plot_frontier(doc, tmp_path / "frontier.png")
+    doc = accuracy.choose_recipe(rows, cands, model="m", context=16384, num_layers=24, within_dense=1.0,
+                                 baseline="dps", ratios=ratios)  # timed (R twice gqa's here): priced, slower
+    table = {r["recipe"]: r for r in doc["measured"]}
+    assert doc["chosen_from"] == "dps" and table["dps_all"]["qualifies"]
+    assert table["dps_all"]["decode_cost"] == pytest.approx(want, abs=1e-4)
     four = dict(row, strategy="kascade", anchors="0,2,8,18", config=cfg.replace("0,1,3,5,9", "0,2,8,18"))
     want4 = (plain["a0"] + 3 * plain["anchor"] + 20 * plain["reuse"]) / 24
     assert accuracy.add_speed([four], bench)[0]["decode_speedup"] == pytest.approx(1 / want4, rel=1e-3)
