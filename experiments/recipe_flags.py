@@ -17,6 +17,7 @@ from __future__ import annotations
 from absl import flags
 
 from experiments import cli
+from kascade_jax.config import POOLS
 
 ANCHORS_HELP = ("Kascade anchor layers: 'auto' = the DP's choice on the dev-set calibration (shipped for SmolLM2 "
                 "and both Qwen models, else cached, else calibrated now), 'even' = --num_anchors evenly spaced "
@@ -50,7 +51,7 @@ RERANK = flags.DEFINE_integer("decode_rerank", None, "recipe lever (decode): anc
 RERANK_WORST = flags.DEFINE_integer("decode_rerank_worst", None, "recipe lever (decode, with --decode_rerank > 1): "
                                     "only the N reuse layers least similar to their anchor in the calibration rerank",
                                     lower_bound=1)
-POOL = flags.DEFINE_enum("pool", None, ["gqa", "all", "pre_softmax"], "recipe lever: the anchors' selection pool "
+POOL = flags.DEFINE_enum("pool", None, list(POOLS), "recipe lever: the anchors' selection pool "
                          "(gqa: one Top-k per KV head, Kascade; all: one set pooled over every query head and shared, "
                          "no head map, as --strategies=all_heads_pooled)")
 DENSE_ANCHORS = flags.DEFINE_boolean("prefill_dense_anchors", None, "recipe lever (prefill): anchor layers output "

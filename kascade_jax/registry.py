@@ -41,6 +41,7 @@ _KASCADE_VARIANTS = {
     "oracle_topk": {"oracle_topk": True},
     "decode_only": {"decode_only": True},
 }
+VARIANT_POOL = {n: v["pool"] for n, v in _KASCADE_VARIANTS.items() if "pool" in v}  # the variants that set a pool
 _BASELINES = {
     "dense": DenseStrategy,
     "streaming_llm": StreamingLLMStrategy,

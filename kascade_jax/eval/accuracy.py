@@ -447,15 +447,12 @@ def _bench_contexts(decode_json, prefill_json) -> tuple[int, list[int]]:
     return layers.pop(), sorted(ctx[0] & ctx[1])
 
 
-_VARIANT_POOL = {"all_heads_pooled": "all", "pre_softmax_pooling": "pre_softmax"}  # registry._KASCADE_VARIANTS
-
-
 def add_speed(rows, bench: dict, *, decode_batch: int = 32) -> list[dict]:
     """Each summary row of a model in `bench` ({model: (decode json, prefill json)}, `experiments.bench` at its
     shape) at a benchmarked length gets `decode_speedup` / `prefill_speedup`: the weighted attention speedup over
     cuDNN of its cell's layer mix (`attention_cost` with the measured per-layer ratios; dense 1.0). Baselines
     (quest, omnikv, ...) are accuracy simulations without kernels and get None, as do unbenchmarked lengths."""
-    from kascade_jax.registry import KASCADE_FAMILY  # noqa: PLC0415
+    from kascade_jax.registry import KASCADE_FAMILY, VARIANT_POOL  # noqa: PLC0415
 
     cache = {}
     for model, (dec, pre) in bench.items():
@@ -474,7 +471,7 @@ def add_speed(rows, bench: dict, *, decode_batch: int = 32) -> list[dict]:
             oracle = r["strategy"] == "oracle_topk"
             # the anchors the cell ran with (an explicit --anchors list overrides the recipe's M), else M
             m = len([a for a in (r.get("anchors") or "").split(",") if a]) or f.get("num_anchors")
-            f["pool"] = _VARIANT_POOL.get(r["strategy"], f.get("pool"))
+            f["pool"] = VARIANT_POOL.get(r["strategy"], f.get("pool"))
             if m or oracle:
                 f.update(num_anchors=m or 1, decode_only=bool(f.get("decode_only")) or r["strategy"] == "decode_only")
                 cost = recipe_cost(f, num_layers=layers, context=int(r["context"]), ratios=ratios, oracle=oracle,
