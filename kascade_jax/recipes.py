@@ -190,6 +190,12 @@ def load_recipe(model_name: str, name: str = "default") -> Recipe:
     return Recipe.from_dict(doc["default"], "default")
 
 
+def chosen_from(model_name: str) -> str | None:
+    """The candidate the model's shipped default was chosen from (its recipe file's `chosen_from`), else None."""
+    path = recipe_file(model_name)
+    return json.loads(path.read_text()).get("chosen_from") if path.is_file() else None
+
+
 # The recipe levers of issue 17 as candidate recipes, measured on the development split (experiments.accuracy
 # --mode=plan writes one dev run per candidate; --mode=choose picks the default from their results).
 CANDIDATES: dict[str, dict[str, Any]] = {
@@ -287,6 +293,10 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # dense prefill and with the 0.5B's sparse-prefill default
     "dps_all": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all"),
     "ds512s_all": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=512, pool="all"),
+    # session 15: dps_all shipped for both Qwens (test 0.5B -1.1 to -1.7, 1.5B 8K -3.4); more anchors with the
+    # shared set (each extra anchor costs about 1/L of the decode)
+    "dps_all_m6": dict(num_anchors=6, sink_tokens=4, recent_window=60, decode_only=True, pool="all"),
+    "dps_all_m7": dict(num_anchors=7, sink_tokens=4, recent_window=60, decode_only=True, pool="all"),
 }
 
 
@@ -311,8 +321,9 @@ def shipped_defaults() -> list[str]:
                     f"{m['prefill_speedup']:.2f}x")
         t = doc.get("test")
         if t is not None and t.get("recipe") == doc.get("chosen_from"):  # a later choice drops an older test
+            at = f" at {t['context']} tokens" if t.get("context") not in (None, doc.get("context")) else ""
             how += (f"; test {t['diff_vs_dense']:+.1f} [{t['diff_ci'][0]:+.1f}, {t['diff_ci'][1]:+.1f}] vs dense on "
-                    f"{t['n']} prompts")
+                    f"{t['n']} prompts{at}")
         if borrowed:
             how += "; chosen on another model's dev split, not tuned on this one"
         lines.append(f"{path.stem}: {doc.get('chosen_from', 'default')} ({on}{how})")

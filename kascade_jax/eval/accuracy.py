@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -238,17 +239,25 @@ def _decode_only_cell(summary_rows, fields: dict, *, model: str, context: int):
 # ---- speed model and the recipe choice ---------------------------------------------------------------------------
 
 
+def bench_paths(path) -> list[Path]:
+    """A benchmark file, or several joined by '+' (e.g. the rerank's and the pools' decode runs of one shape)."""
+    return [Path(p) for p in str(path).split("+")]
+
+
 def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int = 32) -> dict:
     """Per-layer times relative to cuDNN dense measured by `experiments.bench` (its decode/prefill json: rows with
     dense, A0, A, R milliseconds) at one context and decode batch: {"decode" | "prefill": {topk_frac: {a0, anchor,
-    reuse}}}, the `ratios` argument of `attention_cost`. A missing shape is an error naming what the files have."""
+    reuse}}}, the `ratios` argument of `attention_cost`. A missing shape is an error naming what the files have.
+    A '+'-joined decode path: the plain layers come from the first file, the levers' rows (rerank, pools) from all."""
     out = {}
     for phase, path, want in (("decode", decode_json, dict(context=context, batch=decode_batch)),
                               ("prefill", prefill_json, dict(context=context))):
-        rows = json.loads(Path(path).read_text())["rows"]
+        docs = [json.loads(Path(p).read_text())["rows"] for p in bench_paths(path)]
+        rows = docs[0]  # the plain layers from the first file; the levers' rows from every file
         at = [r for r in rows if all(r.get(k) == v for k, v in want.items()) and r.get("dense")]
         got = {float(r["topk_frac"]): dict(a0=r["A0"] / r["dense"], anchor=r["A"] / r["dense"],
                                            reuse=r["R"] / r["dense"]) for r in at if r.get("R")}
+        at = [r for rows_ in docs for r in rows_ if all(r.get(k) == v for k, v in want.items()) and r.get("dense")]
         if 0.1 not in got:
             have = sorted({(r.get("context"), r.get("batch")) for r in rows})
             raise ValueError(f"{path}: no {phase} row at {want} with Top-k 0.1 (have context, batch: {have})")
@@ -264,7 +273,8 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
                     out[name] = {(key[0] if len(key) == 1 else key): v for key, v in found.items()}
             pools = {m.group(1): dict(a0=r[f"A0_pool{m.group(1)}"] / r["dense"], anchor=r[k] / r["dense"],
                                       reuse=r[f"R_pool{m.group(1)}"] / r["dense"])
-                     for r in ten for k in r if (m := re.fullmatch(r"A_pool(\w+)", k))}
+                     for r in ten for k in r
+                     if not k.endswith("_kernels") and (m := re.fullmatch(r"A_pool(\w+)", k))}
             if pools:  # the selection pools through the strategy's path (bench --decode_pools), keyed by pool
                 out["pool"] = pools
     return out
@@ -362,22 +372,41 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | N
                           ratios=ratios)
 
 
+def _recipe_cells(rows) -> dict:
+    """{recipe: its dev cell}. A recipe also run with explicit anchors (an anchor experiment) has several cells; its
+    own is the one with the anchor set most cells of the same M share (the DP's choice, which every auto run gets)."""
+    def shape(r):
+        return config_fields(r["config"]).get("num_anchors"), r.get("anchors", "")
+
+    count = Counter(shape(r) for r in rows)
+    out = {}
+    for r in rows:
+        if r["recipe"] not in out or count[shape(r)] > count[shape(out[r["recipe"]])]:
+            out[r["recipe"]] = r
+    return out
+
+
 def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, num_layers: int,
                   max_slowdown: float = 0.15, baseline: str = "paper", within_dense: float | None = None,
-                  ratios: dict | None = None) -> dict:
+                  ratios: dict | None = None, speed_tie: float = 0.0) -> dict:
     """The default recipe from dev-split results.
 
     candidates: {name: recipe fields (kascade_jax.recipes.Recipe)}; each name must be the `recipe=` of one dev cell
-    (`ruler_avg`), or, for a dense-prefill candidate (`decode_only`), a `decode_only` strategy cell whose recipe
-    matches it on every field a dense prefill leaves in play (`measured_as` says which). With `within_dense` (issue 21's rule): the FASTEST candidate (lowest estimated decode + prefill
-    cost) whose dev score is at most `within_dense` points below dense on the same prompts wins; when none is, the
-    best dev score (and the note says the target was missed). Without it (issue 17's rule): a candidate qualifies
-    when both its decode and prefill weighted speedups are at least (1 - max_slowdown) x the baseline's, and the best
-    qualifying dev score wins if it beats the baseline, else the baseline. Returns {"default": fields, "measured":
-    the table it was chosen from}.
+    (`ruler_avg`; of several, the one with the DP's anchors: `_recipe_cells`), or, for a dense-prefill candidate
+    (`decode_only`), a `decode_only` strategy cell whose recipe matches it on every field a dense prefill leaves in
+    play (`measured_as` says which).
+    With `within_dense` (issue 21's rule): the FASTEST candidate (lowest estimated decode + prefill cost) whose dev
+    score is at most `within_dense` points below dense on the same prompts wins; when none is, the best dev score
+    (and the note says the target was missed). `speed_tie`: qualifying candidates whose estimated cost is within
+    this fraction of the cheapest one count as equally fast (two benchmark runs of the same kernels differ by a few
+    per cent), and the best dev score among them wins.
+    Without it (issue 17's rule): a candidate qualifies when both its decode and prefill weighted speedups are at
+    least (1 - max_slowdown) x the baseline's, and the best qualifying dev score wins if it beats the baseline, else
+    the baseline. Returns {"default": fields, "measured": the table it was chosen from}.
     """
-    dev = {r["recipe"]: r for r in summary_rows if r["task"] == "ruler_avg" and r["split"] == "dev"
-           and r["model"] == model and r["context"] == context and r["strategy"] == "kascade" and r["recipe"]}
+    dev = _recipe_cells([r for r in summary_rows if r["task"] == "ruler_avg" and r["split"] == "dev"
+                         and r["model"] == model and r["context"] == context and r["strategy"] == "kascade"
+                         and r["recipe"]])
     for name, fields in candidates.items():  # a dense-prefill candidate: also measured as the decode_only strategy
         if name not in dev and fields.get("decode_only"):
             cell = _decode_only_cell(summary_rows, fields, model=model, context=context)
@@ -406,12 +435,17 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
                           dev_diff_ci=[dev[name]["diff_ci_low"], dev[name]["diff_ci_high"]], qualifies=ok, **speed,
                           **({"measured_as": dev[name]["measured_as"]} if "measured_as" in dev[name] else {})))
     if within_dense is not None:
-        table.sort(key=lambda r: (not r["qualifies"], r["prefill_cost"] + r["decode_cost"] if r["qualifies"] else 0,
-                                  -r["dev_score"]))
+        if not math.isfinite(speed_tie) or speed_tie < 0:
+            raise ValueError(f"speed_tie must be a finite fraction >= 0, got {speed_tie}")
+        cost = {r["recipe"]: r["prefill_cost"] + r["decode_cost"] for r in table if r["qualifies"]}
+        tied = min(cost.values(), default=0.0) * (1 + speed_tie)
+        table.sort(key=lambda r: (not r["qualifies"], 0 if cost.get(r["recipe"], 0) <= tied else cost[r["recipe"]],
+                                  -r["dev_score"], cost.get(r["recipe"], 0)))
         pick = table[0]
         fields = dict(candidates[pick["recipe"]])
         d = dev[pick["recipe"]]
-        how = (f"the fastest candidate within {within_dense:g} point(s) of dense" if pick["qualifies"] else
+        tie = f" (costs within {speed_tie:.0%} of the cheapest count as equal: the best dev score)" if speed_tie else ""
+        how = (f"the fastest candidate within {within_dense:g} point(s) of dense{tie}" if pick["qualifies"] else
                f"no candidate within {within_dense:g} point(s) of dense: the best dev score")
         src = "measured per-layer kernels at this shape" if ratios is not None else "estimated"
         fields["note"] = (f"chosen on the dev split of real RULER at {context} tokens ({d['n']} prompts): {how}; dev "
@@ -419,7 +453,8 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
                           f"speedup ({src}) decode {pick['decode_speedup']:.2f}x, prefill {pick['prefill_speedup']:.2f}x")
         fields["name"] = "default"
         return {"default": fields, "chosen_from": pick["recipe"], "measured": table, "model": model,
-                "context": context, "rule": f"fastest within {within_dense:g} of dense", "speed": src}
+                "context": context, "speed": src, "rule": f"fastest within {within_dense:g} of dense"
+                + (f", speed ties {speed_tie:g}" if speed_tie else "")}
     table.sort(key=lambda r: (-r["dev_score"], (r["prefill_cost"] or math.inf) + (r["decode_cost"] or math.inf)))
     best = next((r for r in table if r["qualifies"]), None)
     base_score = dev[baseline]["score"]
@@ -438,8 +473,10 @@ BASELINE_STRATEGIES = ("quest", "omnikv", "less_is_more", "streaming_llm")  # ac
 
 def _bench_contexts(decode_json, prefill_json) -> tuple[int, list[int]]:
     """(num_layers, contexts with a Top-k 10% row in both benchmark files)."""
-    rows = {ph: json.loads(Path(p).read_text())["rows"] for ph, p in (("decode", decode_json), ("prefill", prefill_json))}
-    layers = {int(r["num_layers"]) for ph in rows for r in rows[ph] if "num_layers" in r}
+    rows = {ph: json.loads(bench_paths(p)[0].read_text())["rows"]
+            for ph, p in (("decode", decode_json), ("prefill", prefill_json))}
+    layers = {int(r["num_layers"]) for p in (*bench_paths(decode_json), Path(prefill_json))
+              for r in json.loads(p.read_text())["rows"] if "num_layers" in r}
     if len(layers) != 1:
         raise ValueError(f"{decode_json} / {prefill_json}: benchmark rows of {sorted(layers) or 'no'} layer counts; "
                          "give one model shape's files")
@@ -500,10 +537,12 @@ def _speed(r) -> str:
     return f"{r['decode_speedup']:.2f}x / {r['prefill_speedup']:.2f}x"
 
 
-def headline_rows(rows, defaults: dict, *, split: str = "test") -> list[dict]:
+def headline_rows(rows, defaults: dict, *, split: str = "test", chosen: dict | None = None) -> list[dict]:
     """Per (model, context) with a dense `ruler_avg` cell on `split`: dense, the default (the cell whose config
     states `defaults[model]`, today's shipped recipe's describe(); else the latest recipe=default cell), the paper
-    recipe and the best baseline (BASELINE_STRATEGIES), each with its paired difference to dense."""
+    recipe and the best baseline (BASELINE_STRATEGIES), each with its paired difference to dense. `chosen`
+    ({model: the candidate the shipped default was chosen from}): that candidate's cell, run under its own name
+    with the same levers, is the default's too (a recipe=default cell first; an anchor experiment never)."""
     avg = [r for r in rows if r["task"] == "ruler_avg" and r["split"] == split]
     out = []
     for model, ctx in sorted({(r["model"], r["context"]) for r in avg if r["strategy"] == "dense"}):
@@ -511,7 +550,12 @@ def headline_rows(rows, defaults: dict, *, split: str = "test") -> list[dict]:
         dense = next(r for r in here if r["strategy"] == "dense")
         want = defaults.get(model)
         cands = [r for r in here if r["strategy"] == "kascade" and r["recipe"] == "default"]
-        shipped = [r for r in cands if want and want.split(" ", 1)[-1] in r["config"]]
+        fields = config_fields(want) if want else None  # the same levers, none more or fewer
+        shipped = [r for r in cands if fields and config_fields(r["config"]) == fields]
+        name = (chosen or {}).get(model)
+        if not shipped and name and fields:
+            own = _recipe_cells([r for r in here if r["strategy"] == "kascade" and r["recipe"]]).get(name)
+            shipped = [own] if own is not None and config_fields(own["config"]) == fields else []
         default = (shipped or [None])[0]
         paper = next((r for r in here if r["strategy"] == "kascade" and r["recipe"] == "paper"), None)
         base = [r for r in here if r["strategy"] in BASELINE_STRATEGIES]

@@ -13,35 +13,49 @@ S3 = ROOT / "results/accuracy/h200_2026-12-02_i21s3"
 ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
 
 
-def _choose(tmp_path, inputs, model="qwen2.5-coder-0.5b", layers=24, shape="qwen05"):
+S12, S15 = ROOT / "results/accuracy/h200_2026-12-03_i21s12", ROOT / "results/accuracy/h200_2026-12-04_i21s15"
+
+
+def _choose(tmp_path, inputs, model="qwen2.5-coder-0.5b", layers=24, shape="qwen05", extra=()):
+    # the shipped choice's prices: session 12's decode run (plain + rerank) joined with session 15's pools run
+    decode = f"{S12 / 'bench' / f'decode_{shape}_rr.json'}+{S15 / 'bench' / f'decode_{shape}_pool.json'}"
     cmd = [sys.executable, "-m", "experiments.accuracy", "--mode=choose", f"--model={model}",
            f"--num_layers={layers}", f"--inputs={','.join(map(str, inputs))}", f"--out={tmp_path / 'r.json'}",
-           f"--frontier={tmp_path / 'f.png'}", f"--bench_decode={S3 / 'bench' / f'decode_{shape}.json'}",
-           f"--bench_prefill={S3 / 'bench' / f'prefill_{shape}.json'}"]
+           f"--frontier={tmp_path / 'f.png'}", f"--bench_decode={decode}",
+           f"--bench_prefill={S3 / 'bench' / f'prefill_{shape}.json'}", *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
 
 
 def test_choose_reproduces_the_shipped_default(tmp_path):
-    res = _choose(tmp_path, [S1 / "dev05", S2 / "dev05b"])
+    """The 0.5B's dps_all (session 15) against ds512s (sessions 2-14): 2% apart in cost, inside the speed tie, so
+    the better dev score wins; with no tie the cheaper ds512s would."""
+    inputs = [S1 / "dev05", S2 / "dev05b", S15 / "t05_ahp_d"]
+    res = _choose(tmp_path, inputs)
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads((tmp_path / "r.json").read_text())
     shipped = json.loads((ROOT / "kascade_jax/data/recipes/qwen2.5-coder-0.5b.json").read_text())
-    assert doc["chosen_from"] == shipped["chosen_from"] == "ds512s" and doc["default"] == shipped["default"]
-    assert doc["default"]["calib_dtype"] == "bfloat16"
+    assert doc["chosen_from"] == shipped["chosen_from"] == "dps_all" and doc["default"] == shipped["default"]
+    assert doc["default"]["calib_dtype"] == "bfloat16" and doc["default"]["pool"] == "all"
     assert "ran another recipe than today's shipped default" in res.stdout  # session 1's sw_ds128 'default' cell
     assert "default" not in {r["recipe"] for r in doc["measured"]}
     assert (tmp_path / "f.png").stat().st_size > 10_000
+    res = _choose(tmp_path, inputs, extra=["--speed_tie=0", "--overwrite"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["chosen_from"] == "ds512s"
 
 
 def test_choose_reproduces_the_shipped_1_5b_default(tmp_path):
-    """The 1.5B's dense-prefill default comes from its decode_only dev cell (the only one within 1 point)."""
-    res = _choose(tmp_path, [S1 / "dev15", S2 / "dev15", S2 / "dec15", S3 / "dev15c", S3 / "do15"],
-                  model="qwen2.5-coder-1.5b", layers=28, shape="qwen15")
+    """The 1.5B's dense-prefill defaults: dps from its decode_only dev cell (sessions 3-14), then dps_all."""
+    inputs = [S1 / "dev15", S2 / "dev15", S2 / "dec15", S3 / "dev15c", S3 / "do15"]
+    res = _choose(tmp_path, inputs + [S15 / "t15_ahp_d"], model="qwen2.5-coder-1.5b", layers=28, shape="qwen15")
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads((tmp_path / "r.json").read_text())
     shipped = json.loads((ROOT / "kascade_jax/data/recipes/qwen2.5-coder-1.5b.json").read_text())
-    assert doc["chosen_from"] == shipped["chosen_from"] == "dps" and doc["default"] == shipped["default"]
+    assert doc["chosen_from"] == shipped["chosen_from"] == "dps_all" and doc["default"] == shipped["default"]
     assert doc["default"]["decode_only"] is True and "measured per-layer kernels" in doc["default"]["note"]
+    res = _choose(tmp_path, inputs, model="qwen2.5-coder-1.5b", layers=28, shape="qwen15", extra=["--overwrite"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["chosen_from"] == "dps"  # without session 15's cell
 
 
 def test_a_replicated_cell_is_refused(tmp_path):

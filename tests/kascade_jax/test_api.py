@@ -63,8 +63,10 @@ def test_api_strategy_equals_the_cli_strategy():
             assert got == from_cli[m + "|" + recipe], (m, recipe)
             if recipe != "paper":  # the recipe's levers reach the strategy (the notebook used to lose them)
                 assert s.config.sink_tokens == 4
-            if recipe in ("default", "candidate:dec20_ds512s"):
-                assert s.config.dense_suffix in (128, 512) or (s.config.decode_only and m == "qwen2.5-coder-1.5b")
+            if recipe == "default" and m.startswith("qwen"):  # dps_all: dense prefill, one selection for all heads
+                assert s.config.decode_only and s.config.pool == "all" and s.config.head_map is None
+            elif recipe in ("default", "candidate:dec20_ds512s"):
+                assert s.config.dense_suffix in (128, 512)
             if recipe == "candidate:dps_rr4w5":  # the calibration's five least similar reuse layers, both ways
                 assert s.config.decode_rerank == 4 and len(s.config.decode_rerank_layers) == 5
                 assert not set(s.config.decode_rerank_layers) & set(s.config.anchors)

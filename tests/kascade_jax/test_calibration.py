@@ -443,10 +443,9 @@ def test_recipe_kascade_finds_every_shipped_calibration_at_any_run_dtype(tmp_pat
     assert kw["anchors"] == tuple(ref.anchors_for(r.num_anchors, r.calib_importance))
     assert np.array_equal(np.asarray(kw["head_map"]), ref.head_map(kw["anchors"]))
     assert {f: kw[f] for f in r.levers()} == r.levers()
-    if recipe_name == "default":  # the shipped defaults (issue 21 dev rounds): 0.5B ds512s, 1.5B dps, smollm2 sw_ds128
-        expected = {"qwen2.5-coder-0.5b": dict(sink_tokens=4, recent_window=60, dense_suffix=512, local_window=0),
-                    "qwen2.5-coder-1.5b": dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0,
-                                               decode_only=True),
+    if recipe_name == "default":  # the shipped defaults (issue 21 dev rounds): the Qwens dps_all, smollm2 sw_ds128
+        dps_all = dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0, decode_only=True, pool="all")
+        expected = {"qwen2.5-coder-0.5b": dps_all, "qwen2.5-coder-1.5b": dps_all,
                     "smollm2-135m": dict(sink_tokens=4, recent_window=60, dense_suffix=128, local_window=0)}
         assert r.levers() == expected[model_name]
     with pytest.raises(ValueError, match=r"no shipped or cached calibration .*dtype: recorded"):
