@@ -254,16 +254,15 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
                               ("prefill", prefill_json, dict(context=context))):
         docs = [json.loads(Path(p).read_text())["rows"] for p in bench_paths(path)]
         rows = docs[0]  # the plain layers from the first file; the levers' rows from every file
-        at = [r for r in rows if all(r.get(k) == v for k, v in want.items()) and r.get("dense")]
+        at = [[r for r in d if all(r.get(k) == v for k, v in want.items()) and r.get("dense")] for d in docs]
         got = {float(r["topk_frac"]): dict(a0=r["A0"] / r["dense"], anchor=r["A"] / r["dense"],
-                                           reuse=r["R"] / r["dense"]) for r in at if r.get("R")}
-        at = [r for rows_ in docs for r in rows_ if all(r.get(k) == v for k, v in want.items()) and r.get("dense")]
+                                           reuse=r["R"] / r["dense"]) for r in at[0] if r.get("R")}
         if 0.1 not in got:
             have = sorted({(r.get("context"), r.get("batch")) for r in rows})
             raise ValueError(f"{path}: no {phase} row at {want} with Top-k 0.1 (have context, batch: {have})")
         out[phase] = got
         if phase == "decode":  # the decode_rerank lever through the strategy's path (bench --decode_reranks)
-            ten = [r for r in at if float(r.get("topk_frac", 0)) == 0.1]
+            ten = [r for d in at for r in d if float(r.get("topk_frac", 0)) == 0.1]
             for name, pattern, pieces in (("decode_rerank", r"R_(rr(\d+))", ("A0", "A")),
                                           ("decode_rerank_worst", r"R_(rr(\d+)w(\d+))", ("A0", "A", "F"))):
                 found = {tuple(int(x) for x in m.groups()[1:]): dict(
@@ -473,10 +472,9 @@ BASELINE_STRATEGIES = ("quest", "omnikv", "less_is_more", "streaming_llm")  # ac
 
 def _bench_contexts(decode_json, prefill_json) -> tuple[int, list[int]]:
     """(num_layers, contexts with a Top-k 10% row in both benchmark files)."""
-    rows = {ph: json.loads(bench_paths(p)[0].read_text())["rows"]
-            for ph, p in (("decode", decode_json), ("prefill", prefill_json))}
-    layers = {int(r["num_layers"]) for p in (*bench_paths(decode_json), Path(prefill_json))
-              for r in json.loads(p.read_text())["rows"] if "num_layers" in r}
+    docs = [json.loads(p.read_text())["rows"] for p in (Path(prefill_json), *bench_paths(decode_json))]
+    rows = {"prefill": docs[0], "decode": docs[1]}  # the contexts: the first decode file's (its plain layers)
+    layers = {int(r["num_layers"]) for d in docs for r in d if "num_layers" in r}
     if len(layers) != 1:
         raise ValueError(f"{decode_json} / {prefill_json}: benchmark rows of {sorted(layers) or 'no'} layer counts; "
                          "give one model shape's files")
