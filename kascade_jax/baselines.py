@@ -5,7 +5,8 @@ settings (docs/reference-notes.md §5); budgets use the same exact integer rule 
 `topk_budget(L, frac, min) = min(max(floor(frac * L), min), L)`:
 - `dense`: `models.attention.DenseStrategy` (re-exported).
 - `StreamingLLMStrategy`: 4 sink tokens + a causal window of the most recent keys; the window (sinks
-  included) is topk_budget(seq_len, 0.30, 128), in prefill and decode (seq_len = prompt length in prefill).
+  included) is topk_budget(seq_len, 0.30, 128), in prefill and decode (seq_len = prompt length in prefill). Its
+  prefill runs in blocks of query rows (`score_elems` fp32 scores each), so a long batch fits in memory.
 - `QuestStrategy` (decode only): 16-token pages, per-page key min/max bounds, upper-bound page score
   Σ_d max(q_d·min_d, q_d·max_d) per query head, top max(3, budget // 16) pages with budget =
   topk_budget(kv_len, 0.10, 128); layers < `dense_layers` (2) dense. Partial and last pages are scored like
@@ -110,11 +111,14 @@ class StreamingLLMStrategy:
     sinks: int = 4
     window_frac: float = 0.30
     min_window: int = 128
+    score_elems: int = 1 << 27  # a prefill's fp32 scores per block of query rows (session 16: [16, 12, 16K, 16K]
+    # in one piece asked XLA for 207 GB)
     name: str = "streaming_llm"
 
     def __post_init__(self):
         _check_pos_int("sinks", self.sinks, lo=0)
         _check_pos_int("min_window", self.min_window)
+        _check_pos_int("score_elems", self.score_elems)
         frac_numerator(self.window_frac)
 
     def mask(self, q_start, seq_len, q_len: int, num_keys: int):
@@ -127,9 +131,21 @@ class StreamingLLMStrategy:
 
     def attend(self, layer, inputs, state):
         _refuse_paged(self, inputs)
-        m = self.mask(inputs.q_start, inputs.seq_len, inputs.q.shape[1], inputs.k_cache.shape[1])
-        out = attention_reference(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len, mask=m)
-        return out, state
+        q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
+        b, t, hq, _ = q.shape
+        num_keys = k.shape[1]
+
+        def rows(q_rows, q_start):
+            m = self.mask(q_start, inputs.seq_len, q_rows.shape[1], num_keys)
+            return attention_reference(q_rows, k, v, q_start, inputs.kv_len, mask=m)
+
+        block = max(1, self.score_elems // (b * hq * num_keys))  # query rows whose scores fit the budget
+        if t <= block:
+            return rows(q, inputs.q_start), state
+        n = -(-t // block)  # blocks of query rows in sequence; padded rows (after the last) are dropped
+        qb = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, *q.shape[2:])
+        out = lax.map(lambda i: rows(qb[:, i], inputs.q_start + i * block), jnp.arange(n))  # [n, b, block, hq, d]
+        return jnp.moveaxis(out, 0, 1).reshape(b, n * block, *q.shape[2:])[:, :t], state
 
     def post_attention(self, layer, x, attn_out, state):
         return state

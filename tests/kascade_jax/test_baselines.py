@@ -24,10 +24,11 @@ def _np(x):
     return np.asarray(x, np.float64)
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_streaming_llm_hand_mask(rng, phase):
+@pytest.mark.parametrize("phase,score_elems", [("prefill", 1 << 27), ("prefill", 2 * 4 * 40 * 5), ("decode", 1 << 27)])
+def test_streaming_llm_hand_mask(rng, phase, score_elems):
+    """score_elems = 5 query rows per block: the prefill's 32 rows run in 7 blocks, the last one padded."""
     kvh, g, d, max_len, lens = 2, 2, 8, 40, [40, 27]
-    strategy = StreamingLLMStrategy(sinks=2, window_frac=0.3, min_window=6)
+    strategy = StreamingLLMStrategy(sinks=2, window_frac=0.3, min_window=6, score_elems=score_elems)
     lay = random_layer(rng, 2, max_len, kvh * g, kvh, d)
     x = prefill_inputs(lay, 8, max_len - 8, lens) if phase == "prefill" else decode_inputs(lay, lens)
     out, _ = strategy.attend(0, x, None)
