@@ -32,6 +32,8 @@ flags.DEFINE_list("splits", ["test"], "--mode=compare: splits to compare on (e.g
 flags.DEFINE_list("inputs", [], "experiments.eval output folders (globs allowed)")
 flags.DEFINE_string("model", "", "--mode=choose: the model whose dev results decide")
 flags.DEFINE_integer("context", 16384, "--mode=choose: the context length whose dev results decide")
+flags.DEFINE_list("also_contexts", [], "--mode=choose with --within_dense>=0: other dev lengths (e.g. 8192) where "
+                  "a candidate must also be within --within_dense of dense to qualify")
 flags.DEFINE_integer("num_layers", 0, "--mode=choose: the model's layer count (for the speed model)")
 flags.DEFINE_float("max_slowdown", 0.15, "--mode=choose with --within_dense<0: allowed loss of weighted attention "
                    "speed vs the paper recipe (issue 17's rule)")
@@ -57,6 +59,11 @@ flags.DEFINE_list("speed_bench", [], "--mode=report: MODEL:DECODE_JSON:PREFILL_J
                   "the pools' runs)")
 flags.DEFINE_string("out_dir", "runs/accuracy", "--mode=report: where summary.json / summary.md / plots go (a folder "
                     "that holds a summary needs --overwrite)")
+
+
+@flags.validator("also_contexts", message="--also_contexts takes positive integers (dev context lengths), e.g. 8192")
+def _check_also_contexts(values):
+    return all(v.strip().isdigit() and int(v) > 0 for v in values)
 
 
 def _dirs(patterns):
@@ -134,7 +141,7 @@ def main(argv):
                                            decode_batch=FLAGS.bench_batch)
         doc = accuracy.choose_recipe(rows, candidates, ratios=ratios, model=FLAGS.model, context=FLAGS.context,
                                      num_layers=FLAGS.num_layers, max_slowdown=FLAGS.max_slowdown,
-                                     speed_tie=FLAGS.speed_tie,
+                                     speed_tie=FLAGS.speed_tie, also_contexts=[int(c) for c in FLAGS.also_contexts],
                                      within_dense=FLAGS.within_dense if FLAGS.within_dense >= 0 else None)
         if shipped.calib_dtype and not doc["default"].get("calib_dtype"):  # candidates calibrate in the shipped dtype
             doc["default"]["calib_dtype"] = shipped.calib_dtype
@@ -145,9 +152,13 @@ def main(argv):
             print("frontier plot:", accuracy.plot_frontier(doc, FLAGS.frontier))
         miss = (f"more than {FLAGS.within_dense:g} below dense" if FLAGS.within_dense >= 0 else
                 f"over {FLAGS.max_slowdown:.0%} slower than paper")
+        if FLAGS.also_contexts and FLAGS.within_dense >= 0:
+            miss += f" (at {FLAGS.context} or at {','.join(FLAGS.also_contexts)}, or not run there)"
         for r in doc["measured"]:
+            also = "".join(f" at {c}: {'not run' if d is None else f'{d:+.2f}'}"
+                           for c, d in r.get("also_dev_diff_vs_dense", {}).items())
             print(f"  {r['recipe']:<14} dev {r['dev_score']:5.1f} [{r['dev_ci'][0]:.1f}, {r['dev_ci'][1]:.1f}] "
-                  f"vs dense {r['dev_diff_vs_dense']}  decode {r['decode_speedup']:.2f}x prefill "
+                  f"vs dense {r['dev_diff_vs_dense']}{also}  decode {r['decode_speedup']:.2f}x prefill "
                   f"{r['prefill_speedup']:.2f}x {'ok' if r['qualifies'] else miss}")
         for entry in FLAGS.also_for:
             name, layers = entry.rsplit(":", 1)

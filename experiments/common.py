@@ -102,7 +102,9 @@ def resolve_anchors_and_head_map(model, tokenizer, r=None):
     calib = recipe_flags.calibration_kwargs(r, DTYPE.value)
     anchors = parse_anchors(ANCHORS.value, cfg.num_layers, r.num_anchors)
     auto_map = None
-    if anchors == "auto":
+    if anchors == "auto" and r.anchors:  # the recipe pins its anchors: those instead of the DP's, same head map
+        anchors = parse_anchors(",".join(map(str, r.anchors)), cfg.num_layers)
+    elif anchors == "auto":
         anchors, auto_map = resolve_anchors(model, tokenizer, model_name=MODEL.value, num_anchors=r.num_anchors,
                                             tile_size=TILE_SIZE.value, importance=r.calib_importance, **calib)
     head_map = resolve_head_map(HEAD_MAP.value, anchors, cfg.num_layers, cfg.kv_heads, auto_map=auto_map,

@@ -53,6 +53,8 @@ class Recipe:
     decode_rerank_worst: int | None = None  # only the N reuse layers least similar to their anchor rerank (None: all)
     pool: str | None = None  # selection pool (KascadeConfig.pool): "all" = one Top-k set shared by every head, no
     # head map (the all_heads_pooled strategy as a recipe); None: the strategy's ("gqa", one set per KV head)
+    anchors: tuple[int, ...] | None = None  # pinned anchor layers (0 first; num_anchors must equal their count):
+    # `--anchors=auto` then runs these instead of the calibration's DP (whose head map still applies)
     note: str = ""  # why this recipe (what it measured on the dev split)
 
     def __post_init__(self):
@@ -88,6 +90,18 @@ class Recipe:
         if self.pool == "all" and (rr or 1) > 1:
             raise ValueError(f"recipe {self.name!r}: pool 'all' shares one index set between all heads, and "
                              f"decode_rerank={rr} ranks candidates per KV head: use one or the other")
+        if self.anchors is not None:
+            a = self.anchors
+            if (isinstance(a, (str, bytes)) or not hasattr(a, "__iter__")
+                    or any(isinstance(x, bool) or not isinstance(x, int) for x in a)):
+                raise ValueError(f"recipe {self.name!r}: anchors must be a list of layer indices, got {a!r}")
+            a = tuple(a)
+            if not a or a[0] != 0 or any(y <= x for x, y in zip(a, a[1:])):
+                raise ValueError(f"recipe {self.name!r}: anchors must start at layer 0 and increase, got {list(a)}")
+            if self.num_anchors != len(a):
+                raise ValueError(f"recipe {self.name!r}: num_anchors={self.num_anchors} but anchors pins {len(a)} "
+                                 f"layers {list(a)}")
+            object.__setattr__(self, "anchors", a)
         ts = self.tile_size
         if ts is not None and (isinstance(ts, bool) or ts not in (16, 32, 64)):
             raise ValueError(f"recipe {self.name!r}: tile_size must be null, 16, 32 or 64, got {ts!r}")
@@ -123,7 +137,8 @@ class Recipe:
         on += [f"decode_rerank_worst={self.decode_rerank_worst}"] if self.decode_rerank_worst else []
         calib = f"k{self.calib_k}/{self.calib_reduce}/w={self.calib_importance}"
         calib += f"/d={self.calib_dataset}" if self.calib_dataset != "builtin" else ""
-        return f"recipe={self.name} M={self.num_anchors} calib={calib}" + (" " + " ".join(on) if on else "")
+        pinned = f" pinned={','.join(map(str, self.anchors))}" if self.anchors else ""
+        return f"recipe={self.name} M={self.num_anchors}{pinned} calib={calib}" + (" " + " ".join(on) if on else "")
 
     def replace(self, **overrides) -> "Recipe":
         """A copy with the non-None overrides applied (explicit flags win over the recipe); a recipe whose fields
@@ -297,6 +312,22 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # shared set (each extra anchor costs about 1/L of the decode)
     "dps_all_m6": dict(num_anchors=6, sink_tokens=4, recent_window=60, decode_only=True, pool="all"),
     "dps_all_m7": dict(num_anchors=7, sink_tokens=4, recent_window=60, decode_only=True, pool="all"),
+    # session 16: more anchors did not help (1.5B 8K dev: M6 -4.6, M7 -5.2 vs M5 -4.8); each layer's own Top-k did
+    # (1.5B 8K test -0.4). A larger decode budget is the rerank's kernel-free neighbour: on the CPU probe the anchor's
+    # Top-2k keeps as much of a reuse layer's mass as its own Top-k among them (0.887 vs 0.879, 1.5B at 4K)
+    "dps_all_dec20": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                          decode_topk_frac=0.2),
+    "dps_all_dec30": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                          decode_topk_frac=0.3),
+    # session 16, SmolLM2-135M (30 layers) only: anchor sets found by accuracy on its 4K dev split, pinned (the DP
+    # never places one between 15 and 23, and layer 18 carries the model: 0,2,8,18 -6.0, 0,2,8,20 -31.5;
+    # 0,2,8,18,21 -3.4), with dps's levers and calibrated head map, so that --mode=choose can ship one
+    "smol_p4": dict(num_anchors=4, anchors=(0, 2, 8, 18), sink_tokens=4, recent_window=60, decode_only=True),
+    "smol_p5": dict(num_anchors=5, anchors=(0, 2, 8, 18, 21), sink_tokens=4, recent_window=60, decode_only=True),
+    "smol_p5b": dict(num_anchors=5, anchors=(0, 2, 8, 18, 19), sink_tokens=4, recent_window=60, decode_only=True),
+    "smol_p6": dict(num_anchors=6, anchors=(0, 2, 8, 18, 21, 24), sink_tokens=4, recent_window=60, decode_only=True),
+    "smol_p6b": dict(num_anchors=6, anchors=(0, 2, 5, 8, 18, 21), sink_tokens=4, recent_window=60, decode_only=True),
+    "smol_p6c": dict(num_anchors=6, anchors=(0, 2, 8, 13, 18, 21), sink_tokens=4, recent_window=60, decode_only=True),
 }
 
 

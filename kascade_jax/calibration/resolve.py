@@ -289,7 +289,8 @@ def recipe_kascade(model_name: str, num_layers: int, kv_heads: int, *, recipe="d
                    tile_size: int = 32, model=None, tokenizer=None, calibrate: bool = True, cache_dir=None,
                    recalibrate: bool = False) -> tuple[dict, str]:
     """(make_strategy keywords, description) of `recipe` for `model_name`: the levers (sink_tokens, recent_window,
-    dense_suffix) and the anchors (`num_anchors`, DP `calib_importance`) and head map of the recipe's calibration,
+    dense_suffix) and the anchors (its pinned `anchors`, else the DP's for `num_anchors` and `calib_importance`) and
+    the head map of the recipe's calibration,
     keyed by the recipe's calibration fields and its `calib_dtype` (else `dtype`, the run's), the same path as
     `experiments.common.build_strategy` with `--anchors=auto --head_map=auto`.
 
@@ -314,10 +315,12 @@ def recipe_kascade(model_name: str, num_layers: int, kv_heads: int, *, recipe="d
                                 tokenizer=tokenizer, recalibrate=recalibrate, **kw)
         src = f"{artifact_path(key, cache_dir).name} (calibrated now)"
     art.check_model(num_layers, kv_heads)
-    anchors = tuple(int(a) for a in art.anchors_for(r.num_anchors, r.calib_importance))
+    anchors = r.anchors or tuple(int(a) for a in art.anchors_for(r.num_anchors, r.calib_importance))
+    check_anchors(anchors, num_layers)
     head_map = tuple(tuple(int(h) for h in row) for row in art.head_map(anchors))
     kw = dict(anchors=anchors, head_map=head_map, **r.levers())
     layers = rerank_layers(model_name, r, anchors, head_map, num_layers=num_layers, kv_heads=kv_heads, artifact=art)
     if layers is not None:
         kw["decode_rerank_layers"] = layers
-    return kw, f"recipe {r.describe()}, anchors {list(anchors)} from {src}"
+    how = f"pinned by the recipe, head map from {src}" if r.anchors else f"from {src}"
+    return kw, f"recipe {r.describe()}, anchors {list(anchors)} {how}"

@@ -189,8 +189,8 @@ def _anchors(config: str) -> str:
 
 
 def config_fields(config: str) -> dict:
-    """The recipe fields an eval row's config string states (`Recipe.describe()`: M=, calib=k<k>/<reduce>/w=<w>,
-    then the levers that are on)."""
+    """The recipe fields an eval row's config string states (`Recipe.describe()`: M=, pinned= anchors,
+    calib=k<k>/<reduce>/w=<w>, then the levers that are on)."""
     from kascade_jax.recipes import BOOL_LEVERS, LEVERS  # noqa: PLC0415
 
     out = {}
@@ -206,6 +206,8 @@ def config_fields(config: str) -> dict:
             out[key] = True
         elif key == "pool" and eq:
             out[key] = val
+        elif key == "pinned" and re.fullmatch(r"\d+(,\d+)*", val):
+            out["anchors"] = tuple(int(x) for x in val.split(","))
         elif (key in LEVERS or key == "decode_rerank_worst") and eq:
             out[key] = float(val) if "." in val else int(val)
     return out
@@ -385,9 +387,23 @@ def _recipe_cells(rows) -> dict:
     return out
 
 
+def _dev_cells(summary_rows, candidates: dict, *, model: str, context: int) -> dict:
+    """{candidate: its dev ruler_avg cell at `context`} (`_recipe_cells`; a dense-prefill candidate also as the
+    decode_only strategy's cell, with `measured_as`)."""
+    dev = _recipe_cells([r for r in summary_rows if r["task"] == "ruler_avg" and r["split"] == "dev"
+                         and r["model"] == model and r["context"] == context and r["strategy"] == "kascade"
+                         and r["recipe"]])
+    for name, fields in candidates.items():  # a dense-prefill candidate: also measured as the decode_only strategy
+        if name not in dev and fields.get("decode_only"):
+            cell = _decode_only_cell(summary_rows, fields, model=model, context=context)
+            if cell is not None:
+                dev[name] = dict(cell, measured_as=f"strategy decode_only, {cell['config']}")
+    return dev
+
+
 def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, num_layers: int,
                   max_slowdown: float = 0.15, baseline: str = "paper", within_dense: float | None = None,
-                  ratios: dict | None = None, speed_tie: float = 0.0) -> dict:
+                  ratios: dict | None = None, speed_tie: float = 0.0, also_contexts=()) -> dict:
     """The default recipe from dev-split results.
 
     candidates: {name: recipe fields (kascade_jax.recipes.Recipe)}; each name must be the `recipe=` of one dev cell
@@ -398,19 +414,18 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
     score is at most `within_dense` points below dense on the same prompts wins; when none is, the best dev score
     (and the note says the target was missed). `speed_tie`: qualifying candidates whose estimated cost is within
     this fraction of the cheapest one count as equally fast (two benchmark runs of the same kernels differ by a few
-    per cent), and the best dev score among them wins.
+    per cent), and the best dev score among them wins. `also_contexts`: other dev lengths where a candidate must
+    also be within `within_dense` of dense (a candidate without a dev cell there does not qualify); speed and the
+    dev score that breaks ties stay those at `context`.
     Without it (issue 17's rule): a candidate qualifies when both its decode and prefill weighted speedups are at
     least (1 - max_slowdown) x the baseline's, and the best qualifying dev score wins if it beats the baseline, else
     the baseline. Returns {"default": fields, "measured": the table it was chosen from}.
     """
-    dev = _recipe_cells([r for r in summary_rows if r["task"] == "ruler_avg" and r["split"] == "dev"
-                         and r["model"] == model and r["context"] == context and r["strategy"] == "kascade"
-                         and r["recipe"]])
-    for name, fields in candidates.items():  # a dense-prefill candidate: also measured as the decode_only strategy
-        if name not in dev and fields.get("decode_only"):
-            cell = _decode_only_cell(summary_rows, fields, model=model, context=context)
-            if cell is not None:
-                dev[name] = dict(cell, measured_as=f"strategy decode_only, {cell['config']}")
+    dev = _dev_cells(summary_rows, candidates, model=model, context=context)
+    also_contexts = sorted({int(c) for c in also_contexts} - {int(context)})
+    if also_contexts and within_dense is None:
+        raise ValueError("also_contexts needs within_dense (the rule 'within N points of dense at every dev length')")
+    also = {c: _dev_cells(summary_rows, candidates, model=model, context=c) for c in also_contexts}
     if within_dense is None and baseline not in dev:  # issue 17's rule compares with the baseline
         raise ValueError(f"no dev ruler_avg for the {baseline!r} recipe of {model} at {context}; have {sorted(dev)}")
     if not any(name in dev for name in candidates):
@@ -422,16 +437,21 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
             continue
         speed = recipe_cost(fields, num_layers=num_layers, context=context, ratios=ratios)
         timed = all(speed[f"{p}_cost"] is not None for p in ("decode", "prefill"))  # else its price is unknown
+        extra = {}
         if within_dense is not None:
-            diff = dev[name]["diff_vs_dense"]
-            ok = timed and diff is not None and finite(diff) and diff >= -within_dense
+            diffs = [dev[name]["diff_vs_dense"]] + [also[c][name]["diff_vs_dense"] if name in also[c] else None
+                                                   for c in also_contexts]
+            ok = timed and all(d is not None and finite(d) and d >= -within_dense for d in diffs)
+            if also_contexts:
+                extra["also_dev_diff_vs_dense"] = {str(c): d for c, d in zip(also_contexts, diffs[1:])}
         else:
             ok = timed and all(speed[f"{p}_speedup"] >= (1 - max_slowdown) * base_speed[f"{p}_speedup"]
                                for p in ("decode", "prefill"))
         table.append(dict(recipe=name, dev_score=dev[name]["score"], dev_n=dev[name]["n"],
                           dev_ci=[dev[name]["ci_low"], dev[name]["ci_high"]],
                           dev_diff_vs_dense=dev[name]["diff_vs_dense"],
-                          dev_diff_ci=[dev[name]["diff_ci_low"], dev[name]["diff_ci_high"]], qualifies=ok, **speed,
+                          dev_diff_ci=[dev[name]["diff_ci_low"], dev[name]["diff_ci_high"]], qualifies=ok, **extra,
+                          **speed,
                           **({"measured_as": dev[name]["measured_as"]} if "measured_as" in dev[name] else {})))
     if within_dense is not None:
         if not math.isfinite(speed_tie) or speed_tie < 0:
@@ -444,8 +464,9 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
         fields = dict(candidates[pick["recipe"]])
         d = dev[pick["recipe"]]
         tie = f" (costs within {speed_tie:.0%} of the cheapest count as equal: the best dev score)" if speed_tie else ""
-        how = (f"the fastest candidate within {within_dense:g} point(s) of dense{tie}" if pick["qualifies"] else
-               f"no candidate within {within_dense:g} point(s) of dense: the best dev score")
+        at = f" here and at {', '.join(map(str, also_contexts))} tokens" if also_contexts else ""
+        how = (f"the fastest candidate within {within_dense:g} point(s) of dense{at}{tie}" if pick["qualifies"] else
+               f"no candidate within {within_dense:g} point(s) of dense{at}: the best dev score")
         src = "measured per-layer kernels at this shape" if ratios is not None else "estimated"
         fields["note"] = (f"chosen on the dev split of real RULER at {context} tokens ({d['n']} prompts): {how}; dev "
                           f"ruler_avg {d['score']:.1f}, {d['diff_vs_dense']:+.1f} vs dense; weighted attention "
@@ -453,6 +474,7 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
         fields["name"] = "default"
         return {"default": fields, "chosen_from": pick["recipe"], "measured": table, "model": model,
                 "context": context, "speed": src, "rule": f"fastest within {within_dense:g} of dense"
+                + (f" (also at {','.join(map(str, also_contexts))})" if also_contexts else "")
                 + (f", speed ties {speed_tie:g}" if speed_tie else "")}
     table.sort(key=lambda r: (-r["dev_score"], (r["prefill_cost"] or math.inf) + (r["decode_cost"] or math.inf)))
     best = next((r for r in table if r["qualifies"]), None)

@@ -74,3 +74,25 @@ def test_pool_flag_reaches_the_recipe_and_is_refused_with_the_rerank():
         cli._parse_flags(["generate", "--recipe=candidate:dps_rr4", "--pool=all"])
         with pytest.raises(ValueError, match="pool 'all' shares one index set"):
             recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+
+
+# experiments.eval defines flags another entry point also defines: it runs in a subprocess of its own
+EVAL_ANCHORS = """
+from experiments import cli, eval as ev, recipe_flags
+cli._parse_flags(["eval", "--model=smollm2-135m", "--recipe=candidate:smol_p5", "--dtype=bfloat16"])
+r = recipe_flags.resolve_recipe("smollm2-135m")
+anchors, head_map, note = ev.resolve_anchor_flags(None, None, 30, 3, r)
+print(list(anchors), head_map is not None and len(head_map) == 30, note)
+"""
+
+
+def test_eval_runs_a_recipes_pinned_anchors_with_the_calibrated_head_map():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    res = subprocess.run([sys.executable, "-c", EVAL_ANCHORS], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.splitlines()[-1] == ("[0, 2, 8, 18, 21] True anchors: auto -> [0, 2, 8, 18, 21] (pinned by the "
+                                           "recipe), head_map: auto")

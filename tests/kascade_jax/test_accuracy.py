@@ -158,6 +158,32 @@ def test_choose_fastest_within_one_point_of_dense(rng, tmp_path):
     assert doc["chosen_from"] == "paper" and "no candidate within 1" in doc["default"]["note"]
 
 
+def test_choose_within_dense_at_every_dev_length(rng):
+    """also_contexts: sw is at dense at 4096 but far below at 2048, so the slower m8 (at dense at both) wins;
+    a candidate with no cell at 2048 does not qualify; speeds and the note stay those of the main length."""
+    base, base2 = _base(rng), _base(rng)
+    recs = _records(rng, "dense", "", base, split="dev") + _records(rng, "dense", "", base2, split="dev", ctx=2048)
+    dense = [r for r in recs if r["strategy"] == "dense"]
+    for name in ("m8", "sw_ds128", "sw"):  # all three at dense at 4096
+        recs += [dict(r, strategy="kascade", config=f"k=0.1 recipe={name}") for r in dense if r["context_length"] == 4096]
+    recs += [dict(r, strategy="kascade", config="k=0.1 recipe=m8") for r in dense if r["context_length"] == 2048]
+    recs += _records(rng, "kascade", "k=0.1 recipe=sw", base2, shift=-0.4, split="dev", ctx=2048)
+    rows = accuracy.summarize(recs, ruler_tasks=TASKS, reps=100)
+    one = accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, within_dense=1.0)
+    assert one["chosen_from"] == "sw"  # the cheapest of the three
+    both = accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, within_dense=1.0,
+                                  also_contexts=[2048, 4096])
+    table = {r["recipe"]: r for r in both["measured"]}
+    assert both["chosen_from"] == "m8" and "dense here and at 2048 tokens" in both["default"]["note"]
+    assert table["m8"]["also_dev_diff_vs_dense"] == {"2048": 0.0}
+    assert table["sw_ds128"]["also_dev_diff_vs_dense"] == {"2048": None} and not table["sw_ds128"]["qualifies"]
+    assert not table["sw"]["qualifies"] and table["sw"]["also_dev_diff_vs_dense"]["2048"] < -1
+    assert both["rule"] == "fastest within 1 of dense (also at 2048)"
+    assert table["m8"]["decode_speedup"] == next(r for r in one["measured"] if r["recipe"] == "m8")["decode_speedup"]
+    with pytest.raises(ValueError, match="also_contexts needs within_dense"):
+        accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, also_contexts=[2048])
+
+
 def test_shipped_defaults_help_lines():
     from kascade_jax.recipes import RECIPE_DIR, shipped_defaults
 
@@ -168,7 +194,7 @@ def test_shipped_defaults_help_lines():
         assert "decode_only pool=all" in by[m] and "vs dense on 260 prompts" in by[m]
     assert "not tuned on this one" in by["smollm2-135m"]
     assert by["qwen2.5-coder-0.5b"].endswith("test -1.4 [-3.3, +0.4] vs dense on 325 prompts)")
-    assert "test -3.4 [-5.4, -1.6] vs dense on 325 prompts at 8192 tokens" in by["qwen2.5-coder-1.5b"]
+    assert by["qwen2.5-coder-1.5b"].endswith("test -2.3 [-4.2, -0.5] vs dense on 325 prompts)")  # at its dev length
 
 
 def test_shipped_defaults_show_a_test_result_only_for_the_recipe_it_measured(tmp_path, monkeypatch):
@@ -179,10 +205,28 @@ def test_shipped_defaults_show_a_test_result_only_for_the_recipe_it_measured(tmp
     doc = json.loads((recipes.RECIPE_DIR / "qwen2.5-coder-1.5b.json").read_text())
     (tmp_path / "m.json").write_text(json.dumps(doc))
     monkeypatch.setattr(recipes, "RECIPE_DIR", tmp_path)
-    assert "test -3.4" in recipes.shipped_defaults()[0]
+    assert "test -2.3" in recipes.shipped_defaults()[0] and " tokens" not in recipes.shipped_defaults()[0].split("test")[-1]
+    doc["test"]["context"] = 8192  # a test cell at another length than the choice's says so
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    assert recipes.shipped_defaults()[0].endswith("vs dense on 325 prompts at 8192 tokens)")
     doc["chosen_from"] = "sw_ds128"  # a later choice: the old test result no longer describes the default
     (tmp_path / "m.json").write_text(json.dumps(doc))
-    assert "test -3.4" not in recipes.shipped_defaults()[0]
+    assert "test -2.3" not in recipes.shipped_defaults()[0]
+
+
+def test_a_recipe_pins_anchors():
+    r = candidate("smol_p5")
+    assert r.anchors == (0, 2, 8, 18, 21) and "M=5 pinned=0,2,8,18,21 calib=" in r.describe()
+    fields = accuracy.config_fields("k=0.1 anchors=0,2,8,18,21 head_map=calibrated " + r.describe())
+    assert fields["anchors"] == (0, 2, 8, 18, 21) and fields["num_anchors"] == 5
+    assert Recipe.from_dict(dict(num_anchors=3, anchors=[0, 4, 9]), "f").anchors == (0, 4, 9)  # JSON lists
+    for bad, msg in ((dict(num_anchors=4, anchors=(0, 2, 8, 18, 21)), "num_anchors=4 but anchors pins 5"),
+                     (dict(num_anchors=2, anchors=(1, 5)), "start at layer 0 and increase"),
+                     (dict(num_anchors=2, anchors="0,5"), "list of layer indices")):
+        with pytest.raises(ValueError, match=msg):
+            Recipe(**bad)
+    with pytest.raises(ValueError, match="num_anchors=6 but anchors pins 5"):  # --num_anchors against a pinned set
+        r.replace(num_anchors=6)
 
 
 def test_recipes(tmp_path):

@@ -17,7 +17,7 @@ from kascade_jax.recipes import RECIPE_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p.stem for p in RECIPE_DIR.glob("*.json"))
-RECIPES = ["default", "paper", "candidate:dec20_ds512s", "candidate:dps_rr4w5"]
+RECIPES = ["default", "paper", "candidate:dec20_ds512s", "candidate:dps_rr4w5", "candidate:smol_p5"]
 
 # The command line's strategy (experiments.common.build_strategy after flag parsing), in a subprocess: the
 # experiments' flag modules cannot share one process with the other entry points' tests.
@@ -67,10 +67,12 @@ def test_api_strategy_equals_the_cli_strategy():
                 assert s.config.decode_only and s.config.pool == "all" and s.config.head_map is None
             elif recipe in ("default", "candidate:dec20_ds512s"):
                 assert s.config.dense_suffix in (128, 512)
+            if recipe == "candidate:smol_p5":  # pinned anchors instead of the DP's, the calibration's head map
+                assert s.config.anchors == (0, 2, 8, 18, 21) and s.config.head_map is not None
             if recipe == "candidate:dps_rr4w5":  # the calibration's five least similar reuse layers, both ways
                 assert s.config.decode_rerank == 4 and len(s.config.decode_rerank_layers) == 5
                 assert not set(s.config.decode_rerank_layers) & set(s.config.anchors)
-    assert len(from_cli) == len(SHIPPED) * len(RECIPES) >= 12
+    assert len(from_cli) == len(SHIPPED) * len(RECIPES) >= 15
 
 
 def test_api_baselines_and_errors():
