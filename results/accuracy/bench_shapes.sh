@@ -6,15 +6,18 @@
 # Kascade and C = 2, 4 (every reuse layer reranks, through the strategy's path, and only the 5 worst:
 # decode_rerank_worst) at batch 32, 16K/32K, Top-k 10%, into OUTDIR/decode_qwen*_rr.*. `bench_shapes.sh OUTDIR
 # pool` times the selection pools gqa (Kascade) and all (all_heads_pooled) through the strategy, into
-# OUTDIR/decode_qwen*_pool.*.
+# OUTDIR/decode_qwen*_pool.*; `bench_shapes.sh OUTDIR pool 0.1,0.2,0.3 poolk` the same at those decode budgets
+# (the dps_all_dec* candidates), into OUTDIR/decode_qwen*_poolk.* (first in the report's --speed_bench decode list:
+# its plain rows at 0.2 and 0.3 are then measured, not scaled from 10%).
 set -u
 OUTDIR=${1:?output dir}
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
 if [ "${2:-}" = pool ]; then  # Kascade's per-KV-head selection vs all_heads_pooled's shared set, like for like
-  for shape in "qwen05_pool 14,2,64 24" "qwen15_pool 12,2,128 28"; do
+  fracs=${3:-0.1}; suffix=${4:-pool}
+  for shape in "qwen05_$suffix 14,2,64 24" "qwen15_$suffix 12,2,128 28"; do
     read -r tag heads layers <<< "$shape"
     python3 -m experiments.bench --phase=decode --heads=$heads --num_layers=$layers --num_anchors=5 \
-      --bench_tag=$tag --decode_contexts=16384,32768 --decode_batches=32 --decode_topk_fracs=0.1 \
+      --bench_tag=$tag --decode_contexts=16384,32768 --decode_batches=32 --decode_topk_fracs=$fracs \
       --decode_pools=gqa,all --decode_iterations=5 --decode_check=false \
       --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 16
   done

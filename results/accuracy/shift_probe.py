@@ -55,6 +55,7 @@ class ProbeStrategy:
     rows follow the traced sequence length, so one compile serves every prompt of a padded length."""
 
     rows: int
+    label: int = 0  # > 0: also the group-pooled probabilities from `label` channels of q.k (approximate reranks)
     name: str = "shift_probe"
 
     def attend(self, layer, inputs, state):
@@ -71,8 +72,25 @@ class ProbeStrategy:
                             precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
         pos = first + jnp.arange(self.rows)
         logits = jnp.where(jnp.arange(t)[None, None, None, None, :] <= pos[None, :, None, None, None], logits, -jnp.inf)
+        causal = jnp.arange(t)[None, None, None, None, :] <= pos[None, :, None, None, None]
         p = jax.nn.softmax(logits, axis=-1).sum(3)  # [1, rows, kv_heads, T]: pooled over the group
-        return out, (state or ()) + (p,)
+        variants = [p]
+        if self.label:  # scores from `label` channels: per query (SparQ) and fixed per KV head (in-sample)
+            kf = k.astype(jnp.float32)
+            aq = jnp.abs(qr)
+            thr = jax.lax.top_k(aq, self.label)[0][..., -1:]
+            per_query = (aq >= thr).astype(jnp.float32)
+            first_key = jnp.arange(t) < first  # the prompt's keys before the probed rows
+            kmag = jnp.sum(jnp.abs(kf) * first_key[None, :, None, None], axis=1) / jnp.maximum(first, 1)  # [1, kvh, d]
+            imp = aq.mean(axis=(1, 3)) * kmag  # [1, kvh, d]
+            fthr = jax.lax.top_k(imp, self.label)[0][..., -1:]
+            fixed = (imp >= fthr).astype(jnp.float32)[:, None, :, None, :]
+            for m in (per_query, fixed):
+                qm = qr * m
+                temp = jnp.sqrt(d * jnp.sum(jnp.abs(qm), -1, keepdims=True) / jnp.maximum(jnp.sum(aq, -1, keepdims=True), 1e-30))
+                lg = jnp.einsum("brkgd,bskd->brkgs", qm / jnp.maximum(temp, 1e-30), kf, precision=jax.lax.Precision.HIGHEST)
+                variants.append(jax.nn.softmax(jnp.where(causal, lg, -jnp.inf), axis=-1).sum(3))
+        return out, (state or ()) + (jnp.stack(variants),)
 
     def post_attention(self, layer, x, attn_out, state):
         return state
@@ -86,7 +104,7 @@ def _probe_forward(graphdef, params, tokens, seq_len, strategy):
     model = nnx.merge(graphdef, params)
     cache = KVCache.init(model.config, 1, tokens.shape[1], dtype=model.dtype)
     _, _, state = gen.forward(model, tokens, cache, strategy, q_start=0, seq_len=seq_len)
-    return jnp.stack(state)  # [L, 1, rows, kv_heads, T]
+    return jnp.stack(state)  # [L, variants, 1, rows, kv_heads, T]
 
 
 def _mass(p, keys):
@@ -106,13 +124,26 @@ def _topk_mass(p, src, k, sinks, window):
     return _mass(p, order[:k]), order
 
 
-def layer_masses(probs, first_row, anchors, head_map, group, topk_frac, min_k, sinks=0, window=0):
+def _fill(first, order, k):
+    """The keys `first` (in order, unique), then `order`'s keys not among them, up to k keys in all."""
+    first = list(dict.fromkeys(int(x) for x in first))[:k]
+    seen = set(first)
+    rest = [int(x) for x in order[: k + len(first)] if int(x) not in seen]
+    return np.asarray(first + rest[: k - len(first)], np.int64)
+
+
+def layer_masses(probs, first_row, anchors, head_map, group, topk_frac, min_k, sinks=0, window=0, obs=None,
+                 pool_all=False, approx=None):
     """probs [L, rows, kv_heads, T] (pooled, row r sees keys <= first_row + r) -> ({metric: [L] mean mass},
     src [L, kv_heads, anchors, kv_heads]: the mean mass of every possible source (earlier anchor a, its head g),
     NaN where a is after the layer). Masses are of the layer's group-mean attention, over the answer steps."""
     L, rows, kvh, _ = probs.shape
     anchor_of = anchor_of_layers(anchors, L)
     names = ("sel", "orc", "half+1", "sel+1", "sel2k", "sel-1", "best_step", "rerank2", "rerank4")
+    if obs is not None:  # obs [L, kv_heads, T]: each layer's pooled mass over the prompt's last rows (its own static set)
+        names += ("snap", "snap+sel", "sel+snap4", "sel1.25k")
+    approx = approx or {}  # name -> [L, rows, kv_heads, T] approximate pooled probabilities (the rerank's ranking)
+    names += tuple(f"rerank{c}_{a}" for a in approx for c in (2, 4))
     out = {n: np.full(L, np.nan) for n in names}
     src_mass = np.full((L, kvh, len(anchors), kvh), np.nan)
     for layer in range(L):
@@ -126,7 +157,9 @@ def layer_masses(probs, first_row, anchors, head_map, group, topk_frac, min_k, s
             forced = min(sinks, kv_len) + min(window, kv_len)
             for h in range(kvh):
                 p = probs[layer, r, h, :kv_len] / group
-                sel, order = _topk_mass(p, probs[anchor_of[layer], r, head_map[layer][h], :kv_len], k, sinks, window)
+                a_src = (probs[anchor_of[layer], r, :, :kv_len].sum(0) if pool_all
+                         else probs[anchor_of[layer], r, head_map[layer][h], :kv_len])
+                sel, order = _topk_mass(p, a_src, k, sinks, window)
                 top, top2 = order[:k], order[:2 * k]
                 half = order[:forced + max(k - forced, 0) // 2]  # the forced keys + half of the rest
                 acc["sel"].append(sel)
@@ -135,9 +168,20 @@ def layer_masses(probs, first_row, anchors, head_map, group, topk_frac, min_k, s
                 acc["sel+1"].append(_mass(p, np.concatenate([top, top + 1])))
                 acc["sel2k"].append(_mass(p, top2))
                 acc["sel-1"].append(_mass(p, np.concatenate([top, top - 1])))
+                if obs is not None:  # the layer's own static set from the prompt's end (SnapKV-like), alone and mixed
+                    o = np.zeros(kv_len)
+                    o[: min(obs.shape[-1], kv_len)] = obs[layer, h, :kv_len]
+                    _, sorder = _topk_mass(p, o, k, sinks, window)
+                    acc["snap"].append(_mass(p, sorder[:k]))
+                    acc["snap+sel"].append(_mass(p, _fill(sorder[: forced + max(k - forced, 0) // 2], order, k)))
+                    acc["sel+snap4"].append(_mass(p, np.concatenate([order[:k], sorder[: forced + k // 4]])))
+                    acc["sel1.25k"].append(_mass(p, order[: k + k // 4]))
                 for c in (2, 4):  # the layer's own Top-k among the anchor's Top-(c k): a rerank by its own scores
                     cands = order[: c * k]
                     acc[f"rerank{c}"].append(float(np.sort(p[cands])[::-1][:k].sum()))
+                    for a, ap in approx.items():  # the same rerank, ranked by the approximate scores
+                        ranked = cands[np.argsort(-ap[layer, r, h, cands], kind="stable")[:k]]
+                        acc[f"rerank{c}_{a}"].append(_mass(p, ranked))
                 for ai, a in enumerate(anchors):
                     for g in range(kvh):
                         cand[r, h, ai, g] = (_topk_mass(p, probs[a, r, g, :kv_len], k, sinks, window)[0]
@@ -158,6 +202,11 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--split", default="dev", choices=("dev", "test"))
     ap.add_argument("--answer_steps", type=int, default=8, help="decode steps probed per prompt (answer tokens)")
+    ap.add_argument("--obs_rows", type=int, default=0,
+                    help="also probe each layer's own static set from the prompt's last OBS_ROWS query rows (snap*)")
+    ap.add_argument("--label", type=int, default=0,
+                    help="also rerank by scores from LABEL channels of q.k: the query's largest |q| (sparq) and fixed "
+                         "per KV head by mean |q| x mean |k| over the prompt (fix, chosen in-sample)")
     ap.add_argument("--topk_frac", type=float, default=0.1)
     ap.add_argument("--min_k", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -169,10 +218,13 @@ def main(argv=None):
     model, tok = load_model(args.model, args.dtype)
     strat = api.strategy_for(model, recipe=args.recipe, model_name=args.model, tokenizer=tok, calibrate=False)
     cfg = strat.config
-    anchors, head_map = tuple(cfg.anchors), [list(cfg.head_map_row(i)) for i in range(model.config.num_layers)]
+    anchors = tuple(cfg.anchors)
+    head_map = ([[h for h in range(model.config.kv_heads)]] * model.config.num_layers if cfg.head_map is None
+                else [list(cfg.head_map_row(i)) for i in range(model.config.num_layers)])
     group = model.config.q_heads // model.config.kv_heads
     graphdef, params = nnx.split(model)
-    probe = ProbeStrategy(rows=args.answer_steps)
+    probe = ProbeStrategy(rows=args.obs_rows + args.answer_steps, label=args.label)
+    pool_all = getattr(cfg, "pool", "gqa") == "all"
     width = -(-(args.context + args.answer_steps) // 64) * 64  # one padded length: one compile
     per_prompt, src_sum = [], None
     t0 = time.perf_counter()
@@ -189,10 +241,14 @@ def main(argv=None):
             tokens = np.zeros((1, width), np.int32)
             tokens[0, : len(ids)] = ids
             probs = np.asarray(_probe_forward(graphdef, params, jnp.asarray(tokens),
-                                              jnp.asarray([len(ids)], jnp.int32), probe))[:, 0]
+                                              jnp.asarray([len(ids)], jnp.int32), probe))[:, :, 0]
+            variants, probs = probs[:, 1:, args.obs_rows:], probs[:, 0]
+            approx = {f"{n}{args.label}": variants[:, i] for i, n in enumerate(("sparq", "fix")[: variants.shape[1]])}
             first_row = len(prompt) - 1
-            m, src_mass = layer_masses(probs, first_row, anchors, head_map, group, args.topk_frac, args.min_k,
-                                       cfg.sink_tokens, cfg.recent_window)
+            obs = probs[:, : args.obs_rows].sum(1) if args.obs_rows else None  # [L, kv_heads, T]: prompt rows
+            m, src_mass = layer_masses(probs[:, args.obs_rows:], first_row, anchors, head_map, group, args.topk_frac,
+                                       args.min_k, cfg.sink_tokens, cfg.recent_window, obs=obs, pool_all=pool_all,
+                                       approx=approx)
             src_sum = src_mass if src_sum is None else src_sum + src_mass
             per_prompt.append(dict(task=task, index=s["index"], prompt_tokens=len(prompt), answer_steps=args.answer_steps,
                                    masses={k: [None if np.isnan(x) else float(x) for x in v] for k, v in m.items()}))
@@ -211,9 +267,11 @@ def main(argv=None):
                 for row in best]
     os.makedirs(args.out, exist_ok=True)
     cols = ("sel", "orc", "best_src", "best_step", "rerank2", "rerank4", "half+1", "sel+1", "sel2k", "sel-1")
+    cols += tuple(c for c in ("snap", "snap+sel", "sel+snap4", "sel1.25k") if c in mean)
+    cols += tuple(c for c in mean if c.startswith("rerank") and "_" in c)
     result = dict(model=args.model, dtype=args.dtype, recipe=args.recipe, anchors=anchors, head_map=head_map, context=args.context,
                   tasks=args.tasks, split=args.split, samples=args.samples, topk_frac=args.topk_frac, min_k=args.min_k,
-                  answer_steps=args.answer_steps, seconds=time.perf_counter() - t0, jax=jax.__version__,
+                  answer_steps=args.answer_steps, obs_rows=args.obs_rows, label=args.label, pool=getattr(cfg, "pool", "gqa"), seconds=time.perf_counter() - t0, jax=jax.__version__,
                   device=str(jax.devices()[0]),
                   mean={k: [None if np.isnan(x) else float(x) for x in mean[k]] for k in cols},
                   best_source=best_src, source_mass=np.where(np.isnan(src_mean), -1.0, src_mean).round(4).tolist(),
@@ -238,7 +296,12 @@ def main(argv=None):
                 f"(Kascade); orc: the layer's own Top-k; best_src: the best single (earlier anchor, head) per KV "
                 f"head, chosen on these prompts; best_step: the best source per step; rerankC: the layer's own Top-k among the "
                 f"anchor's Top-(C k) (exact p, so an upper bound of a rerank by the layer's own scores); half+1: the anchor's Top-k/2 "
-                f"and their right neighbours (budget k); sel+1 / sel2k / sel-1: budget 2k.\n\n"
+                f"and their right neighbours (budget k); sel+1 / sel2k / sel-1: budget 2k; snap: the layer's own Top-k of its "
+                f"pooled mass over the prompt's last {args.obs_rows} rows (a static set, budget k); snap+sel: half of "
+                f"that, filled to k from the anchor's order; sel+snap4: the anchor's Top-k and the static Top-k/4; "
+                f"sel1.25k: the anchor's Top-1.25k (the same budget); rerankC_sparqR / rerankC_fixR: rerankC ranked by "
+                f"scores from R channels of q.k (the query's largest |q|, SparQ-like; or fixed per KV head, chosen "
+                f"in-sample by mean |q| x mean |k|), its mass under the exact p.\n\n"
                 + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
