@@ -139,7 +139,7 @@ def layer_masses(probs, first_row, anchors, head_map, group, topk_frac, min_k, s
     NaN where a is after the layer). Masses are of the layer's group-mean attention, over the answer steps."""
     L, rows, kvh, _ = probs.shape
     anchor_of = anchor_of_layers(anchors, L)
-    names = ("sel", "orc", "half+1", "sel+1", "sel2k", "sel-1", "best_step", "rerank2", "rerank4")
+    names = ("sel", "orc", "half+1", "sel+1", "sel2k", "sel3k", "sel-1", "best_step", "rerank2", "rerank4")
     if obs is not None:  # obs [L, kv_heads, T]: each layer's pooled mass over the prompt's last rows (its own static set)
         names += ("snap", "snap+sel", "sel+snap4", "sel1.25k")
     approx = approx or {}  # name -> [L, rows, kv_heads, T] approximate pooled probabilities (the rerank's ranking)
@@ -167,6 +167,7 @@ def layer_masses(probs, first_row, anchors, head_map, group, topk_frac, min_k, s
                 acc["half+1"].append(_mass(p, np.concatenate([half, half + 1])))
                 acc["sel+1"].append(_mass(p, np.concatenate([top, top + 1])))
                 acc["sel2k"].append(_mass(p, top2))
+                acc["sel3k"].append(_mass(p, order[: 3 * k]))
                 acc["sel-1"].append(_mass(p, np.concatenate([top, top - 1])))
                 if obs is not None:  # the layer's own static set from the prompt's end (SnapKV-like), alone and mixed
                     o = np.zeros(kv_len)
@@ -266,7 +267,7 @@ def main(argv=None):
     best_src = [[None if b < 0 else [int(anchors[b // src_mean.shape[3]]), int(b % src_mean.shape[3])] for b in row]
                 for row in best]
     os.makedirs(args.out, exist_ok=True)
-    cols = ("sel", "orc", "best_src", "best_step", "rerank2", "rerank4", "half+1", "sel+1", "sel2k", "sel-1")
+    cols = ("sel", "orc", "best_src", "best_step", "rerank2", "rerank4", "half+1", "sel+1", "sel2k", "sel3k", "sel-1")
     cols += tuple(c for c in ("snap", "snap+sel", "sel+snap4", "sel1.25k") if c in mean)
     cols += tuple(c for c in mean if c.startswith("rerank") and "_" in c)
     result = dict(model=args.model, dtype=args.dtype, recipe=args.recipe, anchors=anchors, head_map=head_map, context=args.context,
@@ -296,7 +297,7 @@ def main(argv=None):
                 f"(Kascade); orc: the layer's own Top-k; best_src: the best single (earlier anchor, head) per KV "
                 f"head, chosen on these prompts; best_step: the best source per step; rerankC: the layer's own Top-k among the "
                 f"anchor's Top-(C k) (exact p, so an upper bound of a rerank by the layer's own scores); half+1: the anchor's Top-k/2 "
-                f"and their right neighbours (budget k); sel+1 / sel2k / sel-1: budget 2k; snap: the layer's own Top-k of its "
+                f"and their right neighbours (budget k); sel+1 / sel2k / sel-1: budget 2k; sel3k: the anchor's Top-3k; snap: the layer's own Top-k of its "
                 f"pooled mass over the prompt's last {args.obs_rows} rows (a static set, budget k); snap+sel: half of "
                 f"that, filled to k from the anchor's order; sel+snap4: the anchor's Top-k and the static Top-k/4; "
                 f"sel1.25k: the anchor's Top-1.25k (the same budget); rerankC_sparqR / rerankC_fixR: rerankC ranked by "
