@@ -165,7 +165,8 @@ def test_choose_within_dense_at_every_dev_length(rng):
     recs = _records(rng, "dense", "", base, split="dev") + _records(rng, "dense", "", base2, split="dev", ctx=2048)
     dense = [r for r in recs if r["strategy"] == "dense"]
     for name in ("m8", "sw_ds128", "sw"):  # all three at dense at 4096
-        recs += [dict(r, strategy="kascade", config=f"k=0.1 recipe={name}") for r in dense if r["context_length"] == 4096]
+        recs += [dict(r, strategy="kascade", config=f"k=0.1 recipe={name}") for r in dense
+                 if r["context_length"] == 4096]
     recs += [dict(r, strategy="kascade", config="k=0.1 recipe=m8") for r in dense if r["context_length"] == 2048]
     recs += _records(rng, "kascade", "k=0.1 recipe=sw", base2, shift=-0.4, split="dev", ctx=2048)
     rows = accuracy.summarize(recs, ruler_tasks=TASKS, reps=100)
@@ -205,7 +206,8 @@ def test_shipped_defaults_show_a_test_result_only_for_the_recipe_it_measured(tmp
     doc = json.loads((recipes.RECIPE_DIR / "qwen2.5-coder-1.5b.json").read_text())
     (tmp_path / "m.json").write_text(json.dumps(doc))
     monkeypatch.setattr(recipes, "RECIPE_DIR", tmp_path)
-    assert "test -2.3" in recipes.shipped_defaults()[0] and " tokens" not in recipes.shipped_defaults()[0].split("test")[-1]
+    line = recipes.shipped_defaults()[0]
+    assert "test -2.3" in line and " tokens" not in line.split("test")[-1]  # tested at the length it was chosen at
     doc["test"]["context"] = 8192  # a test cell at another length than the choice's says so
     (tmp_path / "m.json").write_text(json.dumps(doc))
     assert recipes.shipped_defaults()[0].endswith("vs dense on 325 prompts at 8192 tokens)")
