@@ -39,7 +39,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.dense import dense_attention
-from kernels_pallas.reference import attention_reference, frac_numerator, select_topk_reference, topk_budget
+from kernels_pallas.reference import (attention_reference, attention_reference_rows, frac_numerator,
+                                      select_topk_reference, topk_budget)
 from models.attention import DenseStrategy, check_supports_paged
 
 __all__ = ["DenseStrategy", "StreamingLLMStrategy", "QuestStrategy", "OmniKVStrategy", "LessIsMoreStrategy"]
@@ -131,21 +132,11 @@ class StreamingLLMStrategy:
 
     def attend(self, layer, inputs, state):
         _refuse_paged(self, inputs)
-        q, k, v = inputs.q, inputs.k_cache, inputs.v_cache
-        b, t, hq, _ = q.shape
-        num_keys = k.shape[1]
-
-        def rows(q_rows, q_start):
-            m = self.mask(q_start, inputs.seq_len, q_rows.shape[1], num_keys)
-            return attention_reference(q_rows, k, v, q_start, inputs.kv_len, mask=m)
-
-        block = max(1, self.score_elems // (b * hq * num_keys))  # query rows whose scores fit the budget
-        if t <= block:
-            return rows(q, inputs.q_start), state
-        n = -(-t // block)  # blocks of query rows in sequence; padded rows (after the last) are dropped
-        qb = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, *q.shape[2:])
-        out = lax.map(lambda i: rows(qb[:, i], inputs.q_start + i * block), jnp.arange(n))  # [n, b, block, hq, d]
-        return jnp.moveaxis(out, 0, 1).reshape(b, n * block, *q.shape[2:])[:, :t], state
+        q, k = inputs.q, inputs.k_cache
+        block = max(1, self.score_elems // (q.shape[0] * q.shape[2] * k.shape[1]))  # rows whose scores fit the budget
+        out = attention_reference_rows(q, k, inputs.v_cache, inputs.q_start, inputs.kv_len, block,
+                                       lambda start, rows: self.mask(start, inputs.seq_len, rows, k.shape[1]))
+        return out, state
 
     def post_attention(self, layer, x, attn_out, state):
         return state

@@ -52,7 +52,7 @@ from kernels_pallas.paged import gather_pages
 from kernels_pallas.prefill import dense_prefill, dense_prefill_supported
 from kernels_pallas.reference import (
     FORCED_SCORE,
-    attention_reference,
+    attention_reference_rows,
     decode_counts,
     gathered_logits,
     max_budget,
@@ -380,13 +380,7 @@ def _suffix_attention(qw, k, v, pos0, kv_len, interpret: bool = False):
         return dense_prefill(qw, k, v, pos0, kv_len, impl="pallas", interpret=interpret)
     w = qw.shape[1]
     blk = _SUFFIX_BLOCK if w % _SUFFIX_BLOCK == 0 else w  # whole blocks (model chunks are multiples of 64)
-
-    def block(i):
-        qs = lax.dynamic_slice_in_dim(qw, i * blk, blk, axis=1)
-        return attention_reference(qs, k, v, pos0 + i * blk, kv_len)
-
-    dense = lax.map(block, jnp.arange(w // blk))  # [blocks, batch, blk, q_heads, d]
-    return jnp.moveaxis(dense, 0, 1).reshape(qw.shape)
+    return attention_reference_rows(qw, k, v, pos0, kv_len, blk)
 
 
 def _dense_suffix(inputs, out, n: int, interpret: bool = False):

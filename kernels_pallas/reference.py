@@ -123,6 +123,24 @@ def attention_reference(q, k, v, q_start, kv_len, *, mask=None, scale=None, retu
     return out
 
 
+def attention_reference_rows(q, k, v, q_start, kv_len, block: int, mask_fn=None):
+    """`attention_reference` over blocks of `block` query rows in sequence (lax.map), so that at most [batch, q_heads,
+    block, keys] scores exist at once. mask_fn(q_start of the block, its rows) -> that block's `mask` (or None). The
+    last block is padded; its padded rows are dropped."""
+    b, t = q.shape[:2]
+
+    def rows(qr, start):
+        mask = None if mask_fn is None else mask_fn(start, qr.shape[1])
+        return attention_reference(qr, k, v, start, kv_len, mask=mask)
+
+    if t <= block:
+        return rows(q, q_start)
+    n = -(-t // block)
+    qb = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, *q.shape[2:])
+    out = jax.lax.map(lambda i: rows(qb[:, i], q_start + i * block), jnp.arange(n))  # [n, batch, block, q_heads, d]
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * block, *q.shape[2:])[:, :t]
+
+
 def _probs(q, k, q_start, kv_len, scale):
     """Post-softmax probabilities [batch, kv_heads, group, q_len, keys] fp32 over causal & valid keys."""
     logits = _logits(q, k, scale)
