@@ -269,6 +269,7 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 8)
     (tmp_path / "agree.json").write_text("{}")
+    (tmp_path / "pinned.json").write_text('{"num_anchors": 4, "anchors": [0, 2, 8, 18, 21]}')
     nomodel = "--model=/nonexistent/model"
     cases = [
         (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={out}"],
@@ -283,8 +284,12 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
           "--speed_bench=qwen2.5-coder-1.5b:/nonexistent.json"], ["--speed_bench entries are MODEL:DECODE_JSON:PREFILL"]),
         (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={tmp_path / 'a5'}",
           f"--speed_bench=qwen2.5-coder-1.5b:{tmp_path / 'none.json'}:{tmp_path / 'none.json'}"], ["is not a file"]),
+        (["-m", "experiments.accuracy", "--mode=choose", f"--inputs={eval_dir}", "--model=m", "--num_layers=2",
+          f"--out={tmp_path / 'c.json'}", "--also_contexts=8k"], ["--also_contexts takes positive integers"]),
         (["-m", "experiments.generate", "--prompt=hi", nomodel, "--strategy=kascade", f"--recipe={tmp_path / 'bad.json'}"],
          ["bad.json is not valid JSON"]),
+        (["-m", "experiments.generate", "--prompt=hi", nomodel, "--strategy=kascade",
+          f"--recipe={tmp_path / 'pinned.json'}"], ["num_anchors=4 but anchors pins 5 layers"]),
         (["-m", "experiments.generate", "--prompt=hi", nomodel, "--strategy=kascade",
           f"--recipe={tmp_path / 'list.json'}"],
          ["list.json must hold a JSON object", "got a list"]),
