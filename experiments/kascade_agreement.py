@@ -14,10 +14,11 @@ Writes JSON and a Markdown table to --out (default runs/kascade_agreement.{json,
 --overwrite). Every flag, the document included, is checked before the model loads.
 
 `--anchors=auto` takes the model's shipped default recipe (`calibration.resolve.recipe_kascade`, the path of
-`experiments.common.build_strategy`): the DP anchors of its calibration with their calibrated head map (unless
---head_map names one; --head_map=identity for none) and its levers (sink_tokens, recent_window, dense_suffix); the
-meta records anchors, head map and recipe. Explicit anchors run without levers, with --head_map (default identity;
-auto: the calibrated map for those anchors). --anchors is checked before the model loads.
+`experiments.common.build_strategy`): the DP anchors of its calibration (or those the recipe pins) with their
+calibrated head map (unless --head_map names one; --head_map=identity for none) and its levers (sink_tokens,
+recent_window, dense_suffix); the meta records anchors, head map and recipe. Explicit anchors run without levers,
+with --head_map (default identity; auto: the calibrated map for those anchors). --anchors is checked before the
+model loads.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ Deliberately not here: the model flags (`experiments.common`), building strategi
 
 from __future__ import annotations
 
+import dataclasses
+
 from absl import flags
 
 from experiments import cli
@@ -35,7 +37,8 @@ RECIPE = flags.DEFINE_string("recipe", "default", "Kascade recipe (kascade_jax.r
                              "path; experiments.eval takes a comma-separated list (one process, one model load). "
                              "The recipe flags below, given explicitly, override its fields. Shipped defaults: "
                              + " | ".join(_shipped_defaults()))
-NUM_ANCHORS = flags.DEFINE_integer("num_anchors", None, "anchor count M for --anchors=auto|even (recipe: 5)")
+NUM_ANCHORS = flags.DEFINE_integer("num_anchors", None, "anchor count M for --anchors=auto|even (recipe's; a "
+                                   "recipe that pins its anchors, given another M, lets the DP pick M instead)")
 SINK = flags.DEFINE_integer("sink_tokens", None, "recipe lever: first keys forced into every anchor selection")
 RECENT = flags.DEFINE_integer("recent_window", None, "recipe lever: keys just before the query/tile forced into "
                               "every anchor selection")
@@ -87,9 +90,20 @@ def _recipe_names() -> list[str]:
     return names
 
 
+def _given(holder):
+    """The flag's value if it was given (on the command line or set), else None. Not `holder.value`: the benchmarks'
+    --num_anchors (default 5, experiments.timing) is the same flag, and in a process that imports both (a test
+    session) its default would silently override every recipe's anchor count."""
+    return None if flags.FLAGS[holder.name].using_default_value else holder.value
+
+
 def _apply_flags(recipe):
+    n = _given(NUM_ANCHORS)
+    if n is not None and recipe.anchors and n != len(recipe.anchors):
+        # a recipe with pinned anchors and another count asked for: the count wins, the DP picks that many
+        recipe = dataclasses.replace(recipe, anchors=None, num_anchors=n, name=recipe.name.rstrip("*") + "*")
     return recipe.replace(
-        num_anchors=NUM_ANCHORS.value, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
+        num_anchors=n, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
         local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
         prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
         decode_rerank_worst=RERANK_WORST.value, pool=POOL.value, calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,

@@ -355,7 +355,7 @@ def shipped_defaults() -> list[str]:
         if t is not None and t.get("recipe") == doc.get("chosen_from"):  # a later choice drops an older test
             at = f" at {t['context']} tokens" if t.get("context") not in (None, doc.get("context")) else ""
             how += (f"; test {t['diff_vs_dense']:+.1f} [{t['diff_ci'][0]:+.1f}, {t['diff_ci'][1]:+.1f}] vs dense on "
-                    f"{t['n']} prompts{at}")
+                    f"{t['n']} prompts{at}" + (", known before the choice" if t.get("blind") is False else ""))
         if borrowed:
             how += "; chosen on another model's dev split, not tuned on this one"
         lines.append(f"{path.stem}: {doc.get('chosen_from', 'default')} ({on}{how})")

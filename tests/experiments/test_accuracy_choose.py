@@ -14,11 +14,15 @@ ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
 
 
 S12, S15 = ROOT / "results/accuracy/h200_2026-12-03_i21s12", ROOT / "results/accuracy/h200_2026-12-04_i21s15"
+S16, S17 = ROOT / "results/accuracy/h200_2026-12-04_i21s16", ROOT / "results/accuracy/h200_2026-12-04_i21s17"
 
 
-def _choose(tmp_path, inputs, model="qwen2.5-coder-0.5b", layers=24, shape="qwen05", extra=()):
-    # the shipped choice's prices: session 12's decode run (plain + rerank) joined with session 15's pools run
+def _choose(tmp_path, inputs, model="qwen2.5-coder-0.5b", layers=24, shape="qwen05", extra=(), budgets=False):
+    # the shipped choice's prices: session 12's decode run (plain + rerank) joined with session 15's pools run and,
+    # for the decode-budget candidates, session 17's pools at 10/20/30% (first: its rows win)
     decode = f"{S12 / 'bench' / f'decode_{shape}_rr.json'}+{S15 / 'bench' / f'decode_{shape}_pool.json'}"
+    if budgets:
+        decode = f"{S17 / 'bench' / f'decode_{shape}_poolk.json'}+{decode}"
     cmd = [sys.executable, "-m", "experiments.accuracy", "--mode=choose", f"--model={model}",
            f"--num_layers={layers}", f"--inputs={','.join(map(str, inputs))}", f"--out={tmp_path / 'r.json'}",
            f"--frontier={tmp_path / 'f.png'}", f"--bench_decode={decode}",
@@ -45,17 +49,40 @@ def test_choose_reproduces_the_shipped_default(tmp_path):
 
 
 def test_choose_reproduces_the_shipped_1_5b_default(tmp_path):
-    """The 1.5B's dense-prefill defaults: dps from its decode_only dev cell (sessions 3-14), then dps_all."""
+    """The 1.5B's dense-prefill defaults: dps from its decode_only dev cell (sessions 3-14), then dps_all (16K dev
+    only, session 15), then dps_all_dec30 (session 17: judged at 16K and 8K dev, where no candidate is within 1 of
+    dense at both, so the best 16K dev score wins)."""
     inputs = [S1 / "dev15", S2 / "dev15", S2 / "dec15", S3 / "dev15c", S3 / "do15"]
-    res = _choose(tmp_path, inputs + [S15 / "t15_ahp_d"], model="qwen2.5-coder-1.5b", layers=28, shape="qwen15")
+    s17 = [S16 / "t15_m_d8", S17 / "t15_k_d8", S17 / "t15_k_d16"]
+    res = _choose(tmp_path, inputs + [S15 / "t15_ahp_d"] + s17, model="qwen2.5-coder-1.5b", layers=28,
+                  shape="qwen15", budgets=True, extra=["--context=16384", "--also_contexts=8192"])
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads((tmp_path / "r.json").read_text())
     shipped = json.loads((ROOT / "kascade_jax/data/recipes/qwen2.5-coder-1.5b.json").read_text())
-    assert doc["chosen_from"] == shipped["chosen_from"] == "dps_all" and doc["default"] == shipped["default"]
+    assert doc["chosen_from"] == shipped["chosen_from"] == "dps_all_dec30" and doc["default"] == shipped["default"]
     assert doc["default"]["decode_only"] is True and "measured per-layer kernels" in doc["default"]["note"]
+    assert "no candidate within 1 point(s) of dense here and at 8192" in doc["default"]["note"]
+    res = _choose(tmp_path, inputs + [S15 / "t15_ahp_d"], model="qwen2.5-coder-1.5b", layers=28, shape="qwen15",
+                  extra=["--overwrite"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["chosen_from"] == "dps_all"  # session 15's choice
     res = _choose(tmp_path, inputs, model="qwen2.5-coder-1.5b", layers=28, shape="qwen15", extra=["--overwrite"])
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((tmp_path / "r.json").read_text())["chosen_from"] == "dps"  # without session 15's cell
+
+
+def test_choose_reproduces_the_shipped_smollm2_default(tmp_path):
+    """SmolLM2's pinned anchor sets (session 17, dev 4K; dense from session 13): none within 1 of dense, the best dev
+    score (0,2,8,18,21,24) ships with its anchors pinned; speeds are estimates (no benchmark at its shape)."""
+    inputs = [ROOT / "results/accuracy/h200_2026-12-03_i21s13/smol_dev", S17 / "smol_pin"]
+    cmd = [sys.executable, "-m", "experiments.accuracy", "--mode=choose", "--model=smollm2-135m", "--num_layers=30",
+           "--context=4096", f"--inputs={','.join(map(str, inputs))}", f"--out={tmp_path / 'r.json'}"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    shipped = json.loads((ROOT / "kascade_jax/data/recipes/smollm2-135m.json").read_text())
+    assert doc["chosen_from"] == shipped["chosen_from"] == "smol_p6" and doc["default"] == shipped["default"]
+    assert doc["default"]["anchors"] == [0, 2, 8, 18, 21, 24] and doc["default"]["calib_dtype"] == "float32"
 
 
 def test_a_replicated_cell_is_refused(tmp_path):

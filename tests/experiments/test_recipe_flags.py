@@ -96,3 +96,28 @@ def test_eval_runs_a_recipes_pinned_anchors_with_the_calibrated_head_map():
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.splitlines()[-1] == ("[0, 2, 8, 18, 21] True anchors: auto -> [0, 2, 8, 18, 21] (pinned by the "
                                            "recipe), head_map: auto")
+
+
+def test_num_anchors_given_to_a_pinned_recipe_lets_the_dp_choose_that_many():
+    """SmolLM2's shipped default pins six anchors; --num_anchors=5 asks for five: the pins go, the recipe is renamed,
+    and --anchors=auto takes the calibration's five. The same count keeps the pins."""
+    from kascade_jax.recipes import load_recipe
+
+    shipped = load_recipe("smollm2-135m", "default")
+    assert shipped.anchors == (0, 2, 8, 18, 21, 24)
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--num_anchors=5"])
+        r = recipe_flags.resolve_recipe("smollm2-135m")
+    assert (r.name, r.num_anchors, r.anchors) == ("default*", 5, None)
+    assert r.levers() == shipped.levers()
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--num_anchors=6"])
+        assert recipe_flags.resolve_recipe("smollm2-135m") == shipped
+    import experiments.timing  # noqa: F401, PLC0415  (its --num_anchors, default 5, is the same flag)
+
+    with flagsaver.flagsaver():  # not given: the recipe's count, whatever another module's same flag defaults to
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate"])
+        assert recipe_flags.resolve_recipe("smollm2-135m") == shipped

@@ -193,9 +193,11 @@ def test_shipped_defaults_help_lines():
     by = {line.split(":", 1)[0]: line for line in lines}
     for m in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):  # session 15: dps_all, one selection shared by all heads
         assert "decode_only pool=all" in by[m] and "vs dense on 260 prompts" in by[m]
-    assert "not tuned on this one" in by["smollm2-135m"]
+    assert "decode_topk_frac=0.3" in by["qwen2.5-coder-1.5b"]  # session 17: dps_all_dec30
+    assert "smol_p6 (M=6 pinned=0,2,8,18,21,24" in by["smollm2-135m"] and "not tuned" not in by["smollm2-135m"]
     assert by["qwen2.5-coder-0.5b"].endswith("test -1.4 [-3.3, +0.4] vs dense on 325 prompts)")
-    assert by["qwen2.5-coder-1.5b"].endswith("test -2.3 [-4.2, -0.5] vs dense on 325 prompts)")  # at its dev length
+    # at its dev length; the test cell ran before the choice (its rule was written down first), and says so
+    assert by["qwen2.5-coder-1.5b"].endswith("test -0.8 [-2.0, +0.3] vs dense on 325 prompts, known before the choice)")
 
 
 def test_shipped_defaults_show_a_test_result_only_for_the_recipe_it_measured(tmp_path, monkeypatch):
@@ -207,13 +209,13 @@ def test_shipped_defaults_show_a_test_result_only_for_the_recipe_it_measured(tmp
     (tmp_path / "m.json").write_text(json.dumps(doc))
     monkeypatch.setattr(recipes, "RECIPE_DIR", tmp_path)
     line = recipes.shipped_defaults()[0]
-    assert "test -2.3" in line and " tokens" not in line.split("test")[-1]  # tested at the length it was chosen at
-    doc["test"]["context"] = 8192  # a test cell at another length than the choice's says so
+    assert "test -0.8" in line and " tokens" not in line.split("test")[-1]  # tested at the length it was chosen at
+    doc["test"]["context"], doc["test"]["blind"] = 8192, True  # a test cell at another length than the choice's
     (tmp_path / "m.json").write_text(json.dumps(doc))
     assert recipes.shipped_defaults()[0].endswith("vs dense on 325 prompts at 8192 tokens)")
     doc["chosen_from"] = "sw_ds128"  # a later choice: the old test result no longer describes the default
     (tmp_path / "m.json").write_text(json.dumps(doc))
-    assert "test -2.3" not in recipes.shipped_defaults()[0]
+    assert "test -0.8" not in recipes.shipped_defaults()[0]
 
 
 def test_a_recipe_pins_anchors():

@@ -65,10 +65,13 @@ def test_api_strategy_equals_the_cli_strategy():
                 assert s.config.sink_tokens == 4
             if recipe == "default" and m.startswith("qwen"):  # dps_all: dense prefill, one selection for all heads
                 assert s.config.decode_only and s.config.pool == "all" and s.config.head_map is None
-            elif recipe in ("default", "candidate:dec20_ds512s"):
-                assert s.config.dense_suffix in (128, 512)
+                assert s.config.decode_topk_frac == (0.3 if "1.5b" in m else None)  # the 1.5B: dps_all_dec30
+            elif recipe == "candidate:dec20_ds512s":
+                assert s.config.dense_suffix == 512
             if recipe == "candidate:smol_p5":  # pinned anchors instead of the DP's, the calibration's head map
                 assert s.config.anchors == (0, 2, 8, 18, 21) and s.config.head_map is not None
+            if recipe == "default" and m == "smollm2-135m":  # smol_p6: pinned six, dense prefill
+                assert s.config.anchors == (0, 2, 8, 18, 21, 24) and s.config.decode_only and s.config.head_map
             if recipe == "candidate:dps_rr4w5":  # the calibration's five least similar reuse layers, both ways
                 assert s.config.decode_rerank == 4 and len(s.config.decode_rerank_layers) == 5
                 assert not set(s.config.decode_rerank_layers) & set(s.config.anchors)

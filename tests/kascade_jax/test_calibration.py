@@ -440,14 +440,17 @@ def test_recipe_kascade_finds_every_shipped_calibration_at_any_run_dtype(tmp_pat
     kw, desc = resolve.recipe_kascade(model_name, ref.num_layers, ref.kv_heads, recipe=recipe_name, dtype=run_dtype,
                                       calibrate=False, cache_dir=tmp_path)
     assert shipped.name in desc
-    assert kw["anchors"] == tuple(ref.anchors_for(r.num_anchors, r.calib_importance))
+    want = tuple(r.anchors) if r.anchors else tuple(ref.anchors_for(r.num_anchors, r.calib_importance))
+    assert kw["anchors"] == want
     assert np.array_equal(np.asarray(kw["head_map"]), ref.head_map(kw["anchors"]))
     assert {f: kw[f] for f in r.levers()} == r.levers()
-    if recipe_name == "default":  # the shipped defaults (issue 21 dev rounds): the Qwens dps_all, smollm2 sw_ds128
+    if recipe_name == "default":  # the shipped defaults (issue 21): 0.5B dps_all, 1.5B dps_all_dec30, smollm2 smol_p6
         dps_all = dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0, decode_only=True, pool="all")
-        expected = {"qwen2.5-coder-0.5b": dps_all, "qwen2.5-coder-1.5b": dps_all,
-                    "smollm2-135m": dict(sink_tokens=4, recent_window=60, dense_suffix=128, local_window=0)}
-        assert r.levers() == expected[model_name]
+        expected = {"qwen2.5-coder-0.5b": (dps_all, None),
+                    "qwen2.5-coder-1.5b": (dict(dps_all, decode_topk_frac=0.3), None),
+                    "smollm2-135m": (dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0,
+                                          decode_only=True), (0, 2, 8, 18, 21, 24))}
+        assert (r.levers(), r.anchors) == expected[model_name]
     with pytest.raises(ValueError, match=r"no shipped or cached calibration .*dtype: recorded"):
         resolve.recipe_kascade(model_name, ref.num_layers, ref.kv_heads, recipe=r.replace(
             calib_dtype="float16"), calibrate=False, cache_dir=tmp_path)

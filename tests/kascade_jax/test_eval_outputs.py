@@ -121,8 +121,8 @@ def test_interrupted_run_keeps_finished_strategies_and_resume_appends(monkeypatc
     stubs = Stubs(monkeypatch)
     out = tmp_path / "out"
     stubs.stop = 2  # dense's one batch finishes, kascade's is interrupted
-    with pytest.raises(KeyboardInterrupt):
-        run_cli(out)
+    with pytest.raises(KeyboardInterrupt):  # a sparse-prefill recipe (a decode_only one shares dense's prefill pass)
+        run_cli(out, "--recipe=paper")
     data = _json(out)
     assert [r["strategy"] for r in data["rows"]] == ["dense"] and data["environment"]["partial"]
     assert _csv_status(out) == {"partial"} and "**partial**" in (out / "summary.md").read_text()
@@ -130,7 +130,7 @@ def test_interrupted_run_keeps_finished_strategies_and_resume_appends(monkeypatc
     assert data["spec"]["seed"] == 0 and data["spec"]["dtype"] == "float32"
 
     stubs.calls, stubs.stop = 0, None
-    run_cli(out, "--resume")
+    run_cli(out, "--resume", "--recipe=paper")
     assert stubs.calls == 1  # only kascade ran
     data2 = _json(out)
     assert [r["strategy"] for r in data2["rows"]] == ["dense", "kascade"]
@@ -142,10 +142,10 @@ def test_interrupted_run_keeps_finished_strategies_and_resume_appends(monkeypatc
     assert (out / "score_vs_context.png").is_file()
 
     stubs.calls = 0  # a resume may add blocks (another context length); finished ones still do not rerun
-    run_cli(out, "--resume", "--context_lengths=600,640")
+    run_cli(out, "--resume", "--recipe=paper", "--context_lengths=600,640")
     assert stubs.calls == 2 and [r["context_length"] for r in _json(out)["rows"]] == [600, 600, 640, 640]
     stubs.calls = 0  # and change the performance knobs (batch, prefill chunk), which move results by rounding only
-    run_cli(out, "--resume", "--context_lengths=600,640,704", "--chunk_size=128", "--batch_size=3")
+    run_cli(out, "--resume", "--recipe=paper", "--context_lengths=600,640,704", "--chunk_size=128", "--batch_size=3")
     assert stubs.calls == 2 and len(_json(out)["rows"]) == 6
 
 
@@ -155,10 +155,10 @@ def test_resume_of_several_recipes_goes_on(monkeypatch, tmp_path):
     out = tmp_path / "out"
     stubs.stop = 3  # dense and the first recipe finish, the second is interrupted
     with pytest.raises(KeyboardInterrupt):
-        run_cli(out, "--recipe=paper,default")
+        run_cli(out, "--recipe=paper,candidate:sw_ds128")  # sparse prefills: one pass each
     assert len(_json(out)["spec"]["variants"]) == 2 and len(_json(out)["rows"]) == 2
     stubs.calls, stubs.stop = 0, None
-    run_cli(out, "--resume", "--recipe=paper,default")
+    run_cli(out, "--resume", "--recipe=paper,candidate:sw_ds128")
     assert stubs.calls == 1 and len(_json(out)["rows"]) == 3
     with pytest.raises(ValueError, match=r"was run with variants=.* but this run has variants="):
         run_cli(out, "--resume", "--recipe=paper,candidate:dps")  # the second recipe differs
