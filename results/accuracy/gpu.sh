@@ -20,7 +20,8 @@
 #
 # Plan files (results/accuracy/plan_*.txt): one job per line, "NAME COMMAND-ARGS" where the command is
 # `calibrate ...` (experiments.calibrate), `eval ...` (experiments.eval, output_dir = $HOME/acc/NAME) or `gputest
-# PYTEST-ARGS` (the GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench); lines after
+# PYTEST-ARGS` (the GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench) or `pyg SCRIPT
+# ARGS` (a probe script such as tail_probe.py, on the GPU; write its --out under $ACC to collect it); lines after
 # a line "barrier" start only when every job before it has ended. Each eval writes its results after every block,
 # so a job stopped early keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into
 # 36 MiB chunks into .stage/<model>/ (git-ignored; q05 14, q15 30, smol 3); one call per chunk carries
@@ -114,6 +115,7 @@ case "$cmd" in
               XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${EVAL_MEM:-0.07}} python3 -m experiments.eval "$@" \
                 --output_dir="$ACC/$name" $again --noprogress > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         py) JAX_PLATFORMS=cpu python3 -m "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
+        pyg) XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-0.2} python3 "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;  # a script, on the GPU
         gputest) python3 -m pytest -q -p no:cacheprovider -m gpu "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         sh) bash "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         *) echo "unknown job kind $kind" > "$ACC/logs/$name.log"; rc=2 ;;

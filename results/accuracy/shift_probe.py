@@ -96,15 +96,21 @@ class ProbeStrategy:
         return state
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "strategy"))
-def _probe_forward(graphdef, params, tokens, seq_len, strategy):
+@functools.partial(jax.jit, static_argnames=("graphdef", "strategy", "out"))
+def _probe_forward(graphdef, params, tokens, seq_len, strategy, out="state"):
+    """One forward of a padded prompt [1, T] under a probe strategy (its `rows`: the last valid rows probed).
+    out="state": the strategy's per-layer state stacked, [L, ...]; "logprobs": the log-softmax of those rows'
+    logits, [rows, vocab] (tail_probe.py)."""
     from models import generate as gen
     from models.cache import KVCache
 
     model = nnx.merge(graphdef, params)
     cache = KVCache.init(model.config, 1, tokens.shape[1], dtype=model.dtype)
-    _, _, state = gen.forward(model, tokens, cache, strategy, q_start=0, seq_len=seq_len)
-    return jnp.stack(state)  # [L, variants, 1, rows, kv_heads, T]
+    logits, _, state = gen.forward(model, tokens, cache, strategy, q_start=0, seq_len=seq_len)
+    if out == "state":
+        return jnp.stack(state)  # [L, variants, 1, rows, kv_heads, T]
+    rows = jax.lax.dynamic_slice_in_dim(logits[0], seq_len[0] - strategy.rows, strategy.rows, axis=0)
+    return jax.nn.log_softmax(rows, axis=-1)
 
 
 def _mass(p, keys):

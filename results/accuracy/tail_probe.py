@@ -1,0 +1,196 @@
+"""Tail probe (CPU): does an estimate of the unselected keys' attention recover what Top-k decode loses on fwe?
+
+Session 17: fwe (the three most frequent words) loses 4-12 points in every decode cell on both Qwens, each layer's
+own Top-k 10% (oracle_topk) included. Hypothesis: the frequent words fill far more than k of the context, so any
+Top-k keeps an arbitrary part of their occurrences and the counts behind the answer are lost with the tail. Test,
+teacher-forced on the gold answer: every layer attends densely over the prompt, and the answer rows (the decode
+steps) attend with
+  dense     exact attention (the reference);
+  topk      each layer's own Top-k (pooled over the GQA group, k = max(frac x keys, min_k)), as oracle_topk decodes;
+  topk+tail the same, plus every block of BLOCK keys summarised by its unselected keys' mean key and value, weighted
+            by their count (a softmax term log(count) + q.mean_key): an estimate of the lost mass and its value;
+  topk+tailb the same, but only blocks with no selected key (what a kernel gets cheaply from per-block sums);
+  topk+tailm every block's mean over all its keys, weighted by its unselected count (per-block sums kept with the
+            cache and a histogram of the selected indices: the kernel-friendly estimate of the whole tail);
+  top3k     each layer's own Top-3k (the budget lever of session 17);
+and the answer tokens' log-probability and argmax agreement with dense are compared. If topk+tail recovers more
+than half of topk's log-probability gap on fwe and changes nothing on niah, a tail term is worth a kernel.
+
+    python results/accuracy/tail_probe.py --model=qwen2.5-coder-0.5b --tasks=fwe,niah_multikey_2 --context=4096 \
+        --samples=4 --out=results/accuracy/<folder>
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kascade_jax.tasks import prompt as prompt_lib  # noqa: E402
+from kascade_jax.tasks import ruler  # noqa: E402
+from kernels_pallas.dense import dense_attention  # noqa: E402
+from models import load_model  # noqa: E402
+from shift_probe import _probe_forward  # noqa: E402  (the same one-forward helper, out="logprobs")
+
+VARIANTS = ("dense", "topk", "topk+tail", "topk+tailb", "topk+tailm", "top3k")
+
+
+@dataclasses.dataclass(frozen=True)
+class TailProbe:
+    """Dense attention for every row but the last `rows` valid ones (the answer steps), which attend as `variant`."""
+
+    rows: int
+    variant: str
+    frac: float = 0.1
+    min_k: int = 128
+    block: int = 64
+    name: str = "tail_probe"
+
+    def attend(self, layer, inputs, state):
+        q = inputs.q  # [1, T, hq, d]
+        t, hq, d = q.shape[1], q.shape[2], q.shape[3]
+        out = dense_attention(q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len, phase="prefill",
+                              chunk_at_zero=inputs.chunk_at_zero)
+        if self.variant == "dense":
+            return out, state
+        k = inputs.k_cache[0, :t].astype(jnp.float32)  # [T, kvh, d]
+        v = inputs.v_cache[0, :t].astype(jnp.float32)
+        kvh, g = k.shape[1], hq // k.shape[1]
+        first = inputs.kv_len[0] - self.rows
+        qr = jax.lax.dynamic_slice_in_dim(q[0], first, self.rows, axis=0).astype(jnp.float32)
+        qr = qr.reshape(self.rows, kvh, g, d)
+        pos = first + jnp.arange(self.rows)
+        valid = jnp.arange(t)[None, :] <= pos[:, None]  # [rows, T]
+        logits = jnp.einsum("rkgd,skd->rkgs", qr, k, precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
+        logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+        pooled = jax.nn.softmax(logits, axis=-1).sum(2)  # [rows, kvh, T]
+        frac = self.frac * (3 if self.variant == "top3k" else 1)
+        n = pos + 1
+        kk = jnp.minimum(jnp.maximum(jnp.ceil(frac * n).astype(jnp.int32), self.min_k), n)  # [rows]
+        srt = -jnp.sort(-pooled, axis=-1)  # descending
+        thr = jnp.take_along_axis(srt, (kk - 1)[:, None, None].repeat(kvh, 1), axis=-1)  # [rows, kvh, 1]
+        sel = (pooled >= thr) & valid[:, None, :]  # [rows, kvh, T]
+        sl = jnp.where(sel[:, :, None, :], logits, -jnp.inf)  # [rows, kvh, g, T]
+        if self.variant in ("topk", "top3k"):
+            o = jnp.einsum("rkgs,skd->rkgd", jax.nn.softmax(sl, axis=-1), v, precision=jax.lax.Precision.HIGHEST)
+        else:
+            nb = -(-t // self.block)
+            pad = nb * self.block - t
+            unsel = (valid[:, None, :] & ~sel).astype(jnp.float32)  # [rows, kvh, T]
+            if self.variant == "topk+tailb":  # only blocks no selected key falls in
+                touched = jnp.pad(sel, ((0, 0), (0, 0), (0, pad))).reshape(self.rows, kvh, nb, self.block).any(-1)
+                unsel = unsel * jnp.repeat(~touched, self.block, axis=-1)[..., :t]
+            ub = jnp.pad(unsel, ((0, 0), (0, 0), (0, pad))).reshape(self.rows, kvh, nb, self.block)
+            kb = jnp.pad(k, ((0, pad), (0, 0), (0, 0))).reshape(nb, self.block, kvh, d)
+            vb = jnp.pad(v, ((0, pad), (0, 0), (0, 0))).reshape(nb, self.block, kvh, d)
+            cnt = ub.sum(-1)  # [rows, kvh, nb]
+            # tailm: the mean of every valid key of the block (a kernel keeps per-block sums with the cache),
+            # weighted by the unselected count (a histogram of the selected indices); else the unselected keys' mean
+            w = (jnp.pad(valid, ((0, 0), (0, pad))).reshape(self.rows, 1, nb, self.block).astype(jnp.float32)
+                 * jnp.ones((1, kvh, 1, 1)) if self.variant == "topk+tailm" else ub)
+            kmean = jnp.einsum("rkbj,bjkd->rkbd", w, kb, precision=jax.lax.Precision.HIGHEST) / jnp.maximum(
+                w.sum(-1), 1)[..., None]
+            vmean = jnp.einsum("rkbj,bjkd->rkbd", w, vb, precision=jax.lax.Precision.HIGHEST) / jnp.maximum(
+                w.sum(-1), 1)[..., None]
+            bl = jnp.einsum("rkgd,rkbd->rkgb", qr, kmean, precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
+            bl = jnp.where(cnt[:, :, None, :] > 0, bl + jnp.log(jnp.maximum(cnt, 1))[:, :, None, :], -jnp.inf)
+            p = jax.nn.softmax(jnp.concatenate([sl, bl], axis=-1), axis=-1)
+            o = (jnp.einsum("rkgs,skd->rkgd", p[..., :t], v, precision=jax.lax.Precision.HIGHEST)
+                 + jnp.einsum("rkgb,rkbd->rkgd", p[..., t:], vmean, precision=jax.lax.Precision.HIGHEST))
+        o = o.reshape(1, self.rows, hq, d).astype(out.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, o, first, axis=1), state
+
+    def post_attention(self, layer, x, attn_out, state):
+        return state
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--tasks", default="fwe,niah_multikey_2")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--split", default="dev", choices=("dev", "test"))
+    ap.add_argument("--topk_frac", type=float, default=0.1)
+    ap.add_argument("--min_k", type=int, default=128)
+    ap.add_argument("--block", type=int, default=64, help="keys per tail block")
+    ap.add_argument("--answer_steps", type=int, default=8, help="answer tokens probed per prompt (the first ones)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if os.path.exists(os.path.join(args.out, "tail_probe.json")):
+        raise SystemExit(f"error: {args.out}/tail_probe.json exists; choose another --out")
+    model, tok = load_model(args.model, args.dtype)
+    graphdef, params = nnx.split(model)
+    width = -(-(args.context + args.answer_steps) // 64) * 64  # one padded length and row count: one compile a variant
+    t0, per_prompt = time.perf_counter(), []
+    for task in args.tasks.split(","):
+        for s in ruler.generate_samples(task, tok, args.context, args.samples, split=args.split):
+            prompt = prompt_lib.encode(tok, s["input"])
+            answer = list(prompt_lib.encode(tok, " " + ", ".join(s["answers"])))
+            if len(answer) < args.answer_steps:
+                raise SystemExit(f"error: {task}[{s['index']}]'s answer has {len(answer)} tokens, fewer than "
+                                 f"--answer_steps={args.answer_steps}")
+            answer = answer[: args.answer_steps]
+            ids = list(prompt) + answer[:-1]  # row len(prompt) - 1 + i predicts answer token i
+            if len(ids) > width:
+                raise SystemExit(f"error: {task}[{s['index']}] has {len(ids)} tokens, more than the {width} padded")
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, : len(ids)] = ids
+            rows = len(answer)
+            res = {}
+            for var in VARIANTS:
+                strat = TailProbe(rows=rows, variant=var, frac=args.topk_frac, min_k=args.min_k, block=args.block)
+                lp = np.asarray(_probe_forward(graphdef, params, jnp.asarray(tokens),
+                                               jnp.asarray([len(ids)], jnp.int32), strat, out="logprobs"))
+                steps = lp  # [rows, vocab]: row i predicts answer token i
+                res[var] = dict(logprob=float(sum(steps[i, a] for i, a in enumerate(answer))),
+                                argmax=[int(x) for x in steps.argmax(-1)])
+            dense_arg = res["dense"]["argmax"]
+            rec = dict(task=task, index=s["index"], prompt_tokens=len(prompt), answer_tokens=rows,
+                       **{f"{v}_logprob": res[v]["logprob"] for v in VARIANTS},
+                       **{f"{v}_agree": float(np.mean([a == b for a, b in zip(res[v]["argmax"], dense_arg)]))
+                          for v in VARIANTS[1:]},
+                       dense_gold_argmax=float(np.mean([a == b for a, b in zip(dense_arg, answer)])))
+            per_prompt.append(rec)
+            print(f"{task}[{s['index']}] {len(prompt)}+{rows} tokens, {time.perf_counter() - t0:.0f} s: "
+                  + ", ".join(f"{v} {rec[f'{v}_logprob']:.2f}" for v in VARIANTS), flush=True)
+    summary = {}
+    for task in args.tasks.split(","):
+        recs = [r for r in per_prompt if r["task"] == task]
+        summary[task] = dict(prompts=len(recs), **{
+            f"{v}_dlogprob": float(np.mean([r[f"{v}_logprob"] - r["dense_logprob"] for r in recs]))
+            for v in VARIANTS[1:]},
+            **{f"{v}_agree": float(np.mean([r[f"{v}_agree"] for r in recs])) for v in VARIANTS[1:]})
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tail_probe.json"), "w") as f:
+        json.dump(dict(vars(args), jax=jax.__version__, device=str(jax.devices()[0]),
+                       seconds=time.perf_counter() - t0, summary=summary, per_prompt=per_prompt), f, indent=1)
+    lines = ["| task | prompts | " + " | ".join(f"{v} dlogp / agree" for v in VARIANTS[1:]) + " |",
+             "|---|---|" + "---|" * (len(VARIANTS) - 1)]
+    for task, m in summary.items():
+        lines.append(f"| {task} | {m['prompts']} | " + " | ".join(
+            f"{m[f'{v}_dlogprob']:+.3f} / {m[f'{v}_agree']:.3f}" for v in VARIANTS[1:]) + " |")
+    text = (f"Tail probe: {args.model} ({args.dtype}), {args.tasks} at {args.context} ({args.split}), Top-k "
+            f"{args.topk_frac} (min_k {args.min_k}), tail blocks of {args.block}. The first {args.answer_steps} gold "
+            "answer tokens teacher-forced; dlogp: the answer's log-probability minus dense's, mean per prompt "
+            "(nats); agree: the share of answer steps whose argmax equals dense's.\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "tail_probe.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""results/accuracy/tail_probe.py's attention variants on random inputs: the tail estimate is exact when every block
+holds one key (a block of one unselected key is that key), a budget of every key is dense, and the probed rows are
+the only ones that change."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.attention import AttentionInputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "results" / "accuracy"))
+tail_probe = pytest.importorskip("tail_probe")
+
+
+def _inputs(t=200, valid=190, hq=4, kvh=2, d=16, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (1, t, hq, d), jnp.float32)
+    k = jax.random.normal(kk, (1, t, kvh, d), jnp.float32) * 2.0  # peaked scores: a Top-k loses real mass
+    v = jax.random.normal(kv, (1, t, kvh, d), jnp.float32)
+    n = jnp.asarray([valid], jnp.int32)
+    return AttentionInputs(q=q, k_cache=k, v_cache=v, q_start=jnp.zeros(1, jnp.int32), kv_len=n, seq_len=n,
+                           phase="prefill")
+
+
+def _attend(inputs, **kw):
+    return np.asarray(tail_probe.TailProbe(**kw).attend(0, inputs, None)[0])
+
+
+def test_tail_with_one_key_blocks_is_dense_and_the_plain_topk_is_not():
+    x = _inputs()
+    dense = _attend(x, rows=6, variant="dense")
+    topk = _attend(x, rows=6, variant="topk", frac=0.1, min_k=8)
+    tail1 = _attend(x, rows=6, variant="topk+tail", frac=0.1, min_k=8, block=1)
+    tail16 = _attend(x, rows=6, variant="topk+tail", frac=0.1, min_k=8, block=16)
+    rows = slice(190 - 6, 190)
+    np.testing.assert_allclose(tail1[0, rows], dense[0, rows], atol=2e-5)
+    np.testing.assert_allclose(_attend(x, rows=6, variant="topk+tailm", frac=0.1, min_k=8, block=1)[0, rows],
+                               dense[0, rows], atol=2e-5)
+    err = lambda a: float(np.abs(a[0, rows] - dense[0, rows]).max())  # noqa: E731
+    assert err(topk) > 1e-2 and err(tail16) > 1e-4  # the Top-k loses mass; 16-key means only estimate it
+    for a in (topk, tail1, tail16):  # rows before the probed ones stay dense
+        np.testing.assert_array_equal(a[0, : 190 - 6], dense[0, : 190 - 6])
+
+
+def test_a_budget_of_every_key_is_dense_with_or_without_the_tail():
+    x = _inputs(seed=1)
+    dense = _attend(x, rows=4, variant="dense")
+    for var in ("topk", "topk+tail", "topk+tailb", "topk+tailm"):
+        np.testing.assert_allclose(_attend(x, rows=4, variant=var, frac=1.0, min_k=8), dense, atol=2e-5)
+    # tailb: blocks holding a selected key carry no tail term. One-key blocks: exact; one block of every key (it
+    # holds the selection): the plain Top-k
+    np.testing.assert_allclose(_attend(x, rows=4, variant="topk+tailb", frac=0.1, min_k=8, block=1), dense,
+                               atol=2e-5)
+    np.testing.assert_allclose(_attend(x, rows=4, variant="topk+tailb", frac=0.1, min_k=8, block=256),
+                               _attend(x, rows=4, variant="topk", frac=0.1, min_k=8), atol=2e-5)
+
+
+def test_tail_is_exact_when_each_block_repeats_one_key():
+    """Blocks of 16 copies of one key and value (a word repeated, as in fwe): the unselected copies' count-weighted
+    mean is exact at any block size, while the Top-k alone drops their mass."""
+    x = _inputs(t=192, valid=192, seed=2)
+    rep = lambda a: jnp.repeat(a[:, ::16], 16, axis=1)  # noqa: E731
+    x = AttentionInputs(q=x.q, k_cache=rep(x.k_cache), v_cache=rep(x.v_cache), q_start=x.q_start, kv_len=x.kv_len,
+                        seq_len=x.seq_len, phase="prefill")
+    rows = slice(192 - 4, 192)
+    dense = _attend(x, rows=4, variant="dense")[0, rows]
+    topk = _attend(x, rows=4, variant="topk", frac=0.1, min_k=8)[0, rows]
+    for var in ("topk+tail", "topk+tailm"):  # the unselected copies' mean, or all the block's keys' mean
+        np.testing.assert_allclose(_attend(x, rows=4, variant=var, frac=0.1, min_k=8, block=16)[0, rows], dense,
+                                   atol=2e-5)
+    assert float(np.abs(topk - dense).max()) > 1e-2
