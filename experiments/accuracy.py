@@ -38,7 +38,8 @@ flags.DEFINE_integer("num_layers", 0, "--mode=choose: the model's layer count (f
 flags.DEFINE_float("max_slowdown", 0.15, "--mode=choose with --within_dense<0: allowed loss of weighted attention "
                    "speed vs the paper recipe (issue 17's rule)")
 flags.DEFINE_float("within_dense", 1.0, "--mode=choose: the fastest candidate at most this many points below dense on "
-                   "dev wins (issue 21's rule); < 0: issue 17's rule (best dev score within --max_slowdown)")
+                   "dev wins (issue 21's rule; none: the smallest worst-length loss among those faster than dense); "
+                   "< 0: issue 17's rule (best dev score within --max_slowdown)")
 flags.DEFINE_float("speed_tie", 0.03, "--mode=choose with --within_dense>=0: qualifying candidates whose estimated "
                    "cost is within this fraction of the cheapest count as equally fast, and the best dev score among "
                    "them wins (two benchmark runs of the same kernels differ by up to ~3.5%: session 15's pool run)")

@@ -185,6 +185,34 @@ def test_choose_within_dense_at_every_dev_length(rng):
         accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, also_contexts=[2048])
 
 
+def test_choose_when_nothing_is_within_dense_takes_the_least_worst_loss_among_faster_than_dense(rng):
+    """No candidate within 1 at both lengths: sw equals dense at 4096 but loses most at 2048, m8 loses less at both,
+    so m8 (the smaller worst loss) wins; dps_dec100 (a 100% decode budget, estimated slower than dense) equals
+    dense at both lengths and neither qualifies nor wins."""
+    base, base2 = _base(rng), _base(rng)
+    recs = _records(rng, "dense", "", base, split="dev") + _records(rng, "dense", "", base2, split="dev", ctx=2048)
+    dense = [r for r in recs if r["strategy"] == "dense"]
+    recs += [dict(r, strategy="kascade", config="k=0.1 recipe=dps_dec100") for r in dense]
+    recs += [dict(r, strategy="kascade", config="k=0.1 recipe=sw") for r in dense if r["context_length"] == 4096]
+    recs += _records(rng, "kascade", "k=0.1 recipe=sw", base2, shift=-0.4, split="dev", ctx=2048)
+    for ctx, b in ((4096, base), (2048, base2)):
+        recs += _records(rng, "kascade", "k=0.1 recipe=m8", b, shift=-0.15, split="dev", ctx=ctx)
+    rows = accuracy.summarize(recs, ruler_tasks=TASKS, reps=100)
+    doc = accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, within_dense=1.0,
+                                 also_contexts=[2048])
+    table = {r["recipe"]: r for r in doc["measured"]}
+    assert table["dps_dec100"]["decode_speedup"] < 1 and not table["dps_dec100"]["qualifies"]
+    assert table["dps_dec100"]["dev_diff_vs_dense"] == 0.0 and table["dps_dec100"]["also_dev_diff_vs_dense"] == {
+        "2048": 0.0}
+    m8 = [table["m8"]["dev_diff_vs_dense"], table["m8"]["also_dev_diff_vs_dense"]["2048"]]
+    assert max(m8) < -1 and min(m8) > table["sw"]["also_dev_diff_vs_dense"]["2048"]  # m8's worst beats sw's
+    assert table["sw"]["dev_diff_vs_dense"] == 0.0 and not table["sw"]["qualifies"]  # sw is the better at 4096
+    assert doc["chosen_from"] == "m8"
+    assert "the smallest loss at its worst dev length among those faster than dense" in doc["default"]["note"]
+    one = accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, within_dense=1.0)
+    assert one["chosen_from"] == "sw"  # at 4096 alone sw is within 1 (and faster than dense)
+
+
 def test_shipped_defaults_help_lines():
     from kascade_jax.recipes import RECIPE_DIR, shipped_defaults
 
