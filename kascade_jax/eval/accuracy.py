@@ -423,14 +423,13 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
     (`decode_only`), a `decode_only` strategy cell whose recipe matches it on every field a dense prefill leaves in
     play (`measured_as` says which).
     With `within_dense` (issue 21's rule): the FASTEST candidate (lowest estimated decode + prefill cost; faster
-    than dense in decode or prefill) whose dev
-    score is at most `within_dense` points below dense on the same prompts wins; when none is, among candidates
-    faster than dense, the smallest loss at its worst dev length (one length: the best dev score), and the note says
-    the target was missed. `speed_tie`: qualifying candidates whose estimated cost is within
-    this fraction of the cheapest one count as equally fast (two benchmark runs of the same kernels differ by a few
-    per cent), and the best dev score among them wins. `also_contexts`: other dev lengths where a candidate must
-    also be within `within_dense` of dense (a candidate without a dev cell there does not qualify); speed and the
-    dev score that breaks ties stay those at `context`.
+    than dense in decode or prefill) whose dev score is at most `within_dense` points below dense on the same
+    prompts wins; when none is, among candidates faster than dense, the smallest loss at its worst dev length (one
+    length: the best dev score), and the note says the target was missed. `speed_tie`: qualifying candidates whose
+    estimated cost is within this fraction of the cheapest one count as equally fast (two benchmark runs of the
+    same kernels differ by a few per cent), and the best dev score among them wins. `also_contexts`: other dev
+    lengths where a candidate must also be within `within_dense` of dense (a candidate without a dev cell there does
+    not qualify); speed and the dev score that breaks ties stay those at `context`.
     Without it (issue 17's rule): a candidate qualifies when both its decode and prefill weighted speedups are at
     least (1 - max_slowdown) x the baseline's, and the best qualifying dev score wins if it beats the baseline, else
     the baseline. Returns {"default": fields, "measured": the table it was chosen from}.
@@ -483,8 +482,9 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
         tie = f" (costs within {speed_tie:.0%} of the cheapest count as equal: the best dev score)" if speed_tie else ""
         at = f" here and at {', '.join(map(str, also_contexts))} tokens" if also_contexts else ""
         best = "the smallest loss at its worst dev length" if also_contexts else "the best dev score"
+        best += " among those faster than dense" if _faster_than_dense(pick) else " (none is faster than dense)"
         how = (f"the fastest candidate within {within_dense:g} point(s) of dense{at}{tie}" if pick["qualifies"] else
-               f"no candidate within {within_dense:g} point(s) of dense{at}: {best} among those faster than dense")
+               f"no candidate within {within_dense:g} point(s) of dense{at}: {best}")
         src = "measured per-layer kernels at this shape" if ratios is not None else "estimated"
         fields["note"] = (f"chosen on the dev split of real RULER at {context} tokens ({d['n']} prompts): {how}; dev "
                           f"ruler_avg {d['score']:.1f}, {d['diff_vs_dense']:+.1f} vs dense; weighted attention "

@@ -211,6 +211,9 @@ def test_choose_when_nothing_is_within_dense_takes_the_least_worst_loss_among_fa
     assert "the smallest loss at its worst dev length among those faster than dense" in doc["default"]["note"]
     one = accuracy.choose_recipe(rows, CANDIDATES, model="m", context=4096, num_layers=24, within_dense=1.0)
     assert one["chosen_from"] == "sw"  # at 4096 alone sw is within 1 (and faster than dense)
+    only_slow = {n: CANDIDATES[n] for n in ("paper", "dps_dec100")}  # paper: no cell here, so only the slow one
+    slow = accuracy.choose_recipe(rows, only_slow, model="m", context=4096, num_layers=24, within_dense=1.0)
+    assert slow["chosen_from"] == "dps_dec100" and "(none is faster than dense)" in slow["default"]["note"]
 
 
 def test_shipped_defaults_help_lines():
