@@ -116,6 +116,36 @@ class TailProbe:
         return state
 
 
+def _save(args, per_prompt, t0, done: bool) -> str:
+    """Write tail_probe.json / .md from the prompts so far (after every prompt: a stopped run keeps them)."""
+    summary = {}
+    for task in args.tasks.split(","):
+        recs = [r for r in per_prompt if r["task"] == task]
+        if not recs:
+            continue
+        summary[task] = dict(prompts=len(recs), **{
+            f"{v}_dlogprob": float(np.mean([r[f"{v}_logprob"] - r["dense_logprob"] for r in recs]))
+            for v in VARIANTS[1:]},
+            **{f"{v}_agree": float(np.mean([r[f"{v}_agree"] for r in recs])) for v in VARIANTS[1:]})
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tail_probe.json"), "w") as f:
+        json.dump(dict(vars(args), jax=jax.__version__, device=str(jax.devices()[0]), seconds=time.perf_counter() - t0,
+                       done=done, summary=summary, per_prompt=per_prompt), f, indent=1)
+    lines = ["| task | prompts | " + " | ".join(f"{v} dlogp / agree" for v in VARIANTS[1:]) + " |",
+             "|---|---|" + "---|" * (len(VARIANTS) - 1)]
+    for task, m in summary.items():
+        lines.append(f"| {task} | {m['prompts']} | " + " | ".join(
+            f"{m[f'{v}_dlogprob']:+.3f} / {m[f'{v}_agree']:.3f}" for v in VARIANTS[1:]) + " |")
+    text = (f"Tail probe: {args.model} ({args.dtype}), {args.tasks} at {args.context} ({args.split}), Top-k "
+            f"{args.topk_frac} (min_k {args.min_k}), tail blocks of {args.block}. The first {args.answer_steps} gold "
+            "answer tokens teacher-forced; dlogp: the answer's log-probability minus dense's, mean per prompt "
+            "(nats); agree: the share of answer steps whose argmax equals dense's."
+            + ("" if done else " **Partial: the run has not finished.**") + "\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "tail_probe.md"), "w") as f:
+        f.write(text)
+    return text
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -165,32 +195,10 @@ def main(argv=None):
                           for v in VARIANTS[1:]},
                        dense_gold_argmax=float(np.mean([a == b for a, b in zip(dense_arg, answer)])))
             per_prompt.append(rec)
+            _save(args, per_prompt, t0, done=False)
             print(f"{task}[{s['index']}] {len(prompt)}+{rows} tokens, {time.perf_counter() - t0:.0f} s: "
                   + ", ".join(f"{v} {rec[f'{v}_logprob']:.2f}" for v in VARIANTS), flush=True)
-    summary = {}
-    for task in args.tasks.split(","):
-        recs = [r for r in per_prompt if r["task"] == task]
-        summary[task] = dict(prompts=len(recs), **{
-            f"{v}_dlogprob": float(np.mean([r[f"{v}_logprob"] - r["dense_logprob"] for r in recs]))
-            for v in VARIANTS[1:]},
-            **{f"{v}_agree": float(np.mean([r[f"{v}_agree"] for r in recs])) for v in VARIANTS[1:]})
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tail_probe.json"), "w") as f:
-        json.dump(dict(vars(args), jax=jax.__version__, device=str(jax.devices()[0]),
-                       seconds=time.perf_counter() - t0, summary=summary, per_prompt=per_prompt), f, indent=1)
-    lines = ["| task | prompts | " + " | ".join(f"{v} dlogp / agree" for v in VARIANTS[1:]) + " |",
-             "|---|---|" + "---|" * (len(VARIANTS) - 1)]
-    for task, m in summary.items():
-        lines.append(f"| {task} | {m['prompts']} | " + " | ".join(
-            f"{m[f'{v}_dlogprob']:+.3f} / {m[f'{v}_agree']:.3f}" for v in VARIANTS[1:]) + " |")
-    text = (f"Tail probe: {args.model} ({args.dtype}), {args.tasks} at {args.context} ({args.split}), Top-k "
-            f"{args.topk_frac} (min_k {args.min_k}), tail blocks of {args.block}. The first {args.answer_steps} gold "
-            "answer tokens teacher-forced; dlogp: the answer's log-probability minus dense's, mean per prompt "
-            "(nats); agree: the share of answer steps whose argmax equals dense's.\n\n" + "\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "tail_probe.md"), "w") as f:
-        f.write(text)
-    print(text)
-
+    print(_save(args, per_prompt, t0, done=True))
 
 if __name__ == "__main__":
     main()
