@@ -95,6 +95,7 @@ def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = Non
 
 def resolve_anchors_and_head_map(model, tokenizer, r=None):
     from kascade_jax.calibration import resolve_anchors, resolve_head_map
+    from kascade_jax.calibration.head_map import check_anchors
     from kascade_jax.calibration.resolve import parse_anchors
 
     cfg = model.config
@@ -103,7 +104,7 @@ def resolve_anchors_and_head_map(model, tokenizer, r=None):
     anchors = parse_anchors(ANCHORS.value, cfg.num_layers, r.num_anchors)
     auto_map = None
     if anchors == "auto" and r.anchors:  # the recipe pins its anchors: those instead of the DP's, same head map
-        anchors = parse_anchors(",".join(map(str, r.anchors)), cfg.num_layers)
+        anchors = check_anchors(r.anchors, cfg.num_layers)
     elif anchors == "auto":
         anchors, auto_map = resolve_anchors(model, tokenizer, model_name=MODEL.value, num_anchors=r.num_anchors,
                                             tile_size=TILE_SIZE.value, importance=r.calib_importance, **calib)

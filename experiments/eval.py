@@ -113,7 +113,8 @@ def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int, recip
     from kascade_jax.calibration.resolve import parse_anchors  # noqa: PLC0415
 
     value, hm = recipe_flags.ANCHORS.value.strip(), FLAGS.head_map.strip()
-    if value == "auto" and recipe.anchors:  # the recipe pins its anchors: those instead of the DP's, same head map
+    pinned = value == "auto" and bool(recipe.anchors)
+    if pinned:  # the recipe pins its anchors: those instead of the DP's, same head map
         value, hm = ",".join(map(str, recipe.anchors)), hm or "auto"
     parsed = parse_anchors(value, num_layers, recipe.num_anchors)
     if value in ("", "even") and hm in ("", "identity"):
@@ -125,8 +126,8 @@ def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int, recip
     anchors, head_map = resolve_flags(FLAGS.model, value if parsed == "auto" else ",".join(map(str, parsed)), hm,
                                       num_layers=num_layers, kv_heads=kv_heads, num_anchors=recipe.num_anchors,
                                       model=model, tokenizer=tokenizer, **kw)
-    pinned = " (pinned by the recipe)" if recipe_flags.ANCHORS.value.strip() == "auto" and recipe.anchors else ""
-    return tuple(anchors), head_map, f"anchors: {recipe_flags.ANCHORS.value} -> {list(anchors)}{pinned}, head_map: {hm}"
+    how = " (pinned by the recipe)" if pinned else ""
+    return tuple(anchors), head_map, f"anchors: {recipe_flags.ANCHORS.value} -> {list(anchors)}{how}, head_map: {hm}"
 
 
 @flags.validator("context_lengths", message="--context_lengths takes positive integers, e.g. 4096,16384")
