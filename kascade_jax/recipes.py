@@ -329,6 +329,13 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "smol_p6": dict(num_anchors=6, anchors=(0, 2, 8, 18, 21, 24), sink_tokens=4, recent_window=60, decode_only=True),
     "smol_p6b": dict(num_anchors=6, anchors=(0, 2, 5, 8, 18, 21), sink_tokens=4, recent_window=60, decode_only=True),
     "smol_p6c": dict(num_anchors=6, anchors=(0, 2, 8, 13, 18, 21), sink_tokens=4, recent_window=60, decode_only=True),
+    # session 18: smol_p6 shipped (test 4K -5.2, 8K -3.5, blind) while each layer's own Top-k is at dense (4K dev
+    # -0.5, 8K -0.7) and the rerank recovers most of it (0,2,8,18 + rr4: -2.0 / -1.1): the loss is which keys the
+    # reuse reads, so the rerank's kernel-free neighbour, a larger decode budget, as it did for the 1.5B
+    "smol_p6_dec20": dict(num_anchors=6, anchors=(0, 2, 8, 18, 21, 24), sink_tokens=4, recent_window=60,
+                          decode_only=True, decode_topk_frac=0.2),
+    "smol_p6_dec30": dict(num_anchors=6, anchors=(0, 2, 8, 18, 21, 24), sink_tokens=4, recent_window=60,
+                          decode_only=True, decode_topk_frac=0.3),
 }
 
 
