@@ -12,9 +12,15 @@ steps) attend with
   topk+tailb the same, but only blocks with no selected key (what a kernel gets cheaply from per-block sums);
   topk+tailm every block's mean over all its keys, weighted by its unselected count (per-block sums kept with the
             cache and a histogram of the selected indices: the kernel-friendly estimate of the whole tail);
-  top3k     each layer's own Top-3k (the budget lever of session 17);
+  top3k     each layer's own Top-3k (the budget lever of session 17); topCk any multiple C of the budget;
+  topk+samp the Top-k plus every STRIDE-th unselected key, each weighted by STRIDE (a softmax term + log STRIDE):
+            a ratio estimate of the unselected keys' numerator and denominator from a uniform sample (as vAttention
+            and MagicPIG sample the tail), at 1/STRIDE more budget; selection-free, so it composes with the reuse;
+  topk+stride the same keys without the weight (a larger selection, no estimate);
 and the answer tokens' log-probability and argmax agreement with dense are compared. If topk+tail recovers more
 than half of topk's log-probability gap on fwe and changes nothing on niah, a tail term is worth a kernel.
+Session 18 (16K, GPU): the block-mean tails are worse than topk on fwe, top3k is at dense. Session 19's question:
+does the sampled tail beat the same budget spent on the Top-k (topk+samp vs top1.5k at STRIDE 20)?
 
     python results/accuracy/tail_probe.py --model=qwen2.5-coder-0.5b --tasks=fwe,niah_multikey_2 --context=4096 \
         --samples=4 --out=results/accuracy/<folder>
@@ -27,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -44,7 +51,15 @@ from kernels_pallas.dense import dense_attention  # noqa: E402
 from models import load_model  # noqa: E402
 from shift_probe import _probe_forward  # noqa: E402  (the same one-forward helper, out="logprobs")
 
-VARIANTS = ("dense", "topk", "topk+tail", "topk+tailb", "topk+tailm", "top3k")
+VARIANTS = ("dense", "topk", "topk+tail", "topk+tailb", "topk+tailm", "top3k")  # the default set (session 17)
+EXTRA = ("top1.5k", "topk+samp", "topk+stride")  # session 19 (--variants)
+_MULT = re.compile(r"top(\d+(?:\.\d+)?)k$")
+
+
+def check_variant(v: str) -> str:
+    if v in VARIANTS or v in EXTRA or _MULT.match(v):
+        return v
+    raise ValueError(f"unknown variant {v!r}; have {', '.join(VARIANTS + EXTRA)} or topCk (C times the budget)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +71,7 @@ class TailProbe:
     frac: float = 0.1
     min_k: int = 128
     block: int = 64
+    stride: int = 20  # topk+samp / topk+stride: every stride-th key
     name: str = "tail_probe"
 
     def attend(self, layer, inputs, state):
@@ -76,14 +92,20 @@ class TailProbe:
         logits = jnp.einsum("rkgd,skd->rkgs", qr, k, precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
         logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
         pooled = jax.nn.softmax(logits, axis=-1).sum(2)  # [rows, kvh, T]
-        frac = self.frac * (3 if self.variant == "top3k" else 1)
+        mult = _MULT.match(self.variant)
+        frac = self.frac * (float(mult.group(1)) if mult else 1.0)
         n = pos + 1
         kk = jnp.minimum(jnp.maximum(jnp.ceil(frac * n).astype(jnp.int32), self.min_k), n)  # [rows]
         srt = -jnp.sort(-pooled, axis=-1)  # descending
         thr = jnp.take_along_axis(srt, (kk - 1)[:, None, None].repeat(kvh, 1), axis=-1)  # [rows, kvh, 1]
         sel = (pooled >= thr) & valid[:, None, :]  # [rows, kvh, T]
         sl = jnp.where(sel[:, :, None, :], logits, -jnp.inf)  # [rows, kvh, g, T]
-        if self.variant in ("topk", "top3k"):
+        if self.variant == "topk" or mult:
+            o = jnp.einsum("rkgs,skd->rkgd", jax.nn.softmax(sl, axis=-1), v, precision=jax.lax.Precision.HIGHEST)
+        elif self.variant in ("topk+samp", "topk+stride"):
+            samp = ((jnp.arange(t) % self.stride) == 0)[None, None, :] & valid[:, None, :] & ~sel  # [rows, kvh, T]
+            w = math.log(self.stride) if self.variant == "topk+samp" else 0.0
+            sl = jnp.where(samp[:, :, None, :], logits + w, sl)
             o = jnp.einsum("rkgs,skd->rkgd", jax.nn.softmax(sl, axis=-1), v, precision=jax.lax.Precision.HIGHEST)
         else:
             nb = -(-t // self.block)
@@ -125,19 +147,19 @@ def _save(args, per_prompt, t0, done: bool) -> str:
             continue
         summary[task] = dict(prompts=len(recs), **{
             f"{v}_dlogprob": float(np.mean([r[f"{v}_logprob"] - r["dense_logprob"] for r in recs]))
-            for v in VARIANTS[1:]},
-            **{f"{v}_agree": float(np.mean([r[f"{v}_agree"] for r in recs])) for v in VARIANTS[1:]})
+            for v in args.variants[1:]},
+            **{f"{v}_agree": float(np.mean([r[f"{v}_agree"] for r in recs])) for v in args.variants[1:]})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tail_probe.json"), "w") as f:
         json.dump(dict(vars(args), jax=jax.__version__, device=str(jax.devices()[0]), seconds=time.perf_counter() - t0,
                        done=done, summary=summary, per_prompt=per_prompt), f, indent=1)
-    lines = ["| task | prompts | " + " | ".join(f"{v} dlogp / agree" for v in VARIANTS[1:]) + " |",
-             "|---|---|" + "---|" * (len(VARIANTS) - 1)]
+    lines = ["| task | prompts | " + " | ".join(f"{v} dlogp / agree" for v in args.variants[1:]) + " |",
+             "|---|---|" + "---|" * (len(args.variants) - 1)]
     for task, m in summary.items():
         lines.append(f"| {task} | {m['prompts']} | " + " | ".join(
-            f"{m[f'{v}_dlogprob']:+.3f} / {m[f'{v}_agree']:.3f}" for v in VARIANTS[1:]) + " |")
+            f"{m[f'{v}_dlogprob']:+.3f} / {m[f'{v}_agree']:.3f}" for v in args.variants[1:]) + " |")
     text = (f"Tail probe: {args.model} ({args.dtype}), {args.tasks} at {args.context} ({args.split}), Top-k "
-            f"{args.topk_frac} (min_k {args.min_k}), tail blocks of {args.block}. The first {args.answer_steps} gold "
+            f"{args.topk_frac} (min_k {args.min_k}), tail blocks of {args.block}, sample stride {args.stride}. The first {args.answer_steps} gold "
             "answer tokens teacher-forced; dlogp: the answer's log-probability minus dense's, mean per prompt "
             "(nats); agree: the share of answer steps whose argmax equals dense's."
             + ("" if done else " **Partial: the run has not finished.**") + "\n\n" + "\n".join(lines) + "\n")
@@ -156,10 +178,22 @@ def main(argv=None):
     ap.add_argument("--topk_frac", type=float, default=0.1)
     ap.add_argument("--min_k", type=int, default=128)
     ap.add_argument("--block", type=int, default=64, help="keys per tail block")
+    ap.add_argument("--stride", type=int, default=20, help="topk+samp / topk+stride: every STRIDE-th key")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"dense first, then any of {', '.join(VARIANTS[1:] + EXTRA)} or topCk")
     ap.add_argument("--answer_steps", type=int, default=8, help="answer tokens probed per prompt (the first ones)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    try:
+        args.variants = [check_variant(v) for v in args.variants.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"error: --variants: {e}") from None
+    if args.variants[0] != "dense" or len(set(args.variants)) != len(args.variants) or len(args.variants) < 2:
+        raise SystemExit(f"error: --variants must start with dense, name each variant once and at least one more; got "
+                         f"{','.join(args.variants)}")
+    if args.stride < 1:
+        raise SystemExit(f"error: --stride must be >= 1, got {args.stride}")
     if os.path.exists(os.path.join(args.out, "tail_probe.json")):
         raise SystemExit(f"error: {args.out}/tail_probe.json exists; choose another --out")
     model, tok = load_model(args.model, args.dtype)
@@ -181,8 +215,9 @@ def main(argv=None):
             tokens[0, : len(ids)] = ids
             rows = len(answer)
             res = {}
-            for var in VARIANTS:
-                strat = TailProbe(rows=rows, variant=var, frac=args.topk_frac, min_k=args.min_k, block=args.block)
+            for var in args.variants:
+                strat = TailProbe(rows=rows, variant=var, frac=args.topk_frac, min_k=args.min_k, block=args.block,
+                                  stride=args.stride)
                 lp = np.asarray(_probe_forward(graphdef, params, jnp.asarray(tokens),
                                                jnp.asarray([len(ids)], jnp.int32), strat, out="logprobs"))
                 steps = lp  # [rows, vocab]: row i predicts answer token i
@@ -190,15 +225,16 @@ def main(argv=None):
                                 argmax=[int(x) for x in steps.argmax(-1)])
             dense_arg = res["dense"]["argmax"]
             rec = dict(task=task, index=s["index"], prompt_tokens=len(prompt), answer_tokens=rows,
-                       **{f"{v}_logprob": res[v]["logprob"] for v in VARIANTS},
+                       **{f"{v}_logprob": res[v]["logprob"] for v in args.variants},
                        **{f"{v}_agree": float(np.mean([a == b for a, b in zip(res[v]["argmax"], dense_arg)]))
-                          for v in VARIANTS[1:]},
+                          for v in args.variants[1:]},
                        dense_gold_argmax=float(np.mean([a == b for a, b in zip(dense_arg, answer)])))
             per_prompt.append(rec)
             _save(args, per_prompt, t0, done=False)
             print(f"{task}[{s['index']}] {len(prompt)}+{rows} tokens, {time.perf_counter() - t0:.0f} s: "
-                  + ", ".join(f"{v} {rec[f'{v}_logprob']:.2f}" for v in VARIANTS), flush=True)
+                  + ", ".join(f"{v} {rec[f'{v}_logprob']:.2f}" for v in args.variants), flush=True)
     print(_save(args, per_prompt, t0, done=True))
+
 
 if __name__ == "__main__":
     main()

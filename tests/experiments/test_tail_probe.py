@@ -73,3 +73,39 @@ def test_tail_is_exact_when_each_block_repeats_one_key():
         np.testing.assert_allclose(_attend(x, rows=4, variant=var, frac=0.1, min_k=8, block=16)[0, rows], dense,
                                    atol=2e-5)
     assert float(np.abs(topk - dense).max()) > 1e-2
+
+
+def test_sampled_tail_is_dense_at_stride_one_and_exact_when_the_stride_repeats_one_key():
+    """topk+samp adds every stride-th unselected key weighted by the stride: at stride 1 that is every key (dense);
+    when each run of `stride` keys repeats one key and value, the sample stands exactly for its run (the last row,
+    which sees whole runs), while the same keys unweighted (topk+stride) and the Top-k alone are off."""
+    x = _inputs(seed=3)
+    dense = _attend(x, rows=4, variant="dense")
+    for var in ("topk+samp", "topk+stride"):
+        np.testing.assert_allclose(_attend(x, rows=4, variant=var, frac=0.1, min_k=8, stride=1), dense, atol=2e-5)
+    x = _inputs(t=192, valid=192, seed=4)
+    rep = lambda a: jnp.repeat(a[:, ::16], 16, axis=1)  # noqa: E731
+    x = AttentionInputs(q=x.q, k_cache=rep(x.k_cache), v_cache=rep(x.v_cache), q_start=x.q_start, kv_len=x.kv_len,
+                        seq_len=x.seq_len, phase="prefill")
+    last = slice(191, 192)
+    dense = _attend(x, rows=1, variant="dense")[0, last]
+    samp = _attend(x, rows=1, variant="topk+samp", frac=0.1, min_k=8, stride=16)[0, last]
+    np.testing.assert_allclose(samp, dense, atol=2e-5)
+    for var in ("topk", "topk+stride"):
+        assert float(np.abs(_attend(x, rows=1, variant=var, frac=0.1, min_k=8, stride=16)[0, last] - dense).max()) > 1e-2
+
+
+def test_budget_multiples_and_variant_names():
+    x = _inputs(seed=5)
+    np.testing.assert_allclose(_attend(x, rows=4, variant="top1.5k", frac=0.1, min_k=8),
+                               _attend(x, rows=4, variant="topk", frac=0.15, min_k=8), atol=1e-6)
+    assert tail_probe.check_variant("top2.5k") == "top2.5k"
+    with pytest.raises(ValueError, match="unknown variant 'topx'"):
+        tail_probe.check_variant("topx")
+
+
+def test_variants_flag_is_checked_before_the_model_loads(tmp_path, capsys):
+    for bad, msg in (("topk,dense", "must start with dense"), ("dense,topq", "unknown variant 'topq'"),
+                     ("dense", "at least one more")):
+        with pytest.raises(SystemExit, match=msg):
+            tail_probe.main([f"--variants={bad}", f"--out={tmp_path}"])
