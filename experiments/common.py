@@ -79,6 +79,7 @@ def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = Non
     frac = TOPK_FRAC.value if topk_frac is None else topk_frac
     if name in KASCADE_FAMILY:
         r = recipe()
+        recipe_flags.notify_untuned(r)
         anchors, head_map = resolve_anchors_and_head_map(model, tokenizer, r)
         levers = r.levers()
         if TILE_SIZE.present or "tile_size" not in levers:  # an explicit --tile_size wins over the recipe's

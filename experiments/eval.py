@@ -173,6 +173,11 @@ def main(argv):
     report.check_output_dir(out, overwrite=FLAGS.overwrite, resume=FLAGS.resume)
     mesh = devices.setup()
     recipes = resolve_recipes()
+    from kascade_jax.registry import KASCADE_FAMILY  # noqa: PLC0415
+
+    if any(s in KASCADE_FAMILY for s in FLAGS.strategies):
+        for r in recipes:
+            recipe_flags.notify_untuned(r)
     check_levers_fit(recipes, [int(x) for x in FLAGS.context_lengths],
                      explicit=[f for f in ("dense_suffix", "local_window") if FLAGS[f].present])
     recipe = recipes[0]

@@ -15,6 +15,7 @@ Deliberately not here: the model flags (`experiments.common`), building strategi
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from absl import flags
 
@@ -32,10 +33,11 @@ def _shipped_defaults() -> list[str]:
 
 
 RECIPE = flags.DEFINE_string("recipe", "default", "Kascade recipe (kascade_jax.recipes): 'default' (tuned on the "
-                             "dev split for this model, shipped in kascade_jax/data/recipes; the paper recipe where "
-                             "none is shipped), 'paper' (the paper's method exactly), 'candidate:<name>' or a .json "
-                             "path; experiments.eval takes a comma-separated list (one process, one model load). "
-                             "The recipe flags below, given explicitly, override its fields. Shipped defaults: "
+                             "dev split for this model, shipped in kascade_jax/data/recipes; dps_all, with a printed "
+                             "note, where none is shipped), 'paper' (the paper's method exactly), 'candidate:<name>' "
+                             "or a .json path; experiments.eval takes a comma-separated list (one process, one "
+                             "model load). The recipe flags below, given explicitly, override its fields. "
+                             "Shipped defaults: "
                              + " | ".join(_shipped_defaults()))
 NUM_ANCHORS = flags.DEFINE_integer("num_anchors", None, "anchor count M for --anchors=auto|even (recipe's; a "
                                    "recipe that pins its anchors, given another M, lets the DP pick M instead)")
@@ -128,6 +130,19 @@ def resolve_recipes(model_name: str) -> list:
     from kascade_jax.recipes import load_recipe  # noqa: PLC0415
 
     return [_apply_flags(load_recipe(model_name, n)) for n in _recipe_names()]
+
+
+_NOTIFIED: set[str] = set()
+
+
+def notify_untuned(recipe) -> None:
+    """Print, once per process, that `recipe` is the fallback of a model without a tuned recipe (and what to do)."""
+    from kascade_jax.recipes import untuned_notice  # noqa: PLC0415
+
+    text = untuned_notice(recipe)
+    if text and text not in _NOTIFIED:
+        _NOTIFIED.add(text)
+        print(f"note: {text}", file=sys.stderr, flush=True)
 
 
 def calibration_kwargs(recipe, dtype: str) -> dict:

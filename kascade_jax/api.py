@@ -12,6 +12,7 @@ head map of its calibration (shipped, else cached, else calibrated now with a pr
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -35,13 +36,15 @@ def strategy_for(model, name: str = "kascade", *, recipe: Any = "default", model
         budget = dict(topk_frac=topk_frac, min_k=min_k) if name in BUDGETED_BASELINES else {}
         return make_strategy(name, cfg.num_layers, cfg.kv_heads, **budget)
     from kascade_jax.calibration.resolve import recipe_kascade  # noqa: PLC0415
-    from kascade_jax.recipes import Recipe, load_recipe  # noqa: PLC0415
+    from kascade_jax.recipes import Recipe, load_recipe, untuned_notice  # noqa: PLC0415
 
     model_name = model_name or getattr(cfg, "name", "")
     if not model_name:
         raise ValueError("strategy_for: the model has no name (config.name); pass model_name=... (the alias that "
                          "keys its calibration)")
     r = recipe if isinstance(recipe, Recipe) else load_recipe(model_name, recipe)
+    if verbose and untuned_notice(r):
+        print(f"note: {untuned_notice(r)}", file=sys.stderr, flush=True)
     dtype = getattr(getattr(model, "dtype", None), "name", None) or str(getattr(model, "dtype", "float32"))
     kw, desc = recipe_kascade(model_name, cfg.num_layers, cfg.kv_heads, recipe=r, dtype=dtype, model=model,
                               tokenizer=tokenizer, calibrate=calibrate)

@@ -121,3 +121,17 @@ def test_num_anchors_given_to_a_pinned_recipe_lets_the_dp_choose_that_many():
         flags.FLAGS.unparse_flags()
         cli._parse_flags(["generate"])
         assert recipe_flags.resolve_recipe("smollm2-135m") == shipped
+
+
+def test_the_untuned_fallback_is_announced_once(capsys):
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate"])
+        r = recipe_flags.resolve_recipe("my-own-model")
+        shipped = recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+    recipe_flags._NOTIFIED.discard(recipes.untuned_notice(r))
+    for _ in range(2):
+        recipe_flags.notify_untuned(r)
+        recipe_flags.notify_untuned(shipped)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"note: {recipes.untuned_notice(r)}"] and "'my-own-model': dps_all" in err[0]

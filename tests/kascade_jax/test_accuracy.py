@@ -268,8 +268,16 @@ def test_a_recipe_pins_anchors():
 
 def test_recipes(tmp_path):
     assert load_recipe("any-model", "paper") == PAPER
-    d = load_recipe("a-model-without-a-recipe", "default")
-    assert d.name == "default" and d.levers() == PAPER.levers() and "paper recipe" in d.note
+    d = load_recipe("a-model-without-a-recipe", "default")  # the untuned fallback: dps_all, and it says so
+    assert d.name == "default" and d.levers() == candidate("dps_all").levers() and d.levers() != PAPER.levers()
+    assert d.num_anchors == 5 and d.anchors is None and d.calib_dtype is None
+    from kascade_jax.recipes import untuned_notice
+
+    text = untuned_notice(d)
+    assert "no tuned recipe shipped for 'a-model-without-a-recipe': dps_all" in text and "--mode=choose" in text
+    assert untuned_notice(d.replace(num_anchors=6)) == text  # explicit flags on top keep the notice
+    assert untuned_notice(load_recipe("qwen2.5-coder-0.5b", "default")) is None
+    assert untuned_notice(load_recipe("a-model-without-a-recipe", "paper")) is None
     assert candidate("sw").levers() == dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0)
     assert load_recipe("m", "candidate:m6").num_anchors == 6
     assert PAPER.replace(num_anchors=5) is PAPER

@@ -78,6 +78,18 @@ def test_api_strategy_equals_the_cli_strategy():
     assert len(from_cli) == len(SHIPPED) * len(RECIPES) >= 15
 
 
+def test_api_announces_the_untuned_fallback(capsys):
+    """A model without a shipped recipe gets dps_all and a printed note (before the calibration it needs)."""
+    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=4, kv_heads=1, name="my-own-model"),
+                                  dtype=jnp.dtype("float32"))
+    with pytest.raises(ValueError, match="no shipped or cached calibration"):
+        kascade_jax.strategy_for(model, calibrate=False)
+    assert "note: no tuned recipe shipped for 'my-own-model': dps_all" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no shipped or cached calibration"):
+        kascade_jax.strategy_for(model, calibrate=False, verbose=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_api_baselines_and_errors():
     model = _model("qwen2.5-coder-0.5b")
     q = kascade_jax.strategy_for(model, "quest", topk_frac=0.2, min_k=64)
