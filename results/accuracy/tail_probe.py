@@ -17,6 +17,9 @@ steps) attend with
             a ratio estimate of the unselected keys' numerator and denominator from a uniform sample (as vAttention
             and MagicPIG sample the tail), at 1/STRIDE more budget; selection-free, so it composes with the reuse;
   topk+stride the same keys without the weight (a larger selection, no estimate);
+  toppP     per row and KV head the fewest keys that hold mass P of the pooled attention (at least min_k): an
+            adaptive budget (as Twilight's top-p), large where attention is flat (counting) and small where it is
+            peaked; its mean budget is measured and reported beside the fixed ones;
 and the answer tokens' log-probability and argmax agreement with dense are compared. If topk+tail recovers more
 than half of topk's log-probability gap on fwe and changes nothing on niah, a tail term is worth a kernel.
 Session 18 (16K, GPU): the block-mean tails are worse than topk on fwe, top3k is at dense. Session 19's question:
@@ -52,14 +55,30 @@ from models import load_model  # noqa: E402
 from shift_probe import _probe_forward  # noqa: E402  (the same one-forward helper, out="logprobs")
 
 VARIANTS = ("dense", "topk", "topk+tail", "topk+tailb", "topk+tailm", "top3k")  # the default set (session 17)
-EXTRA = ("top1.5k", "topk+samp", "topk+stride")  # session 19 (--variants)
+EXTRA = ("top1.5k", "topk+samp", "topk+stride", "topp0.9")  # session 19 (--variants)
 _MULT = re.compile(r"top(\d+(?:\.\d+)?)k$")
+_TOPP = re.compile(r"topp(0?\.\d+)$")
+_BUDGETS: list[float] = []  # toppP: each layer's mean fraction of the keys selected, appended as the forward runs
+
+
+def _record_budget(x):
+    _BUDGETS.append(float(x))
+
+
+def fixed_budget(variant: str, frac: float, stride: int) -> float | None:
+    """The fraction of keys a variant attends (before min_k), None for toppP (measured) and dense."""
+    mult = _MULT.match(variant)
+    if mult or variant.startswith("topk"):
+        return frac * (float(mult.group(1)) if mult else 1.0) + (1 / stride if variant in ("topk+samp",
+                                                                                           "topk+stride") else 0.0)
+    return None
 
 
 def check_variant(v: str) -> str:
-    if v in VARIANTS or v in EXTRA or _MULT.match(v):
+    if v in VARIANTS or v in EXTRA or _MULT.match(v) or (_TOPP.match(v) and 0 < float(_TOPP.match(v).group(1)) < 1):
         return v
-    raise ValueError(f"unknown variant {v!r}; have {', '.join(VARIANTS + EXTRA)} or topCk (C times the budget)")
+    raise ValueError(f"unknown variant {v!r}; have {', '.join(VARIANTS + EXTRA)}, topCk (C times the budget) "
+                     f"or toppP (0 < P < 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +116,16 @@ class TailProbe:
         n = pos + 1
         kk = jnp.minimum(jnp.maximum(jnp.ceil(frac * n).astype(jnp.int32), self.min_k), n)  # [rows]
         srt = -jnp.sort(-pooled, axis=-1)  # descending
-        thr = jnp.take_along_axis(srt, (kk - 1)[:, None, None].repeat(kvh, 1), axis=-1)  # [rows, kvh, 1]
+        kk = kk[:, None].repeat(kvh, 1)  # [rows, kvh]
+        topp = _TOPP.match(self.variant)
+        if topp:  # the fewest keys reaching mass P (pooled over the group: the total is g), at least min_k
+            reach = (jnp.cumsum(srt, axis=-1) / g < float(topp.group(1))).sum(-1) + 1
+            kk = jnp.minimum(jnp.maximum(reach, jnp.minimum(self.min_k, n)[:, None]), n[:, None])
+            jax.debug.callback(_record_budget, (kk / n[:, None]).mean())
+        thr = jnp.take_along_axis(srt, (kk - 1)[..., None], axis=-1)  # [rows, kvh, 1]
         sel = (pooled >= thr) & valid[:, None, :]  # [rows, kvh, T]
         sl = jnp.where(sel[:, :, None, :], logits, -jnp.inf)  # [rows, kvh, g, T]
-        if self.variant == "topk" or mult:
+        if self.variant == "topk" or mult or topp:
             o = jnp.einsum("rkgs,skd->rkgd", jax.nn.softmax(sl, axis=-1), v, precision=jax.lax.Precision.HIGHEST)
         elif self.variant in ("topk+samp", "topk+stride"):
             samp = ((jnp.arange(t) % self.stride) == 0)[None, None, :] & valid[:, None, :] & ~sel  # [rows, kvh, T]
@@ -148,7 +173,9 @@ def _save(args, per_prompt, t0, done: bool) -> str:
         summary[task] = dict(prompts=len(recs), **{
             f"{v}_dlogprob": float(np.mean([r[f"{v}_logprob"] - r["dense_logprob"] for r in recs]))
             for v in args.variants[1:]},
-            **{f"{v}_agree": float(np.mean([r[f"{v}_agree"] for r in recs])) for v in args.variants[1:]})
+            **{f"{v}_agree": float(np.mean([r[f"{v}_agree"] for r in recs])) for v in args.variants[1:]},
+            **{f"{v}_budget": float(np.mean([r[f"{v}_budget"] for r in recs])) for v in args.variants[1:]
+               if all(r.get(f"{v}_budget") is not None for r in recs)})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tail_probe.json"), "w") as f:
         json.dump(dict(vars(args), jax=jax.__version__, device=str(jax.devices()[0]), seconds=time.perf_counter() - t0,
@@ -158,6 +185,9 @@ def _save(args, per_prompt, t0, done: bool) -> str:
     for task, m in summary.items():
         lines.append(f"| {task} | {m['prompts']} | " + " | ".join(
             f"{m[f'{v}_dlogprob']:+.3f} / {m[f'{v}_agree']:.3f}" for v in args.variants[1:]) + " |")
+    for task, m in summary.items():  # the fraction of keys each variant attends (toppP: measured, mean over layers)
+        lines.append(f"| {task}: budget | | " + " | ".join(
+            f"{m[f'{v}_budget']:.3f}" if f"{v}_budget" in m else "-" for v in args.variants[1:]) + " |")
     text = (f"Tail probe: {args.model} ({args.dtype}), {args.tasks} at {args.context} ({args.split}), Top-k "
             f"{args.topk_frac} (min_k {args.min_k}), tail blocks of {args.block}, sample stride {args.stride}. The first {args.answer_steps} gold "
             "answer tokens teacher-forced; dlogp: the answer's log-probability minus dense's, mean per prompt "
@@ -218,16 +248,20 @@ def main(argv=None):
             for var in args.variants:
                 strat = TailProbe(rows=rows, variant=var, frac=args.topk_frac, min_k=args.min_k, block=args.block,
                                   stride=args.stride)
+                _BUDGETS.clear()
                 lp = np.asarray(_probe_forward(graphdef, params, jnp.asarray(tokens),
                                                jnp.asarray([len(ids)], jnp.int32), strat, out="logprobs"))
+                jax.effects_barrier()
+                budget = float(np.mean(_BUDGETS)) if _BUDGETS else fixed_budget(var, args.topk_frac, args.stride)
                 steps = lp  # [rows, vocab]: row i predicts answer token i
                 res[var] = dict(logprob=float(sum(steps[i, a] for i, a in enumerate(answer))),
-                                argmax=[int(x) for x in steps.argmax(-1)])
+                                argmax=[int(x) for x in steps.argmax(-1)], budget=budget)
             dense_arg = res["dense"]["argmax"]
             rec = dict(task=task, index=s["index"], prompt_tokens=len(prompt), answer_tokens=rows,
                        **{f"{v}_logprob": res[v]["logprob"] for v in args.variants},
                        **{f"{v}_agree": float(np.mean([a == b for a, b in zip(res[v]["argmax"], dense_arg)]))
                           for v in args.variants[1:]},
+                       **{f"{v}_budget": res[v]["budget"] for v in args.variants[1:]},
                        dense_gold_argmax=float(np.mean([a == b for a, b in zip(dense_arg, answer)])))
             per_prompt.append(rec)
             _save(args, per_prompt, t0, done=False)

@@ -109,3 +109,25 @@ def test_variants_flag_is_checked_before_the_model_loads(tmp_path, capsys):
                      ("dense", "at least one more")):
         with pytest.raises(SystemExit, match=msg):
             tail_probe.main([f"--variants={bad}", f"--out={tmp_path}"])
+
+
+def test_topp_takes_the_fewest_keys_holding_the_mass_and_reports_its_budget():
+    """toppP: per row and KV head the smallest Top-count whose pooled mass reaches P (at least min_k), so P close
+    to 1 is dense and a P below the Top-k's own mass needs fewer keys than it; the budget is recorded."""
+    x = _inputs(seed=6)
+    dense = _attend(x, rows=4, variant="dense")
+    tail_probe._BUDGETS.clear()
+    np.testing.assert_allclose(_attend(x, rows=4, variant="topp0.999999", frac=0.1, min_k=1), dense, atol=1e-4)
+    jax.effects_barrier()
+    assert tail_probe._BUDGETS and max(tail_probe._BUDGETS) > 0.5
+    tail_probe._BUDGETS.clear()
+    low = _attend(x, rows=4, variant="topp0.3", frac=0.1, min_k=1)
+    jax.effects_barrier()
+    assert 0 < max(tail_probe._BUDGETS) < 0.3 and float(np.abs(low - dense).max()) > 1e-2
+    # min_k binds: a tiny P with min_k = every key is dense again
+    np.testing.assert_allclose(_attend(x, rows=4, variant="topp0.01", frac=0.1, min_k=400), dense, atol=2e-5)
+    assert tail_probe.fixed_budget("top1.5k", 0.1, 20) == pytest.approx(0.15)
+    assert tail_probe.fixed_budget("topk+samp", 0.1, 20) == pytest.approx(0.15)
+    assert tail_probe.fixed_budget("topp0.9", 0.1, 20) is None and tail_probe.check_variant("topp0.95") == "topp0.95"
+    with pytest.raises(ValueError, match="unknown variant 'topp1.5'"):
+        tail_probe.check_variant("topp1.5")
