@@ -213,7 +213,7 @@ def load_recipe(model_name: str, name: str = "default") -> Recipe:
             note=f"{_UNTUNED_NOTE} {model_name!r}: {UNTUNED} (dense prefill, Kascade decode with one Top-k set per "
                  f"anchor shared by all heads; on real RULER's test prompts at 16K it lost 1.4 points on "
                  f"Qwen2.5-Coder-0.5B and 2.3 on the 1.5B, where the paper recipe lost 7.7 and 11.3). Tune one for "
-                 f"this model on its dev split: experiments.accuracy --mode=choose (docs/evaluation-and-recipes.md)")
+                 f"this model on its dev split: docs/evaluation-and-recipes.md, 'Tuning a recipe for your own model'")
     doc = json.loads(path.read_text())
     if "default" not in doc:
         raise ValueError(f"{path}: a recipe file needs a 'default' entry, got keys {sorted(doc)}")

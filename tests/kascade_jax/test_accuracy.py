@@ -274,7 +274,7 @@ def test_recipes(tmp_path):
     from kascade_jax.recipes import untuned_notice
 
     text = untuned_notice(d)
-    assert "no tuned recipe shipped for 'a-model-without-a-recipe': dps_all" in text and "--mode=choose" in text
+    assert "no tuned recipe shipped for 'a-model-without-a-recipe': dps_all" in text and "your own model" in text
     assert untuned_notice(d.replace(num_anchors=6)) == text  # explicit flags on top keep the notice
     assert untuned_notice(load_recipe("qwen2.5-coder-0.5b", "default")) is None
     assert untuned_notice(load_recipe("a-model-without-a-recipe", "paper")) is None
