@@ -95,23 +95,16 @@ def build_strategy(name: str, model, tokenizer, *, topk_frac: float | None = Non
 
 
 def resolve_anchors_and_head_map(model, tokenizer, r=None):
-    from kascade_jax.calibration import resolve_anchors, resolve_head_map
-    from kascade_jax.calibration.head_map import check_anchors
-    from kascade_jax.calibration.resolve import parse_anchors
+    """(anchors or None, head map rows or None) from --anchors / --head_map under the recipe (the recipe's pinned
+    anchors for 'auto' when it has them): `calibration.resolve.resolve_recipe_flags`, as experiments.eval runs."""
+    from kascade_jax.calibration.resolve import resolve_recipe_flags
 
     cfg = model.config
     r = recipe() if r is None else r
-    calib = recipe_flags.calibration_kwargs(r, DTYPE.value)
-    anchors = parse_anchors(ANCHORS.value, cfg.num_layers, r.num_anchors)
-    auto_map = None
-    if anchors == "auto" and r.anchors:  # the recipe pins its anchors: those instead of the DP's, same head map
-        anchors = check_anchors(r.anchors, cfg.num_layers)
-    elif anchors == "auto":
-        anchors, auto_map = resolve_anchors(model, tokenizer, model_name=MODEL.value, num_anchors=r.num_anchors,
-                                            tile_size=TILE_SIZE.value, importance=r.calib_importance, **calib)
-    head_map = resolve_head_map(HEAD_MAP.value, anchors, cfg.num_layers, cfg.kv_heads, auto_map=auto_map,
-                                model=model, tokenizer=tokenizer, model_name=MODEL.value, tile_size=TILE_SIZE.value,
-                                **calib)
+    anchors, head_map, _ = resolve_recipe_flags(MODEL.value, r, ANCHORS.value, HEAD_MAP.value,
+                                                num_layers=cfg.num_layers, kv_heads=cfg.kv_heads, dtype=DTYPE.value,
+                                                tile_size=TILE_SIZE.value, recalibrate=recipe_flags.RECALIBRATE.value,
+                                                model=model, tokenizer=tokenizer)
     return anchors, head_map
 
 

@@ -109,25 +109,11 @@ def variant_kwargs(model, tokenizer, recipe, anchors, head_map) -> tuple:
 
 def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int, recipe):
     """(anchors or None, head_map or None, note) from --anchors / --head_map and the recipe's M and calibration."""
-    from kascade_jax.calibration import resolve_flags  # noqa: PLC0415
-    from kascade_jax.calibration.resolve import parse_anchors  # noqa: PLC0415
+    from kascade_jax.calibration.resolve import resolve_recipe_flags  # noqa: PLC0415
 
-    value, hm = recipe_flags.ANCHORS.value.strip(), FLAGS.head_map.strip()
-    pinned = value == "auto" and bool(recipe.anchors)
-    if pinned:  # the recipe pins its anchors: those instead of the DP's, same head map
-        value, hm = ",".join(map(str, recipe.anchors)), hm or "auto"
-    parsed = parse_anchors(value, num_layers, recipe.num_anchors)
-    if value in ("", "even") and hm in ("", "identity"):
-        anchors = parsed if value == "even" else None
-        return anchors, None, "anchors: " + ("evenly spaced" if anchors else "registry default")
-    hm = hm or ("auto" if value == "auto" else "identity")
-    kw = dict(tile_size=FLAGS.tile_size) if FLAGS.tile_size else {}
-    kw.update(recipe_flags.calibration_kwargs(recipe, FLAGS.dtype), importance=recipe.calib_importance)
-    anchors, head_map = resolve_flags(FLAGS.model, value if parsed == "auto" else ",".join(map(str, parsed)), hm,
-                                      num_layers=num_layers, kv_heads=kv_heads, num_anchors=recipe.num_anchors,
-                                      model=model, tokenizer=tokenizer, **kw)
-    how = " (pinned by the recipe)" if pinned else ""
-    return tuple(anchors), head_map, f"anchors: {recipe_flags.ANCHORS.value} -> {list(anchors)}{how}, head_map: {hm}"
+    return resolve_recipe_flags(FLAGS.model, recipe, recipe_flags.ANCHORS.value, FLAGS.head_map,
+                                num_layers=num_layers, kv_heads=kv_heads, dtype=FLAGS.dtype, tile_size=FLAGS.tile_size,
+                                recalibrate=recipe_flags.RECALIBRATE.value, model=model, tokenizer=tokenizer)
 
 
 @flags.validator("context_lengths", message="--context_lengths takes positive integers, e.g. 4096,16384")

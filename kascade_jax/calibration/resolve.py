@@ -1,17 +1,18 @@
 """`--anchors=auto|0,2,8,...`, `--num_anchors`, `--head_map=identity|auto|<path>`: flag values -> anchors, head map.
 
-`resolve_anchors` finds the artifact whose recorded `CalibrationKey` (model file identity, dataset and its config,
+`load_or_calibrate` finds the artifact whose recorded `CalibrationKey` (model file identity, dataset and its config,
 prompt count, min/max tokens, seed, k, tile_size, reduce, block_tiles, dtype) equals the one asked for, in the cache
 directory (`artifact.default_cache_dir()`, or `cache_dir`) and then among the calibrations shipped in the package;
 else it runs the calibration (dense forwards on the development set; announced on stderr with its prompt count, an
 estimated time and the cached near misses it did not use, with their differing fields; a tqdm bar) and saves it
-under `<stem>-<digest of the key>.json`, so calibrations that differ in any key field never share a file. It then
-returns the DP's anchor set for `num_anchors` with its head map.
-`resolve_flags` is what `experiments/generate.py` and `experiments/eval.py` call with their raw flag values.
-`recipe_kascade` is the one call for a library user or a script without the recipe flags (serve_replay,
-kascade_agreement): a recipe (default: the model's shipped one) -> the make_strategy keywords (anchors, head map,
-levers), its calibration keyed by the recipe's `calib_dtype` whatever the run's dtype; calibrate=False never
-starts a calibration. `resolve_anchors` with its default keywords keys a float32 paper-recipe calibration.
+under `<stem>-<digest of the key>.json`, so calibrations that differ in any key field never share a file.
+Two ways in, one per kind of caller:
+- `resolve_recipe_flags`: the command lines (`experiments.common.build_strategy`, `experiments.eval`): `--anchors`
+  / `--head_map` under a recipe, the one place a recipe's pinned anchors replace the DP's;
+- `recipe_kascade`: a library user or a script without those flags (`kascade_jax.strategy_for`, bench e2e): a
+  recipe (default: the model's shipped one) -> the make_strategy keywords (anchors, head map, levers), its
+  calibration keyed by the recipe's `calib_dtype` whatever the run's dtype; calibrate=False never starts one.
+A test keeps the two equal for every shipped model and recipe (tests/kascade_jax/test_api.py).
 
 k defaults to the official 64, raised to 2 * tile_size when the tile is that large (k must exceed the tile:
 k - tile_size keys are selected on top of the diagonal tile).
@@ -190,39 +191,11 @@ def load_or_calibrate(model_name: str, *, dataset: str = "builtin", num_prompts:
     return art
 
 
-def resolve_anchors(name_or_model, config=None, num_anchors: int = 5, dataset: str = "builtin",
-                    num_prompts: int = 64, *, num_layers: int | None = None, kv_heads: int | None = None,
-                    model_name: str | None = None, importance: str = "paper", **calibration_kwargs):
-    """(anchors, head_map [num_layers, kv_heads] int32) for `num_anchors` anchors of the matching calibration.
-
-    config: anything with `tile_size` (and `num_layers`/`kv_heads`), e.g. a KascadeConfig, or None (tile 32).
-    Also accepted: `resolve_anchors(model, tokenizer, model_name=..., ...)` (a loaded model, no reload).
-    """
-    if isinstance(name_or_model, str):
-        model_name = name_or_model
-    else:  # the (model, tokenizer) form
-        calibration_kwargs.update(model=name_or_model, tokenizer=config)
-        config = name_or_model.config
-        model_name = model_name or getattr(config, "name", "")
-        if not model_name:
-            raise ValueError("resolve_anchors(model, tokenizer, ...) needs model_name=... to key the calibration cache")
-    tile_size = int(getattr(config, "tile_size", calibration_kwargs.pop("tile_size", 32)))
-    num_layers = getattr(config, "num_layers", num_layers)
-    kv_heads = getattr(config, "kv_heads", kv_heads)
-    art = load_or_calibrate(model_name, dataset=dataset, num_prompts=num_prompts, tile_size=tile_size,
-                            **calibration_kwargs)
-    if num_layers is not None or kv_heads is not None:
-        art.check_model(art.num_layers if num_layers is None else num_layers,
-                        art.kv_heads if kv_heads is None else kv_heads)
-    anchors = art.anchors_for(num_anchors, importance)
-    return anchors, art.head_map(anchors)
-
-
 def resolve_head_map(value: str, anchors, num_layers: int, kv_heads: int, *, artifact=None, auto_map=None,
                      model_name: str | None = None, **calibration_kwargs) -> np.ndarray:
     """'identity' | 'auto' | a .npy/.json path -> [num_layers, kv_heads] int32.
 
-    'auto' uses `auto_map` if given (the map `resolve_anchors` returned for these anchors), else derives the map
+    'auto' uses `auto_map` if given (the map `recipe_kascade` returned for these anchors), else derives the map
     for `anchors` from `artifact`'s head similarity, else loads/runs the calibration of `model_name`.
     """
     anchors = check_anchors(anchors, num_layers)
@@ -243,7 +216,7 @@ def resolve_head_map(value: str, anchors, num_layers: int, kv_heads: int, *, art
     return load_head_map_file(value, num_layers, kv_heads, anchors)
 
 
-def resolve_flags(model_name: str, anchors: str, head_map: str, *, num_layers: int, kv_heads: int,
+def _resolve_flags(model_name: str, anchors: str, head_map: str, *, num_layers: int, kv_heads: int,
                   num_anchors: int = 5, tile_size: int = 32, importance: str = "paper", **calibration_kwargs):
     """Raw flag values -> (anchors tuple, head_map as a tuple of rows, or None for identity): KascadeConfig-ready.
 
@@ -261,6 +234,33 @@ def resolve_flags(model_name: str, anchors: str, head_map: str, *, num_layers: i
     if head_map == "identity":
         return parsed, None
     return parsed, tuple(tuple(int(h) for h in row) for row in hm)
+
+
+def resolve_recipe_flags(model_name: str, recipe, anchors: str, head_map: str, *, num_layers: int, kv_heads: int,
+                         dtype: str = "float32", tile_size: int | None = None, recalibrate: bool = False, model=None,
+                         tokenizer=None, cache_dir=None) -> tuple[tuple[int, ...] | None, tuple | None, str]:
+    """`--anchors` / `--head_map` under a recipe -> (anchors or None, head map rows or None, a note): what every
+    command line runs. 'auto' takes the recipe's pinned anchors when it has them, else the DP's for its anchor count,
+    with the head map of the recipe's calibration (`head_map` '' means 'auto' there, 'identity' for explicit
+    anchors); '' (the registry default) or 'even' with an identity map need no calibration."""
+    value, hm = str(anchors).strip(), str(head_map).strip()
+    pinned = value == "auto" and bool(recipe.anchors)
+    if pinned:  # the recipe pins its anchors: those instead of the DP's, same head map
+        value, hm = ",".join(map(str, recipe.anchors)), hm or "auto"
+    parsed = parse_anchors(value, num_layers, recipe.num_anchors)
+    if value in ("", "even") and hm in ("", "identity"):
+        got = parsed if value == "even" else None
+        return got, None, "anchors: " + ("evenly spaced" if got else "registry default")
+    hm = hm or ("auto" if value == "auto" else "identity")
+    kw = dict(recipe.calibration_kwargs(dtype), recalibrate=recalibrate)
+    if tile_size:
+        kw["tile_size"] = tile_size
+    got, rows = _resolve_flags(model_name, value if parsed == "auto" else ",".join(map(str, parsed)), hm,
+                               num_layers=num_layers, kv_heads=kv_heads, num_anchors=recipe.num_anchors,
+                               importance=recipe.calib_importance, model=model, tokenizer=tokenizer,
+                               cache_dir=cache_dir, **kw)
+    how = " (pinned by the recipe)" if pinned else ""
+    return tuple(got), rows, f"anchors: {str(anchors).strip()} -> {list(got)}{how}, head_map: {hm}"
 
 
 def rerank_layers(model_name: str, recipe, anchors, head_map, *, num_layers: int, kv_heads: int,

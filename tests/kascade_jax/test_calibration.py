@@ -265,24 +265,29 @@ def _keyed_artifact(rng, **key_fields):
     return dataclasses.replace(art, key=key.to_dict()), key
 
 
-def test_resolve_anchors_uses_cached_artifact(rng, tmp_path):
+def test_resolve_recipe_flags_uses_the_recipes_cached_artifact_and_its_pins(rng, tmp_path):
+    """What every command line runs: 'auto' -> the DP's anchors for the recipe's M and their head map, from the
+    cached artifact keyed by the recipe's calibration fields; a recipe that pins anchors -> those, same artifact's map;
+    '' or 'even' with an identity map -> no calibration at all."""
+    from kascade_jax.recipes import Recipe
+
     art, key = _keyed_artifact(rng)
     art.save(resolve.artifact_path(key, tmp_path))
-    anchors, hm = resolve.resolve_anchors("m", None, num_anchors=3, num_prompts=7, cache_dir=tmp_path,
-                                          num_layers=5, kv_heads=3)
-    assert anchors == art.anchors[3]
-    np.testing.assert_array_equal(hm, art.head_maps[2])
+    r = Recipe(name="r", calib_num_prompts=7, num_anchors=3)
+    rows = lambda hm: tuple(map(tuple, np.asarray(hm).tolist()))  # noqa: E731
+    got, hm, note = resolve.resolve_recipe_flags("m", r, "auto", "", num_layers=5, kv_heads=3, cache_dir=tmp_path)
+    assert got == art.anchors[3] and hm == rows(art.head_maps[2]) and note.startswith("anchors: auto -> ")
     with pytest.raises(ValueError, match="num_layers=5"):
-        resolve.resolve_anchors("m", None, num_anchors=3, num_prompts=7, cache_dir=tmp_path, num_layers=4, kv_heads=3)
-    # the (model, tokenizer, model_name=...) form
-    model = type("M", (), {"config": type("C", (), {"num_layers": 5, "kv_heads": 3})()})()
-    anchors2, hm2 = resolve.resolve_anchors(model, object(), model_name="m", num_anchors=3, num_prompts=7,
-                                            cache_dir=tmp_path)
-    assert anchors2 == anchors and np.array_equal(hm2, hm)
-    got, rows = resolve.resolve_flags("m", "auto", "auto", num_layers=5, kv_heads=3, num_anchors=4, num_prompts=7,
-                                      cache_dir=tmp_path)
-    assert got == art.anchors[4] and rows == tuple(map(tuple, art.head_maps[3].tolist()))
-    assert resolve.resolve_flags("m", "0,1", "identity", num_layers=5, kv_heads=3) == ((0, 1), None)
+        resolve.resolve_recipe_flags("m", r, "auto", "", num_layers=4, kv_heads=3, cache_dir=tmp_path)
+    pinned = Recipe(name="p", calib_num_prompts=7, num_anchors=2, anchors=(0, 2))
+    got, hm, note = resolve.resolve_recipe_flags("m", pinned, "auto", "", num_layers=5, kv_heads=3, cache_dir=tmp_path)
+    assert got == (0, 2) and hm == rows(art.head_map((0, 2))) and "(pinned by the recipe)" in note
+    got, hm, _ = resolve.resolve_recipe_flags("m", pinned, "0,1", "identity", num_layers=5, kv_heads=3)
+    assert (got, hm) == ((0, 1), None)  # explicit anchors win over the pins
+    empty = tmp_path / "empty"
+    assert resolve.resolve_recipe_flags("m", r, "", "", num_layers=5, kv_heads=3, cache_dir=empty)[:2] == (None, None)
+    assert resolve.resolve_recipe_flags("m", r, "even", "identity", num_layers=5, kv_heads=3,
+                                        cache_dir=empty)[:2] == (resolve.even_anchors(5, 3), None)
 
 
 
