@@ -14,7 +14,6 @@ Deliberately not here: the model flags (`experiments.common`), building strategi
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 from absl import flags
@@ -100,12 +99,8 @@ def _given(holder):
 
 
 def _apply_flags(recipe):
-    n = _given(NUM_ANCHORS)
-    if n is not None and recipe.anchors and n != len(recipe.anchors):
-        # a recipe with pinned anchors and another count asked for: the count wins, the DP picks that many
-        recipe = dataclasses.replace(recipe, anchors=None, num_anchors=n, name=recipe.name.rstrip("*") + "*")
-    return recipe.replace(
-        num_anchors=n, sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
+    return recipe.replace(  # another --num_anchors than a pinned set's size drops the pins (Recipe.replace)
+        num_anchors=_given(NUM_ANCHORS), sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
         local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
         prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
         decode_rerank_worst=RERANK_WORST.value, pool=POOL.value, calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,

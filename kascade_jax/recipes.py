@@ -144,8 +144,11 @@ class Recipe:
 
     def replace(self, **overrides) -> "Recipe":
         """A copy with the non-None overrides applied (explicit flags win over the recipe); a recipe whose fields
-        an override changed is renamed `<name>*`, so results never attribute it to the original."""
+        an override changed is renamed `<name>*`, so results never attribute it to the original. Another
+        `num_anchors` than a pinned set's size (and no new `anchors`) drops the pins: the DP picks that many."""
         over = {k: v for k, v in overrides.items() if v is not None and getattr(self, k) != v}
+        if self.anchors and "num_anchors" in over and overrides.get("anchors") is None:
+            over["anchors"] = None
         return dataclasses.replace(self, name=self.name.rstrip("*") + "*", **over) if over else self
 
     @classmethod

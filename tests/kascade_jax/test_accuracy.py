@@ -262,8 +262,12 @@ def test_a_recipe_pins_anchors():
                      (dict(num_anchors=2, anchors="0,5"), "list of layer indices")):
         with pytest.raises(ValueError, match=msg):
             Recipe(**bad)
-    with pytest.raises(ValueError, match="num_anchors=6 but anchors pins 5"):  # --num_anchors against a pinned set
-        r.replace(num_anchors=6)
+    six = r.replace(num_anchors=6)  # another count than the pinned set's: the pins go, the DP picks six (as the CLI)
+    assert six.anchors is None and six.num_anchors == 6 and six.name == "smol_p5*" and "pinned" not in six.describe()
+    assert r.replace(num_anchors=5) is r  # the same count changes nothing
+    assert r.replace(num_anchors=3, anchors=(0, 2, 8)).anchors == (0, 2, 8)  # new pins with their count
+    with pytest.raises(ValueError, match="num_anchors=3 but anchors pins 5"):
+        r.replace(num_anchors=3, anchors=(0, 2, 8, 18, 21))
 
 
 def test_recipes(tmp_path):
