@@ -217,7 +217,7 @@ def resolve_head_map(value: str, anchors, num_layers: int, kv_heads: int, *, art
 
 
 def _resolve_flags(model_name: str, anchors: str, head_map: str, *, num_layers: int, kv_heads: int,
-                  num_anchors: int = 5, tile_size: int = 32, importance: str = "paper", **calibration_kwargs):
+                   num_anchors: int = 5, tile_size: int = 32, importance: str = "paper", **calibration_kwargs):
     """Raw flag values -> (anchors tuple, head_map as a tuple of rows, or None for identity): KascadeConfig-ready.
 
     The calibration runs (or loads from the cache) only when `anchors == 'auto'` or `head_map == 'auto'`.
