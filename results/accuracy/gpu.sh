@@ -24,7 +24,7 @@
 # ARGS` (a probe script such as tail_probe.py, on the GPU; write its --out under $ACC to collect it); lines after
 # a line "barrier" start only when every job before it has ended. Each eval writes its results after every block,
 # so a job stopped early keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into
-# 36 MiB chunks into .stage/<model>/ (git-ignored; q05 14, q15 30, smol 3); one call per chunk carries
+# 32 MiB chunks into .stage/<model>/ (git-ignored; q05 15, q15 34, smol 3); one call per chunk carries
 # .stage/<model>/part.NN. The tree travels with every call, so `gpu.sh carry_check` (here, before a lease) checks
 # tree + largest chunk < 64 MiB; committed runs keep their examples gzipped (`gzip -9n DIR/*/examples.jsonl`
 # before `git add`: the readers and `restore` take either) to keep the tree small.
