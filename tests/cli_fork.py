@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The environment of most probes: a test that passes this one shares the server of its worker with the others.
+ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
 PRELOAD = ("numpy", "jax", "jax.numpy", "flax.nnx", "absl.app", "absl.flags", "kascade_jax.registry",
            "kascade_jax.recipes", "kascade_jax.calibration.runner")
 

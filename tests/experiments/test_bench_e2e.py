@@ -4,12 +4,11 @@ on-device random initialisation at a tiny shape, and one GPU smoke run at a smal
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
-import subprocess
-import sys
 import types
 
 import jax
@@ -21,7 +20,10 @@ from flax import nnx
 from experiments import bench_e2e as front  # the flag parsers
 from kascade_jax.bench import e2e, store, tables, timing
 from kascade_jax.bench import e2e_models as em
+from tests import cli_fork
 from tests.conftest import run_on_8_simulated_devices
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Kernel names as CUPTI reported them on the H200 (benchmarks/decode.json, prefill.json).
 CUDNN_DECODE = "cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35_16x128x128_1x4x1_cga1x1x1_kernel0_0"
@@ -160,15 +162,10 @@ def test_a_batch_the_data_axis_does_not_divide_is_refused():
 
 
 def test_bench_help_lists_mesh_and_kernel_phases_refuse_it():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    res = subprocess.run([sys.executable, "-m", "experiments.bench", "--help"], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=120)
+    res = cli_fork.run(["-m", "experiments.bench", "--help"], cli_fork.ENV, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "--mesh" in res.stdout and "--e2e_models" in res.stdout and "--[no]distributed" in res.stdout
-    res = subprocess.run([sys.executable, "-m", "experiments.bench", "--phase=prefill", "--mesh=model:2"], env=env,
-                         cwd=root, capture_output=True, text=True, timeout=120)
+    res = cli_fork.run(["-m", "experiments.bench", "--phase=prefill", "--mesh=model:2"], cli_fork.ENV, cwd=ROOT)
     assert res.returncode != 0 and "is for --phase=e2e" in res.stdout + res.stderr
 
 
@@ -302,7 +299,6 @@ def test_refuses_without_gpu(tmp_path):
         em.model_spec("llama-70b")
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMITTED = os.path.join(ROOT, "benchmarks", "e2e.json")
 
 
@@ -462,10 +458,7 @@ def test_bad_values_name_their_flag(tmp_path):
     (tmp_path / "e2e_rows.json").write_text('{"meta": {}, "rows": [{"model": "m"}]}')
     with pytest.raises(ValueError, match="not an e2e benchmark file"):
         store.load_e2e(str(tmp_path), "e2e_rows")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    res = subprocess.run([sys.executable, "-m", "experiments.bench", "--phase=e2e", "--e2e_contexts=32768,x"],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = cli_fork.run(["-m", "experiments.bench", "--phase=e2e", "--e2e_contexts=32768,x"], cli_fork.ENV, cwd=ROOT)
     err = res.stderr.strip().splitlines()
     assert res.returncode == 2 and err and err[-1].startswith("error: --e2e_contexts:") and "'x'" in err[-1], \
         res.stderr[-2000:]
@@ -589,6 +582,32 @@ def _lively(model):
     return model
 
 
+def _mesh_strategies(cfg):
+    from kascade_jax.registry import make_strategy
+
+    return dict(dense=make_strategy("dense", cfg.num_layers, cfg.kv_heads),
+                kascade=make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=0.1, min_k=8, anchors=(0,),
+                                      kernels="reference"))
+
+
+@functools.cache
+def _unsharded(name: str, program: str):
+    """The unsharded model's outputs (host arrays) of one program, the same for every mesh below: computed once
+    (its TTFT and decode-loop programs were compiled and run again for each mesh, test time, issue 24)."""
+    cfg, _ = em.load_shape_config(em.ModelSpec("tiny", config_dict=MESH_HF))
+    seed, ctx, batch = 3, 256, 4
+    plain = _lively(em.random_model(cfg, jnp.float32, seed))
+    assert getattr(plain, "mesh", None) is None
+    strategy = _mesh_strategies(cfg)[name]
+    if program == "decode":
+        want = e2e.prepare_decode(plain, strategy, ctx, batch, (2, 5), seed)
+        out, n = want.compiled(*want.args, jnp.int32(5))
+        return np.asarray(out), int(n)
+    want = e2e.prepare_ttft(plain, strategy, ctx, seed)
+    tok, cache = want.compiled(*want.args)
+    return int(tok[0]), np.asarray(cache.k[-1])
+
+
 @needs8
 @pytest.mark.parametrize("shape", [(1, 2), (2, 1), (2, 4)])
 def test_mesh_programs_equal_unsharded(shape):
@@ -596,15 +615,13 @@ def test_mesh_programs_equal_unsharded(shape):
     unsharded first token and decode tokens, dense and Kascade; parameters and caches have the mesh's layout."""
     from jax.sharding import NamedSharding
 
-    from kascade_jax.registry import make_strategy
     from models import sharding
 
     cfg, _ = em.load_shape_config(em.ModelSpec("tiny", config_dict=MESH_HF))
     mesh = sharding.make_mesh(*shape)
     seed, ctx, batch = 3, 256, 4
-    plain = _lively(em.random_model(cfg, jnp.float32, seed))
     placed = _lively(em.random_model(cfg, jnp.float32, seed, mesh=mesh))
-    assert placed.mesh is mesh and getattr(plain, "mesh", None) is None
+    assert placed.mesh is mesh
     flat = nnx.to_flat_state(nnx.state(placed, nnx.Param))
     for path, var in flat:
         x = var.get_value()
@@ -612,14 +629,11 @@ def test_mesh_programs_equal_unsharded(shape):
     dev0 = mesh.devices.flat[0]
     on_dev0 = sum(sh.data.nbytes for _, v in flat for sh in v.get_value().addressable_shards if sh.device == dev0)
     assert em.device_weight_bytes(cfg, mesh, itemsize=4) == on_dev0
-    strats = dict(dense=make_strategy("dense", cfg.num_layers, cfg.kv_heads),
-                  kascade=make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=0.1, min_k=8,
-                                        anchors=(0,), kernels="reference"))
+    strats = _mesh_strategies(cfg)
     kv = NamedSharding(mesh, sharding.CACHE_SPEC)
     for name, strategy in strats.items():
-        want = e2e.prepare_decode(plain, strategy, ctx, batch, (2, 5), seed)
+        out_w, n_w = _unsharded(name, "decode")
         got = e2e.prepare_decode(placed, strategy, ctx, batch, (2, 5), seed)
-        out_w, n_w = want.compiled(*want.args, jnp.int32(5))
         out_g, n_g = got.compiled(*got.args, jnp.int32(5))
         assert int(n_w) == int(n_g) == 5
         assert np.array_equal(np.asarray(out_g), np.asarray(out_w)), (name, shape)
@@ -630,13 +644,12 @@ def test_mesh_programs_equal_unsharded(shape):
             with pytest.raises(ValueError, match="does not divide the batch of 3"):
                 e2e.prepare_decode(placed, strategy, ctx, 3, (2, 5), seed)
             continue
-        want = e2e.prepare_ttft(plain, strategy, ctx, seed)
+        tok_w, k_last_w = _unsharded(name, "ttft")
         got = e2e.prepare_ttft(placed, strategy, ctx, seed)
-        tok_w, cache_w = want.compiled(*want.args)
         tok_g, cache_g = got.compiled(*got.args)
-        assert int(tok_g[0]) == int(tok_w[0]), (name, shape)
+        assert int(tok_g[0]) == tok_w, (name, shape)
         assert cache_g.k[0].sharding.is_equivalent_to(kv, 4) and cache_g.v[-1].sharding.is_equivalent_to(kv, 4)
-        np.testing.assert_allclose(np.asarray(cache_g.k[-1]), np.asarray(cache_w.k[-1]), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(cache_g.k[-1]), k_last_w, rtol=1e-4, atol=1e-4)
 
 
 def test_on_8_simulated_cpu_devices():
@@ -654,13 +667,9 @@ def test_on_8_simulated_cpu_devices():
 def test_e2e_recipe_is_checked_before_the_gpu():
     """--e2e_recipe: an unknown recipe names the flag, and a recipe other than the default needs its own --e2e_tag
     (else it would be measured over the default recipe's rows of e2e.json); both before any device is touched."""
-    from tests import cli_fork
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     base = ["-m", "experiments.bench", "--phase=e2e", "--e2e_models=qwen2.5-coder-0.5b", "--e2e_out=/nonexistent"]
-    res = cli_fork.run([*base, "--e2e_recipe=candidate:no_such", "--e2e_tag=x"], env, cwd=root)
+    res = cli_fork.run([*base, "--e2e_recipe=candidate:no_such", "--e2e_tag=x"], cli_fork.ENV, cwd=ROOT)
     assert res.returncode == 2 and "--e2e_recipe=candidate:no_such" in res.stderr, res.stderr[-2000:]
-    res = cli_fork.run([*base, "--e2e_recipe=candidate:dps_rr4"], env, cwd=root)
+    res = cli_fork.run([*base, "--e2e_recipe=candidate:dps_rr4"], cli_fork.ENV, cwd=ROOT)
     assert res.returncode == 2 and "needs its own --e2e_tag" in res.stderr, res.stderr[-2000:]
     assert "qwen2.5-coder-0.5b" in em.SPECS and not em.SPECS["qwen2.5-coder-0.5b"].random

@@ -2,14 +2,9 @@
 --anchors fails before the model loads. Subprocesses: the entry point defines --model, as experiments.eval does."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+from tests import cli_fork  # the probes: forked from a server that has imported the libraries
 
 SCRIPT = """
 import json, sys
@@ -26,8 +21,7 @@ def test_auto_anchors_keep_the_calibrated_head_map_and_the_recipe():
     from kascade_jax.calibration.artifact import CalibrationArtifact
     from kascade_jax.calibration.resolve import PACKAGED_DIR
 
-    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env=ENV)
+    res = cli_fork.run(["-c", SCRIPT], cli_fork.ENV, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     (anchors, head_map, levers, desc), (a2, hm2, lev2, _), (_, hm3, _, _) = json.loads(res.stdout.splitlines()[-1])
     art = CalibrationArtifact.load(PACKAGED_DIR / "smollm2-135m-builtin-64-k64-ts32.json")
@@ -43,6 +37,6 @@ def test_auto_anchors_keep_the_calibrated_head_map_and_the_recipe():
 
 
 def test_bad_anchors_fail_before_the_model_loads():
-    res = subprocess.run([sys.executable, "-m", "experiments.kascade_agreement", "--anchors=0,x",
-                          "--model=/nonexistent/model"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+    res = cli_fork.run(["-m", "experiments.kascade_agreement", "--anchors=0,x", "--model=/nonexistent/model"],
+                       cli_fork.ENV)
     assert res.returncode == 2 and res.stderr.strip().startswith("error: --anchors must be"), res.stderr[-2000:]

@@ -87,12 +87,9 @@ print(list(anchors), head_map is not None and len(head_map) == 30, note)
 
 
 def test_eval_runs_a_recipes_pinned_anchors_with_the_calibrated_head_map():
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests import cli_fork  # forked from a server that has imported the libraries
 
-    res = subprocess.run([sys.executable, "-c", EVAL_ANCHORS], cwd=Path(__file__).resolve().parents[2],
-                         capture_output=True, text=True, timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+    res = cli_fork.run(["-c", EVAL_ANCHORS], cli_fork.ENV, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.splitlines()[-1] == ("[0, 2, 8, 18, 21] True anchors: auto -> [0, 2, 8, 18, 21] (pinned by the "
                                            "recipe), head_map: auto")

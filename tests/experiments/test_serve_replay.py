@@ -12,6 +12,7 @@ from experiments import bench_paged, paged_report  # the front ends: flag parsin
 from experiments.timing import BenchShape
 from kascade_jax.bench import paged
 from kascade_jax.bench import replay as serve_replay  # the replay's library (the front end's flags are shared ones)
+from tests import cli_fork  # the CLI probes: forked from a server that has imported the libraries
 
 
 def test_bench_paged_check_interpret():
@@ -157,11 +158,7 @@ def test_replay_kascade_on_a_real_alias_uses_its_recipe_at_bfloat16():
     """--model=smollm2-135m (the flag of every entry point): the kascade strategy carries the shipped recipe's levers
     and the anchors and head map of the shipped (float32) calibration, found although the replay runs in bfloat16
     (no calibration); without --model the front end replays its random Llama-3.1-8B-shape model. A subprocess: the
-    front end shares experiments.common's flags, which experiments.eval defines differently."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    front end shares experiments.common's flags, which experiments.eval defines differently (forked: tests/cli_fork.py)."""
     from kascade_jax.calibration.artifact import CalibrationArtifact
     from kascade_jax.calibration.resolve import PACKAGED_DIR
 
@@ -179,9 +176,7 @@ c = sr.build_strategy("kascade", model, tok, sr.model_spec()).config
 print(json.dumps([default, sr.model_spec(), list(c.anchors), [list(r) for r in c.head_map],
                   [c.sink_tokens, c.recent_window, c.dense_suffix]]))
 """
-    root = Path(__file__).resolve().parents[2]
-    res = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
-                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+    res = cli_fork.run(["-c", script], cli_fork.ENV, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     default, spec, anchors, head_map, levers = json.loads(res.stdout.splitlines()[-1])
     assert default == "random:llama3-8b" and spec == "smollm2-135m"
@@ -194,12 +189,6 @@ print(json.dumps([default, sr.model_spec(), list(c.anchors), [list(r) for r in c
 def test_replay_with_its_gpu_defaults_is_refused_on_a_cpu():
     """The default replay (8 layers of the 8B shape, 16K prompts) would need ~20 GB of host memory: refused by
     name before any model is built; the tiny shape stays allowed."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    res = subprocess.run([sys.executable, "-m", "experiments.serve_replay"], cwd=root, capture_output=True, text=True,
-                         timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+    res = cli_fork.run(["-m", "experiments.serve_replay"], cli_fork.ENV)
     assert res.returncode != 0 and "serve_replay on a CPU" in res.stderr and "about 20 GB" in res.stderr, res.stderr
     assert serve_replay.random_model_gb("tiny", 2, "float32", 100, 16) < 0.01

@@ -3,10 +3,7 @@ model and recipe (same recipe levers, DP anchors, head map, budget and kernels).
 
 import dataclasses
 import json
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -14,8 +11,8 @@ import pytest
 import kascade_jax
 from kascade_jax.calibration.resolve import PACKAGED_DIR
 from kascade_jax.recipes import RECIPE_DIR
+from tests import cli_fork  # the CLI probe: forked from a server that has imported the libraries
 
-ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p.stem for p in RECIPE_DIR.glob("*.json"))
 RECIPES = ["default", "paper", "candidate:dec20_ds512s", "candidate:dps_rr4w5", "candidate:smol_p5"]
 
@@ -52,8 +49,7 @@ def _jsonable(x):
 
 def test_api_strategy_equals_the_cli_strategy():
     models = [(m, _model(m).config.num_layers, _model(m).config.kv_heads) for m in SHIPPED]
-    res = subprocess.run([sys.executable, "-c", CLI, json.dumps(models), json.dumps(RECIPES)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+    res = cli_fork.run(["-c", CLI, json.dumps(models), json.dumps(RECIPES)], cli_fork.ENV, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     from_cli = json.loads(res.stdout.splitlines()[-1])
     for m in SHIPPED:
