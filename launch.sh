@@ -55,7 +55,7 @@ case "${1:-}" in
     XDIST=()
     if [ "$WORKERS" != 0 ]; then
       if "$VENV/bin/python" -c 'import xdist' 2>/dev/null; then
-        XDIST=(-n "$WORKERS" --dist loadfile)
+        XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)  # keep conftest's slow-files-first order
       else
         echo "note: pytest-xdist not installed in $VENV (./launch.sh setup installs it): running in one process" >&2
       fi

@@ -159,11 +159,6 @@ def main(argv):
     report.check_output_dir(out, overwrite=FLAGS.overwrite, resume=FLAGS.resume)
     mesh = devices.setup()
     recipes = resolve_recipes()
-    from kascade_jax.registry import KASCADE_FAMILY  # noqa: PLC0415
-
-    if any(s in KASCADE_FAMILY for s in FLAGS.strategies):
-        for r in recipes:
-            recipe_flags.notify_untuned(r)
     check_levers_fit(recipes, [int(x) for x in FLAGS.context_lengths],
                      explicit=[f for f in ("dense_suffix", "local_window") if FLAGS[f].present])
     recipe = recipes[0]
@@ -204,6 +199,11 @@ def main(argv):
                                fields=[k for k in suite.spec_record(spec, **flag_fields)
                                        if k not in suite.RESUME_FREE + late])
             previous = (data.get("rows") or [], old_records, data.get("fidelity") or {})
+    from kascade_jax.registry import KASCADE_FAMILY  # noqa: PLC0415
+
+    if any(s in KASCADE_FAMILY for s in FLAGS.strategies):  # after every check that needs no model: an error is one line
+        for r in recipes:
+            recipe_flags.notify_untuned(r)
     model, tokenizer = load_model(FLAGS.model, FLAGS.dtype, cache_dir=FLAGS.cache_dir)
     cfg = model.config
     anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, recipe)

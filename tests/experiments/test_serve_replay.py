@@ -15,10 +15,9 @@ from kascade_jax.bench import replay as serve_replay  # the replay's library (th
 from tests import cli_fork  # the CLI probes: forked from a server that has imported the libraries
 
 
-def test_bench_paged_check_interpret():
+def test_bench_paged_check_interpret(rng):
     shape = BenchShape(q_heads=4, kv_heads=2, head_dim=64, num_layers=4, num_anchors=2)
-    seed = int(np.random.default_rng().integers(1 << 20))
-    print("seed", seed)
+    seed = int(rng.integers(1 << 20))  # the seeded per-test generator (conftest)
     res = paged.check(1, 128, 16, shape, frac=0.2, min_k=16, seed=seed, interpret=True, anchor0=False)
     assert [c["name"] for c in res] == ["dense", "A", "R"]
     assert all(c["rel"] < 2e-2 for c in res) and res[1]["same_sets"] >= 0.99
@@ -125,7 +124,7 @@ def test_bench_paged_int_flags_name_the_flag():
         bench_paged.int_list("paged_batches", ["8k"])
 
 
-def test_replay_counts_a_request_whose_prefill_failed():
+def test_replay_counts_a_request_whose_prefill_failed(rng):
     """A request whose prefill raises never produces a token: the replay finishes, counts it in failed_requests
     with its error, and reports the other requests' metrics (it used to die with an IndexError)."""
     import dataclasses
@@ -143,7 +142,6 @@ def test_replay_counts_a_request_whose_prefill_failed():
             return super().attend(layer, inputs, state)
 
     model, tok, _ = serve_replay.build_model("random:tiny", 2, "float32")
-    rng = np.random.default_rng()
     # arrivals 0, 0.01, 0.02 s: short, long (its padded prefill is 128 wide: fails), short
     trace = [(0.01 * i, rng.integers(0, model.config.vocab, n).tolist(), 4) for i, n in enumerate((40, 100, 50))]
     eng = Engine(model, tok, RefusesLongPrefill(), max_batch=2, page_size=16, max_len=256)

@@ -4,7 +4,6 @@ import csv
 import dataclasses
 import json
 import os
-import random
 import types
 
 import numpy as np
@@ -109,10 +108,7 @@ def test_batch_size_error():
         harness.run_samples(StubModel(), TOK, _samples(1), "S", batch_size=0, generate_fn=make_stub())
 
 
-def test_confidence_intervals():
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
-    rng = np.random.default_rng(seed)
+def test_confidence_intervals(rng):  # the seeded per-test generator (conftest)
     lo, hi = report.wilson(50, 100)
     assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
     assert report.wilson(0, 10)[0] == 0.0 and report.wilson(10, 10)[1] == 1.0

@@ -34,10 +34,8 @@ def test_qa_f1():
     assert metrics.qa_f1_score("", "Ada Finch") == 0.0
 
 
-def test_rouge_l_against_brute_force_lcs():
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
-    rng = random.Random(seed)
+def test_rouge_l_against_brute_force_lcs(rng):
+    rng = random.Random(int(rng.integers(1 << 30)))  # seeded from the per-test generator (conftest)
     for _ in range(20):
         a = [rng.choice("abcde") for _ in range(rng.randint(1, 9))]
         b = [rng.choice("abcde") for _ in range(rng.randint(1, 9))]
