@@ -472,9 +472,10 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
             raise ValueError(f"speed_tie must be a finite fraction >= 0, got {speed_tie}")
         cost = {r["recipe"]: r["prefill_cost"] + r["decode_cost"] for r in table if r["qualifies"]}
         tied = min(cost.values(), default=0.0) * (1 + speed_tie)
-        table.sort(key=lambda r: (not r["qualifies"], 0 if cost.get(r["recipe"], 0) <= tied else cost[r["recipe"]],
-                                  -r["dev_score"], cost.get(r["recipe"], 0)))
-        if not cost:  # the target missed: the smallest loss at its worst dev length, among candidates faster than dense
+        if cost:  # the cheapest qualifying candidate (ties: the best dev score), then the rest by dev score
+            table.sort(key=lambda r: (not r["qualifies"], 0 if cost.get(r["recipe"], 0) <= tied else
+                                      cost[r["recipe"]], -r["dev_score"], cost.get(r["recipe"], 0)))
+        else:  # the target missed: the smallest loss at its worst dev length, among candidates faster than dense
             table.sort(key=lambda r: (not _faster_than_dense(r), -_worst_diff(r), -r["dev_score"]))
         pick = table[0]
         fields = dict(candidates[pick["recipe"]])
