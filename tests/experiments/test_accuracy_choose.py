@@ -72,17 +72,26 @@ def test_choose_reproduces_the_shipped_1_5b_default(tmp_path):
 
 
 def test_choose_reproduces_the_shipped_smollm2_default(tmp_path):
-    """SmolLM2's pinned anchor sets (session 17, dev 4K; dense from session 13): none within 1 of dense, the best dev
-    score (0,2,8,18,21,24) ships with its anchors pinned; speeds are estimates (no benchmark at its shape)."""
+    """SmolLM2's pinned anchor sets (session 17, dev 4K; dense from session 13) and their decode budgets (session 19,
+    4K and 8K dev): none within 1 of dense at both lengths, so the smallest worst-length loss among those faster than
+    dense, smol_p6_dec30, ships with its anchors pinned; speeds are estimates (no benchmark at its shape). Without
+    session 19's cells the same rule picks session 17's smol_p6."""
+    s19 = ROOT / "results/accuracy/h200_2026-12-04_i21s19"
     inputs = [ROOT / "results/accuracy/h200_2026-12-03_i21s13/smol_dev", S17 / "smol_pin"]
-    cmd = [sys.executable, "-m", "experiments.accuracy", "--mode=choose", "--model=smollm2-135m", "--num_layers=30",
-           "--context=4096", f"--inputs={','.join(map(str, inputs))}", f"--out={tmp_path / 'r.json'}"]
+    base = [sys.executable, "-m", "experiments.accuracy", "--mode=choose", "--model=smollm2-135m", "--num_layers=30",
+            "--context=4096", f"--out={tmp_path / 'r.json'}", "--overwrite"]
+    cmd = base + ["--also_contexts=8192", f"--inputs={','.join(map(str, inputs + [s19 / 'smol_dec', s19 / 'smol_p6_d8']))}"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads((tmp_path / "r.json").read_text())
     shipped = json.loads((ROOT / "kascade_jax/data/recipes/smollm2-135m.json").read_text())
-    assert doc["chosen_from"] == shipped["chosen_from"] == "smol_p6" and doc["default"] == shipped["default"]
-    assert doc["default"]["anchors"] == [0, 2, 8, 18, 21, 24] and doc["default"]["calib_dtype"] == "float32"
+    assert doc["chosen_from"] == shipped["chosen_from"] == "smol_p6_dec30" and doc["default"] == shipped["default"]
+    assert doc["default"]["anchors"] == [0, 2, 8, 18, 21, 24] and doc["default"]["decode_topk_frac"] == 0.3
+    assert "here and at 8192 tokens" in doc["default"]["note"] and doc["default"]["calib_dtype"] == "float32"
+    res = subprocess.run(base + [f"--inputs={','.join(map(str, inputs))}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["chosen_from"] == "smol_p6"  # session 17's choice
 
 
 def test_a_replicated_cell_is_refused(tmp_path):

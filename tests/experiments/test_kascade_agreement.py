@@ -25,12 +25,13 @@ def test_auto_anchors_keep_the_calibrated_head_map_and_the_recipe():
     assert res.returncode == 0, res.stderr[-3000:]
     (anchors, head_map, levers, desc), (a2, hm2, lev2, _), (_, hm3, _, _) = json.loads(res.stdout.splitlines()[-1])
     art = CalibrationArtifact.load(PACKAGED_DIR / "smollm2-135m-builtin-64-k64-ts32.json")
-    # the shipped default (session 17, smol_p6) pins its anchors: those, with the calibration's head map
+    # the shipped default (session 19, smol_p6_dec30) pins its anchors: those, with the calibration's head map
     assert tuple(anchors) == (0, 2, 8, 18, 21, 24) and "smollm2-135m-builtin-64-k64-ts32.json" in desc
     expected = art.head_map(tuple(anchors))
     assert not np.array_equal(expected, np.tile(np.arange(expected.shape[1]), (expected.shape[0], 1)))  # non-trivial
     assert np.array_equal(np.asarray(head_map), expected)
-    assert levers == dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0, decode_only=True)
+    assert levers == dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0, decode_only=True,
+                                 decode_topk_frac=0.3)
     # explicit anchors: identity unless asked, no levers; --head_map=auto: the calibrated map of those anchors
     assert a2 == [0, 4, 12, 20] and hm2 is None and lev2 == {}
     assert np.array_equal(np.asarray(hm3), art.head_map((0, 4, 12, 20)))

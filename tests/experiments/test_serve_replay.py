@@ -179,7 +179,7 @@ print(json.dumps([default, sr.model_spec(), list(c.anchors), [list(r) for r in c
     default, spec, anchors, head_map, levers = json.loads(res.stdout.splitlines()[-1])
     assert default == "random:llama3-8b" and spec == "smollm2-135m"
     art = CalibrationArtifact.load(PACKAGED_DIR / "smollm2-135m-builtin-64-k64-ts32.json")
-    assert tuple(anchors) == (0, 2, 8, 18, 21, 24)  # the shipped default pins them (smol_p6, session 17)
+    assert tuple(anchors) == (0, 2, 8, 18, 21, 24)  # the shipped default pins them (smol_p6_dec30, session 19)
     assert np.array_equal(np.asarray(head_map), art.head_map(tuple(anchors)))
     assert levers == [4, 60, 0]
 

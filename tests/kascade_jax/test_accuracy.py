@@ -225,12 +225,12 @@ def test_shipped_defaults_help_lines():
     for m in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):  # session 15: dps_all, one selection shared by all heads
         assert "decode_only pool=all" in by[m] and "vs dense on 260 prompts" in by[m]
     assert "decode_topk_frac=0.3" in by["qwen2.5-coder-1.5b"]  # session 17: dps_all_dec30
-    assert "smol_p6 (M=6 pinned=0,2,8,18,21,24" in by["smollm2-135m"] and "not tuned" not in by["smollm2-135m"]
+    assert "smol_p6_dec30 (M=6 pinned=0,2,8,18,21,24" in by["smollm2-135m"] and "not tuned" not in by["smollm2-135m"]
     assert by["qwen2.5-coder-0.5b"].endswith("test -1.4 [-3.3, +0.4] vs dense on 325 prompts)")
     # at its dev length; the test cell ran before the choice (its rule was written down first), and says so
     assert by["qwen2.5-coder-1.5b"].endswith("test -0.8 [-2.0, +0.3] vs dense on 325 prompts, known before the choice)")
-    # session 18: SmolLM2's test cell ran after its choice (blind), so nothing is added to it
-    assert by["smollm2-135m"].endswith("test -5.2 [-7.8, -2.7] vs dense on 325 prompts)")
+    # session 19: SmolLM2's test cell ran after its choice (blind), so nothing is added to it
+    assert by["smollm2-135m"].endswith("test -0.8 [-2.8, +1.2] vs dense on 325 prompts)")
 
 
 def test_shipped_defaults_show_a_test_result_only_for_the_recipe_it_measured(tmp_path, monkeypatch):

@@ -66,8 +66,9 @@ def test_api_strategy_equals_the_cli_strategy():
                 assert s.config.dense_suffix == 512
             if recipe == "candidate:smol_p5":  # pinned anchors instead of the DP's, the calibration's head map
                 assert s.config.anchors == (0, 2, 8, 18, 21) and s.config.head_map is not None
-            if recipe == "default" and m == "smollm2-135m":  # smol_p6: pinned six, dense prefill
+            if recipe == "default" and m == "smollm2-135m":  # smol_p6_dec30: pinned six, dense prefill, 30% decode
                 assert s.config.anchors == (0, 2, 8, 18, 21, 24) and s.config.decode_only and s.config.head_map
+                assert s.config.decode_topk_frac == 0.3
             if recipe == "candidate:dps_rr4w5":  # the calibration's five least similar reuse layers, both ways
                 assert s.config.decode_rerank == 4 and len(s.config.decode_rerank_layers) == 5
                 assert not set(s.config.decode_rerank_layers) & set(s.config.anchors)
