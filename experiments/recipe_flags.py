@@ -3,7 +3,9 @@
 A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`, `--calib_dataset`,
 `--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`, `--decode_topk_frac`,
-`--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`, `--pool`; each defaults to None,
+`--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`, `--decode_tail_stride`, `--decode_tail_cap`,
+`--pool`;
+each defaults to None,
 "the recipe's", and an explicitly given value wins over the `--recipe`. `--anchors` is defined here too, so it
 parses and means the same everywhere
 (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
@@ -55,6 +57,11 @@ RERANK = flags.DEFINE_integer("decode_rerank", None, "recipe lever (decode): anc
 RERANK_WORST = flags.DEFINE_integer("decode_rerank_worst", None, "recipe lever (decode, with --decode_rerank > 1): "
                                     "only the N reuse layers least similar to their anchor in the calibration rerank",
                                     lower_bound=1)
+TAIL = flags.DEFINE_integer("decode_tail_stride", None, "recipe lever (decode): every sparse layer also attends the "
+                            "unselected keys at multiples of S, each weighted by S (a sampled tail; 0: off)",
+                            lower_bound=0)
+TAIL_CAP = flags.DEFINE_boolean("decode_tail_cap", None, "recipe lever (with --decode_tail_stride): a sampled key as "
+                                "heavy as the row's lightest selected key counts once, not S times")
 POOL = flags.DEFINE_enum("pool", None, list(POOLS), "recipe lever: the anchors' selection pool "
                          "(gqa: one Top-k per KV head, Kascade; all: one set pooled over every query head and shared, "
                          "no head map, as --strategies=all_heads_pooled)")
@@ -103,7 +110,8 @@ def _apply_flags(recipe):
         num_anchors=_given(NUM_ANCHORS), sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
         local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
         prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
-        decode_rerank_worst=RERANK_WORST.value, pool=POOL.value, calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,
+        decode_rerank_worst=RERANK_WORST.value, decode_tail_stride=TAIL.value,
+        decode_tail_cap=TAIL_CAP.value, pool=POOL.value, calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,
         calib_importance=CALIB_IMPORTANCE.value,
         calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
         calib_dtype=CALIB_DTYPE.value, calib_dataset=CALIB_DATASET.value)

@@ -46,6 +46,18 @@ Recipe levers (all off by default, i.e. the paper's method; see results/accuracy
   rerank of its own: its Top-k but for near ties, since the softmax is over the candidates). Recipes choose them as
   the reuse layers least similar to their anchor in the calibration (`Recipe.decode_rerank_worst`), where most of
   the gain lies (the probe: layers 13 and 20-23 of the 0.5B), at a fraction of the cost.
+- `decode_tail_stride` (S, 0 = off): in decode every sparse layer (anchors past layer 0 and reuse layers) also
+  estimates the attention of the keys it did not select from a uniform sample: the keys at positions 0, S, 2S, ...
+  that are not in its selection, each weighted by S (a softmax term plus log S), so the softmax numerator and
+  denominator get a ratio estimate of the unselected keys' share (as vAttention / MagicPIG sample the tail). Cost:
+  1/S of the keys more per sparse layer. Why: on the 0.5B at 16K (results/accuracy/h200_2026-12-04_i21s19/tail05s)
+  each layer's own Top-10% lost 0.48 nats of the fwe answer's log-probability, Top-10% + this tail at S = 20 lost
+  0.003, and the same keys unweighted 0.46: the loss is the unselected mass, not which keys are selected. Over a
+  reuse layer's anchor selection it lost (dev 16K / 8K: -4.0 / -7.5 where dps_all was +0.1 / -2.0): keys this
+  layer needs and its anchor missed got S times their weight.
+- `decode_tail_cap` (with `decode_tail_stride`): a sampled key whose logit reaches the row's lightest selected key
+  counts once instead of S times; over a row's own Top-k it changes nothing, over an anchor's selection it keeps
+  the missed keys from being multiplied.
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
@@ -95,6 +107,8 @@ class KascadeConfig:
     prefill_dense_anchors: bool = False  # prefill: anchor layers output dense attention (they still select)
     decode_rerank: int = 1  # decode: anchors select C x the budget, each reuse layer keeps its own Top-k of those
     decode_rerank_layers: tuple[int, ...] | None = None  # the reuse layers that rerank (None: all of them)
+    decode_tail_stride: int = 0  # decode: sampled tail of the unselected keys, every S-th key weighted by S (0: off)
+    decode_tail_cap: bool = False  # the tail: a sampled key as heavy as the lightest selected one counts once
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size", "decode_rerank"):
@@ -122,6 +136,14 @@ class KascadeConfig:
         if self.decode_rerank > 1 and self.oracle_topk:
             raise ValueError("decode_rerank reranks for reuse layers, and oracle_topk has none (every layer selects "
                              "its own Top-k): use decode_rerank=1 with oracle_topk")
+        tail = self.decode_tail_stride
+        if isinstance(tail, bool) or not isinstance(tail, int) or tail < 0 or tail == 1:
+            raise ValueError(f"decode_tail_stride must be 0 (off) or an int >= 2, got {tail!r}")
+        if self.decode_tail_cap is True and not tail:
+            raise ValueError("decode_tail_cap caps the sampled tail's weights: it needs decode_tail_stride >= 2")
+        if tail and self.decode_rerank > 1:
+            raise ValueError("decode_tail_stride and decode_rerank > 1 are not combined (a reranking layer's tail would "
+                             "have to exclude its own Top-k of the candidates): use one or the other")
         for name in ("sink_tokens", "recent_window", "dense_suffix", "local_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -129,7 +151,8 @@ class KascadeConfig:
         if self.sink_tokens + self.recent_window > self.min_k:
             raise ValueError(f"sink_tokens + recent_window ({self.sink_tokens} + {self.recent_window}) must not exceed "
                              f"min_k ({self.min_k}): forced keys count against the budget and must always fit")
-        for name in ("rolling_prefill", "layer0_dense", "oracle_topk", "decode_only", "prefill_dense_anchors"):
+        for name in ("rolling_prefill", "layer0_dense", "oracle_topk", "decode_only", "prefill_dense_anchors",
+                     "decode_tail_cap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

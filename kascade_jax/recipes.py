@@ -27,8 +27,8 @@ from typing import Any
 
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
-          "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank", "pool")
-BOOL_LEVERS = ("prefill_dense_anchors", "decode_only")
+          "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank", "decode_tail_stride", "decode_tail_cap", "pool")
+BOOL_LEVERS = ("prefill_dense_anchors", "decode_only", "decode_tail_cap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,8 @@ class Recipe:
     decode_only: bool = False  # dense prefill, Kascade decode
     decode_rerank: int | None = None  # decode: anchors select C x the budget, each reuse layer keeps its own Top-k
     decode_rerank_worst: int | None = None  # only the N reuse layers least similar to their anchor rerank (None: all)
+    decode_tail_stride: int | None = None  # decode: a sampled tail of the unselected keys, every S-th weighted by S
+    decode_tail_cap: bool = False  # the tail: a sampled key as heavy as the lightest selected one counts once
     pool: str | None = None  # selection pool (KascadeConfig.pool): "all" = one Top-k set shared by every head, no
     # head map (the all_heads_pooled strategy as a recipe); None: the strategy's ("gqa", one set per KV head)
     anchors: tuple[int, ...] | None = None  # pinned anchor layers (0 first; num_anchors must equal their count):
@@ -87,6 +89,14 @@ class Recipe:
         if n is not None and (rr or 1) == 1:
             raise ValueError(f"recipe {self.name!r}: decode_rerank_worst={n} needs decode_rerank > 1 (the candidates "
                              "those layers rerank)")
+        t = self.decode_tail_stride
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0 or t == 1):
+            raise ValueError(f"recipe {self.name!r}: decode_tail_stride must be null, 0 (off) or an int >= 2, got {t!r}")
+        if self.decode_tail_cap is True and not t:
+            raise ValueError(f"recipe {self.name!r}: decode_tail_cap needs decode_tail_stride >= 2")
+        if t and (rr or 1) > 1:
+            raise ValueError(f"recipe {self.name!r}: decode_tail_stride and decode_rerank={rr} are not combined: use "
+                             "one or the other")
         if self.pool is not None and self.pool not in POOLS:
             raise ValueError(f"recipe {self.name!r}: pool must be null or one of {POOLS}, got {self.pool!r}")
         if self.pool == "all" and (rr or 1) > 1:
@@ -354,6 +364,25 @@ CANDIDATES: dict[str, dict[str, Any]] = {
                           decode_only=True, decode_topk_frac=0.2),
     "smol_p6_dec30": dict(num_anchors=6, anchors=(0, 2, 8, 18, 21, 24), sink_tokens=4, recent_window=60,
                           decode_only=True, decode_topk_frac=0.3),
+    # session 19: the tail probe at 16K (0.5B, teacher-forced answers) put fwe's loss in the unselected keys' mass:
+    # each layer's own Top-10% -0.48 nats, + a sampled tail (every 20th unselected key weighted by 20) -0.003, the
+    # same keys unweighted -0.46; the tail was the closest to dense on cwe, niah_multikey_2 and vt as well. The
+    # defaults with that tail (decode_tail_stride, plain JAX around the reuse kernel for now)
+    "dps_all_tail20": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                           decode_tail_stride=20),
+    "dps_all_dec30_tail20": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                                 decode_topk_frac=0.3, decode_tail_stride=20),
+    "smol_p6_tail20": dict(num_anchors=6, anchors=(0, 2, 8, 18, 21, 24), sink_tokens=4, recent_window=60,
+                           decode_only=True, decode_tail_stride=20),
+    "smol_p6_dec30_tail20": dict(num_anchors=6, anchors=(0, 2, 8, 18, 21, 24), sink_tokens=4, recent_window=60,
+                                 decode_only=True, decode_topk_frac=0.3, decode_tail_stride=20),
+    # session 19, measured: the tail lost over the reuse layers' anchor selections (0.5B dev 16K / 8K -4.0 / -7.5,
+    # dps_all +0.1 / -2.0; fwe answers repeating a word) and helped over each layer's own (CPU, fwe 2K: oracle_topk
+    # 0.50 -> 0.63). Capped: a sampled key that reaches the row's lightest selected logit counts once
+    "dps_all_tailc20": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                            decode_tail_stride=20, decode_tail_cap=True),
+    "smol_p6_dec30_tailc20": dict(num_anchors=6, anchors=(0, 2, 8, 18, 21, 24), sink_tokens=4, recent_window=60,
+                                  decode_only=True, decode_topk_frac=0.3, decode_tail_stride=20, decode_tail_cap=True),
 }
 
 

@@ -11,6 +11,8 @@ Per layer (see models/README.md for layouts), with `cfg = strategy.config`:
 With `decode_rerank` = C a decode anchor selects C times the budget and each reuse layer keeps its own Top-k of
 those candidates (`rerank_decode`, plain JAX ops before the reuse kernel); with `decode_rerank_layers` only those
 layers do, and the anchor orders its candidates (`order_candidates`) so that the others read its first k.
+With `decode_tail_stride` = S every sparse decode layer adds a sampled estimate of the keys it did not select
+(`sampled_tail`: the unselected keys at multiples of S, weighted by S, merged through the reuse kernel's lse).
 The attended set is the indices plus the causal diagonal tile in prefill, the indices alone in decode; softmax
 is renormalised over it. The state threaded between layers is `{"idx", "counts"}` of the most recent anchor
 (`None` before layer 0): prefill idx [batch, idx_heads, tiles, k_max] + counts [batch, tiles], decode idx
@@ -75,7 +77,7 @@ class Kernels:
 
     anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row)
         -> (out, idx [batch, idx_heads, k_max], counts [batch])
-    reuse_decode(q, k, v, kv_len, idx, counts, head_map_row) -> out
+    reuse_decode(q, k, v, kv_len, idx, counts, head_map_row[, return_lse=True]) -> out[, lse [batch, 1, q_heads]]
     anchor_prefill(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero)
         -> (out, idx [batch, idx_heads, tiles, k_max], counts [batch, tiles])
     reuse_prefill(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size) -> out
@@ -117,9 +119,9 @@ def _anchor_decode_reference(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row
     return out, idx, counts
 
 
-def _reuse_decode_reference(q, k, v, kv_len, idx, counts, head_map_row):
+def _reuse_decode_reference(q, k, v, kv_len, idx, counts, head_map_row, *, return_lse=False):
     del counts  # the -1 padding past each count already says it
-    return sparse_decode_reference(q, k, v, kv_len, idx, head_map_row)
+    return sparse_decode_reference(q, k, v, kv_len, idx, head_map_row, return_lse=return_lse)
 
 
 def _anchor_prefill_reference(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero):
@@ -326,6 +328,12 @@ def order_candidates(q, key_rows, kv_len, cand, cfg: KascadeConfig, k_max: int, 
     return jnp.full_like(cand, -1).at[bi, hi, dest].set(cand, mode="drop").astype(jnp.int32)
 
 
+def _with_tail(kern, cfg: KascadeConfig, q, k, v, kv_len, idx, counts, row):
+    """A sparse decode over idx through `row`, with the sampled tail (`decode_tail_stride`) merged in."""
+    out, lse = kern.reuse_decode(q, k, v, kv_len, idx, counts, row, return_lse=True)
+    return sampled_tail(q, k, v, kv_len, idx, row, out, lse, cfg.decode_tail_stride, cap=cfg.decode_tail_cap)
+
+
 def _logits_fn(kern, q, k, kv_len):
     """The bundle's candidate logits over a contiguous cache k, as `_candidate_scores` takes them (or None)."""
     if kern.candidate_logits is None:
@@ -337,6 +345,52 @@ def _first(idx, counts, k_max: int):
     """The first counts[b] entries of ordered candidates idx [batch, heads, C] in k_max slots, -1 past the count."""
     idx = idx[:, :, :k_max]
     return jnp.where(jnp.arange(idx.shape[-1])[None, None, :] < counts[:, None, None], idx, -1), counts
+
+
+def sampled_tail(q, k, v, kv_len, idx, row, out, lse, stride: int, *, cap: bool = False, scale=None):
+    """The `decode_tail_stride` lever: merge into a sparse decode's out [batch, 1, q_heads, d] and lse [batch, 1,
+    q_heads] (over the selected keys idx[:, row[h]]) a ratio estimate of the unselected keys: the keys at positions
+    0, S, 2S, ... below kv_len that are not selected, each weighted by S (its logit + log S). With `cap` a sampled
+    key whose logit (this query row's) reaches the lightest selected key's counts once: it is a key this row would
+    have selected, not a member of a light tail. With the row's own Top-k as the selection no unselected key
+    reaches it, so the cap changes nothing there; over a reuse layer's anchor selection it keeps the keys the
+    anchor missed from being weighted by S (uncapped, the 0.5B's fwe answers repeated one word: session 19).
+    Plain JAX: the sample is a strided slice of the cache (1/S of its rows), the cap gathers the selected keys'
+    rows once more; a selected sample key is dropped (it is counted once, exactly). A row with no key left on
+    either side keeps the other side's value."""
+    b, _, hq, d = q.shape
+    n_keys, kvh = k.shape[1], k.shape[2]
+    g = hq // kvh
+    scale = 1.0 / d ** 0.5 if scale is None else float(scale)
+    n_s = -(-n_keys // stride)
+    lens = jnp.asarray(kv_len).reshape(b, 1, 1)
+    ks, vs = k[:, ::stride], v[:, ::stride]  # [batch, n_s, kv_heads, d]
+    sel = jnp.take(idx, jnp.asarray(row), axis=1)  # [batch, kv_heads, k_max]
+    slot = jnp.where((sel >= 0) & (sel % stride == 0), sel // stride, n_s)  # n_s: a slot for everything else
+    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None]
+    taken = jnp.zeros((b, kvh, n_s + 1), bool).at[bi, hi, slot].set(True)[..., :n_s]
+    ok = ~taken & ((jnp.arange(n_s) * stride)[None, None, :] < lens)
+    qg = q[:, 0].reshape(b, kvh, g, d).astype(jnp.float32)
+    raw = jnp.einsum("bhgd,bnhd->bhgn", qg, ks.astype(jnp.float32)) * scale
+    logits = raw + jnp.log(float(stride))
+    if cap:
+        sel_ok = (sel >= 0) & (sel < lens)
+        sel_k = k[bi, jnp.where(sel_ok, sel, 0), hi].astype(jnp.float32)  # [batch, kv_heads, k_max, d]
+        sel_logits = jnp.einsum("bhgd,bhkd->bhgk", qg, sel_k) * scale
+        floor = jnp.min(jnp.where(sel_ok[:, :, None, :], sel_logits, jnp.inf), axis=-1)  # [batch, kv_heads, group]
+        logits = jnp.where(raw >= floor[..., None], raw, logits)
+    logits = jnp.where(ok[:, :, None, :], logits, -jnp.inf)
+    vs = jnp.where(jnp.swapaxes(ok, 1, 2)[..., None], vs, jnp.zeros((), vs.dtype))  # p = 0 there; 0 x stale NaN is not
+    lse_t = jax.nn.logsumexp(logits, axis=-1)  # [batch, kv_heads, group]
+    p = jnp.where(ok[:, :, None, :], jnp.exp(logits - jnp.where(jnp.isfinite(lse_t), lse_t, 0.0)[..., None]), 0.0)
+    out_t = jnp.einsum("bhgn,bnhd->bhgd", p, vs.astype(jnp.float32))
+    lse_s = lse.reshape(b, kvh, g).astype(jnp.float32)
+    tot = jnp.logaddexp(lse_s, lse_t)
+    safe = jnp.where(jnp.isfinite(tot), tot, 0.0)
+    w_s = jnp.where(jnp.isfinite(lse_s), jnp.exp(lse_s - safe), 0.0)
+    w_t = jnp.where(jnp.isfinite(lse_t), jnp.exp(lse_t - safe), 0.0)
+    merged = w_s[..., None] * out.reshape(b, kvh, g, d).astype(jnp.float32) + w_t[..., None] * out_t
+    return merged.reshape(b, 1, hq, d).astype(out.dtype)
 
 
 def _rows_contiguous(k):
@@ -524,6 +578,9 @@ class KascadeStrategy:
             if cfg.decode_rerank_layers is not None:
                 idx = order_candidates(q, _rows_contiguous(k), kv_len, idx, cfg, static_k_max(cfg, k.shape[1]),
                                        kern.select_topk, _logits_fn(kern, q, k, kv_len))
+            if cfg.decode_tail_stride and not (layer == 0 and cfg.layer0_dense):
+                # the anchor's sparse output again, with its lse (one more reuse pass: the anchor kernel keeps it)
+                out = _with_tail(kern, cfg, q, k, v, kv_len, idx, counts, row)
             return out, {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": counts}
         idx, row = self._reuse_indices(layer, state["idx"], inputs.shards, k.shape[2])
         if cfg.reranks(layer):
@@ -534,6 +591,8 @@ class KascadeStrategy:
         if cfg.decode_rerank > 1:  # the anchor's own Top-k: the first k of its ordered candidates
             idx, counts = _first(idx, decode_budget(cfg, kv_len), static_k_max(cfg, k.shape[1]))
             return kern.reuse_decode(q, k, v, kv_len, idx, counts, row), state
+        if cfg.decode_tail_stride:
+            return _with_tail(kern, cfg, q, k, v, kv_len, idx, state["counts"], row), state
         return kern.reuse_decode(q, k, v, kv_len, idx, state["counts"], row), state
 
     def _decode_paged(self, layer, kern, inputs, state, row):
@@ -542,6 +601,9 @@ class KascadeStrategy:
         if kern.paged_anchor_decode is None or kern.paged_reuse_decode is None:
             raise ValueError(f"kernels {self.kernels!r} have no paged decode (Kernels.paged_anchor_decode / "
                              "paged_reuse_decode); use the contiguous KVCache or kernels='reference' / 'pallas'")
+        if cfg.decode_tail_stride:
+            raise ValueError("decode_tail_stride is not implemented for paged caches yet: use the contiguous KVCache "
+                             "or a recipe without the sampled tail")
         q, k, v, kv_len = inputs.q, inputs.k_cache, inputs.v_cache, inputs.kv_len
         max_len = pt.shape[1] * k.shape[1]  # the logical capacity stands in for the contiguous max_len
         if cfg.is_anchor(layer):

@@ -264,7 +264,7 @@ def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, *refs, layout: Layout, bl
 
 
 def _reuse_pallas(q, k, v, table, kv_len, layout: Layout, idx, counts, head_map_row, scale, interpret,
-                  tuning: DecodeTuning):
+                  tuning: DecodeTuning, return_lse: bool = False):
     b, _, hq, d = q.shape
     kvh = k.shape[2]
     group = hq // kvh
@@ -295,13 +295,15 @@ def _reuse_pallas(q, k, v, table, kv_len, layout: Layout, idx, counts, head_map_
         interpret=interpret,
         name=f"{layout.name}_reuse_decode",
     )(*args)
-    out, _ = _combine(acc[:, :, :, :group], m[..., :group], l[..., :group])
-    return _ungroup(out, b, group, q.dtype)
+    out, lse = _combine(acc[:, :, :, :group], m[..., :group], l[..., :group])
+    out = _ungroup(out, b, group, q.dtype)
+    return (out, lse.reshape(b, 1, kvh * group)) if return_lse else out
 
 
 def reuse_decode(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, *, scale=None, impl="auto",
-                 interpret=False, tuning: DecodeTuning = DEFAULT_TUNING):
-    """Sparse decode of KV head h over idx[:, head_map_row[h], :counts] -> out [batch, 1, q_heads, d].
+                 interpret=False, tuning: DecodeTuning = DEFAULT_TUNING, return_lse: bool = False):
+    """Sparse decode of KV head h over idx[:, head_map_row[h], :counts] -> out [batch, 1, q_heads, d], and with
+    `return_lse` also the log-sum-exp of its scaled logits over the attended keys, lse [batch, 1, q_heads] fp32.
 
     q [batch, 1, q_heads, d]; caches [batch, max_len, kv_heads, d]; kv_len [batch] (keys >= kv_len are never
     attended); idx [batch, idx_heads, k_max] int32, distinct indices, -1 past counts; counts [batch] int32;
@@ -313,11 +315,12 @@ def reuse_decode(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, *, scal
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     head_map_row = jnp.asarray(head_map_row, jnp.int32)
     if not pallas:
-        return ref.sparse_decode_reference(q, k_cache, v_cache, kv_len, idx, head_map_row, scale=scale)
+        return ref.sparse_decode_reference(q, k_cache, v_cache, kv_len, idx, head_map_row, scale=scale,
+                                           return_lse=return_lse)
     k_cache, v_cache = _pad_keys(k_cache, 16), _pad_keys(v_cache, 16)
     return _reuse_pallas(q, k_cache, v_cache, None, jnp.asarray(kv_len, jnp.int32), Layout(k_cache.shape[1]),
                          jnp.asarray(idx, jnp.int32), jnp.asarray(counts, jnp.int32), head_map_row, scale, interpret,
-                         tuning)
+                         tuning, return_lse)
 
 
 # ----------------------------------------------------------------------------------------------------------

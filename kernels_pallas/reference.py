@@ -279,14 +279,15 @@ def _index_mask(idx, num_keys: int):
     return m[:, :num_keys].reshape(idx.shape[:-1] + (num_keys,))
 
 
-def sparse_decode_reference(q, k, v, kv_len, idx, head_map_row, *, scale=None):
+def sparse_decode_reference(q, k, v, kv_len, idx, head_map_row, *, scale=None, return_lse=False):
     """Decode attention of KV head h over the index set idx[:, head_map_row[h]] (renormalised softmax).
 
-    q: [batch, 1, q_heads, d]; idx: [batch, idx_heads, k_max]; head_map_row: [kv_heads] int.
+    q: [batch, 1, q_heads, d]; idx: [batch, idx_heads, k_max]; head_map_row: [kv_heads] int. With `return_lse`
+    also lse [batch, 1, q_heads] fp32 over the attended keys.
     """
     sel = _index_mask(idx, k.shape[1])  # [batch, idx_heads, keys]
     sel = jnp.take(sel, jnp.asarray(head_map_row), axis=1)[:, :, None, :]  # [batch, kv_heads, 1, keys]
-    return attention_reference(q, k, v, kv_len - 1, kv_len, mask=sel, scale=scale)
+    return attention_reference(q, k, v, kv_len - 1, kv_len, mask=sel, scale=scale, return_lse=return_lse)
 
 
 def sparse_prefill_reference(q, k, v, q_start, kv_len, idx, head_map_row, tile_size: int, *, scale=None):

@@ -285,7 +285,7 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
                    dense_prefill: bool = False, topk_frac: float = 0.1, prefill_topk_frac: float | None = None,
                    decode_topk_frac: float | None = None, local_window: int = 0, prefill_dense_anchors: bool = False,
                    decode_rerank: int = 1, decode_rerank_worst: int | None = None, pool: str = "gqa",
-                   ratios: dict | None = None) -> dict:
+                   decode_tail_stride: int = 0, ratios: dict | None = None) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
@@ -309,6 +309,9 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     to the gqa selection through the same strategy path (`bench_ratios`' pool, bench --decode_pools=gqa,<pool>);
     without that measurement the decode speed is unknown (None), never assumed equal. The prefill keeps the
     plain ratios (a dense-prefill recipe does not use them).
+    `decode_tail_stride` S: every sparse decode layer (all but layer 0) also reads 1/S of the keys, priced at the
+    reuse layer's cost per key: the floor of a fused kernel (as built, plain JAX around the reuse kernel and one more
+    reuse pass per anchor, it costs more: measure it before it ships).
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
@@ -349,6 +352,8 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
             p, g = pools[pool], pools["gqa"]
             cost = (r["a0"] * p["a0"] / g["a0"] + (m - 1) * r["anchor"] * p["anchor"] / g["anchor"]
                     + (num_layers - m) * reuse * p["reuse"] / g["reuse"]) / num_layers
+        if phase == "decode" and decode_tail_stride:
+            cost += (num_layers - 1) / num_layers * reuse / df / decode_tail_stride
         if phase == "prefill":
             if dense_prefill:
                 cost = 1.0
@@ -370,7 +375,7 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | N
                           prefill_dense_anchors=bool(fields.get("prefill_dense_anchors")),
                           decode_rerank=fields.get("decode_rerank") or 1,
                           decode_rerank_worst=fields.get("decode_rerank_worst"), pool=fields.get("pool") or "gqa",
-                          ratios=ratios)
+                          decode_tail_stride=fields.get("decode_tail_stride") or 0, ratios=ratios)
 
 
 def _recipe_cells(rows) -> dict:
