@@ -6,7 +6,9 @@
 For every (batch, context, page size), the paged / contiguous ratio of dense, A0, A, R and the weighted Kascade time
 (`--num_layers`, `--num_anchors`), after a same-run check of every paged kernel against its contiguous twin. Writes
 the "kernels" section of <--paged_out>/paged.json and paged.md (shared with serve_replay.py). The measurement and
-the report are kascade_jax/bench/paged.py; this parses the flags. Needs a GPU.
+the report are kascade_jax/bench/paged.py; this parses the flags. Needs a GPU. A row that runs out of device memory
+(128K at batch 64 allocates 16 GiB caches and pools, which a fragmented BFC pool may not fit) is recorded as failed and
+followed by a one-line hint: rerun it with XLA_PYTHON_CLIENT_ALLOCATOR=platform.
 """
 
 from __future__ import annotations
@@ -43,6 +45,25 @@ def int_list(flag: str, values) -> list[int]:
     return out
 
 
+OOM_HINT = ("hint: out of device memory: rerun that shape alone with XLA_PYTHON_CLIENT_ALLOCATOR=platform (no BFC "
+            "pool to fragment; the CUPTI kernel times do not depend on the allocator; rows merge by shape)")
+
+
+def with_oom_hint(log):
+    """`log`, followed once by OOM_HINT after the first row that failed with RESOURCE_EXHAUSTED (unless the platform
+    allocator is already on)."""
+    shown = []
+
+    def out(msg):
+        log(msg)
+        if (not shown and msg.startswith("FAILED") and "RESOURCE_EXHAUSTED" in msg
+                and os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") != "platform"):
+            shown.append(msg)
+            log(OOM_HINT)
+
+    return out
+
+
 def main(argv):
     del argv
     from kascade_jax.bench import paged
@@ -52,7 +73,8 @@ def main(argv):
     paged.run(int_list("paged_contexts", CONTEXTS.value), int_list("paged_batches", BATCHES.value),
               int_list("paged_page_sizes", PAGE_SIZES.value),
               frac=FRAC.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
-              max_cache_gb=MAX_GB.value, shape=shape_from_flags(), stream_block=STREAM_BLOCK.value)
+              max_cache_gb=MAX_GB.value, shape=shape_from_flags(), stream_block=STREAM_BLOCK.value,
+              log=with_oom_hint(print))
 
 
 if __name__ == "__main__":

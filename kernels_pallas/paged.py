@@ -7,7 +7,8 @@ length is max_pages * page_size; the pages of [0, kv_len) must be allocated (ent
 The kernels are decode.py's with `PagedLayout` as their addressing (nothing is gathered into a contiguous copy;
 indices stay logical positions). Decisions: a whole-cache block within one page (stream_block <= page_size) is one
 contiguous load, a longer one gathers its rows; pages are reused dirty, so masked rows (past kv_len, a -1 entry
-clamped to page 0) may hold a previous owner's inf/NaN: K and V are zeroed there before the dots (0 x inf = NaN).
+clamped to page 0) may hold a previous owner's inf/NaN: K and V are loaded with a mask that reads 0 there (0 x inf =
+NaN), a masked load rather than a select so that the loads still go straight to shared memory.
 References (off-GPU): `gather_pages`, then the contiguous references.
 """
 
@@ -19,6 +20,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import decode as dec
 from kernels_pallas import reference as ref
@@ -61,7 +63,13 @@ class PagedLayout(dec.Layout):
         return pl.ds(page * self.page_size + off % self.page_size, block)  # within one page: one contiguous load
 
     def load(self, ref, rows, valid):
-        return jnp.where(valid[:, None], ref[rows, :], 0)
+        # A masked load (zero-filling cp.async straight to shared memory), not a jnp.where after the load: the select
+        # made Triton stage each K/V tile through registers and a second shared buffer (paged 1.2-2.2x contiguous).
+        if isinstance(rows, pl.Slice):  # a block within one page
+            at = ref.at[rows, :]
+        else:  # gathered rows, indexed by two arrays: interpret mode cannot mask a load mixing an array and a slice
+            at = ref.at[rows[:, None], jnp.arange(ref.shape[1])[None, :]]
+        return plgpu.load(at, mask=valid[:, None], other=0)
 
 
 def gather_pages(pool, page_table, kv_len=None):

@@ -166,6 +166,32 @@ def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl):
     assert _row_err(out, want) < 1e-5
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_reuse_decode_masked_slots_on_poison(poison):
+    """Reuse decode reads its masked slots (past counts, ids >= kv_len) at position 0: for a sequence with kv_len 0
+    and no page (-1, clamped to page 0) that row is a previous owner's inf/NaN, and V must read as 0 there (p = 0,
+    but 0 x inf = NaN). The other sequence's real rows sit on two pages of the same poisoned pool."""
+    rng = np.random.default_rng(SEED + 6)
+    ps, kvh, d = 16, 2, 64
+    kp, vp = np.full((9, ps, kvh, d), poison, np.float32), np.full((9, ps, kvh, d), poison, np.float32)
+    k, v = np.zeros((2, 64, kvh, d), np.float32), np.zeros((2, 64, kvh, d), np.float32)
+    k[0, :20], v[0, :20] = rng.standard_normal((2, 20, kvh, d))
+    tb = np.full((2, 4), -1, np.int32)
+    tb[0, :2] = [3, 5]
+    for j, page in enumerate((3, 5)):
+        rows = slice(j * ps, min((j + 1) * ps, 20))
+        kp[page, :rows.stop - rows.start], vp[page, :rows.stop - rows.start] = k[0, rows], v[0, rows]
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, d)), jnp.float32)
+    kv_len, counts, hm = jnp.asarray([20, 0], jnp.int32), jnp.asarray([5, 5], jnp.int32), jnp.asarray([1, 0])
+    idx = np.full((2, kvh, 8), -1, np.int32)
+    idx[0, :, :5] = [[0, 3, 17, 19, 25], [19, 1, 16, 2, 40]]  # 25 and 40 are past kv_len: masked
+    idx = jnp.asarray(idx)
+    out = paged.reuse_decode(q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tb), kv_len, idx, counts, hm,
+                             interpret=True)
+    want = ref.sparse_decode_reference(q, jnp.asarray(k), jnp.asarray(v), kv_len, idx, hm)
+    assert _row_err(out, want) < 1e-5  # the empty sequence's output is zeros, as the reference's
+
+
 def test_gather_pages_and_errors():
     q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 3, 2, 64, 4, 2, 64, 16, jnp.float32)
     view = np.asarray(paged.gather_pages(kp, table))
