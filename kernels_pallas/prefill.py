@@ -535,14 +535,30 @@ def _score_chunking(lay: _Layout, tuning) -> tuple[int, int, int]:
 
 
 def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scale, k_max, pool, tuning, interpret,
-                   sinks=0, window=0):
-    """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]."""
+                   sinks=0, window=0, mgpu_scores=None):
+    """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]. mgpu_scores: a window of
+    tiles' pooled scores from `prefill_mgpu` (a chunk at 0 holding every key: `_mgpu_keys`), (first tile [1], tiles,
+    width) -> [1, kv_heads, tiles, width], instead of the Triton kernel on the packed `lse`."""
     width_s, chunk, n_chunks = _score_chunking(lay, tuning)
     block_s = tuning.select_block
     idx_heads = lay.kv_heads if pool == "gqa" else 1
     n_pad = n_chunks * chunk
     counts_p = jnp.pad(counts, ((0, 0), (0, n_pad - lay.n_tiles)))
-    scores_call = _scores_call(lay, scale, tuning, chunk, width_s, interpret, sinks, window)
+    if mgpu_scores is None:
+        scores_call = _scores_call(lay, scale, tuning, chunk, width_s, interpret, sinks, window)
+        chunk_scores = lambda cv: scores_call(cv, q_start, kv_len, qp, lse, k_cache)
+    else:
+        width_m = -(-width_s // 128) * 128  # (the select reads < width_s of each row)
+
+        def chunk_scores(cv):
+            sc = mgpu_scores(cv * chunk, chunk, width_m)
+            if sinks or window:  # forced keys, as the Triton kernel writes them (every key of the chunk is valid)
+                t = cv[0] * chunk + _iota(chunk)
+                ts = t * lay.tile
+                e = jnp.where(t < lay.n_tiles, ts, 0)
+                forced = ref.forced_prefill_mask(ts[None], e[None], width_m, sinks, window)
+                sc = jnp.where(forced[:, None], ref.FORCED_SCORE, sc)
+            return sc
     cap = tuning.select_cand
     cand_shape = [jax.ShapeDtypeStruct((lay.batch, idx_heads, chunk, cap), jnp.int32)] * (2 if cap else 0)
     select_call = pl.pallas_call(
@@ -556,7 +572,7 @@ def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scal
 
     def one_chunk(c, idx):
         cv = jnp.reshape(c, (1,)).astype(jnp.int32)
-        sc = scores_call(cv, q_start, kv_len, qp, lse, k_cache)
+        sc = chunk_scores(cv)
         if pool == "all":
             sc = jnp.sum(sc, axis=1, keepdims=True)
         return select_call(cv, q_start, kv_len, counts_p, sc, idx)[0]  # (candidate buffers: scratch)
@@ -828,20 +844,28 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     qp = _pack_q(q, lay)
     tuning = tuning or DEFAULT_TUNING
     mgpu = _mgpu_keys(q, k_cache, v_cache, q_start_in, kv_len_in, tile_size, chunk_at_zero, tuning, interpret)
+    if mgpu is not None:
+        from kernels_pallas import prefill_mgpu as M
+    lse2 = None  # Mosaic GPU scope: base-2 lse [1, q_heads, q_len] for `prefill_mgpu.pooled_scores`
     if dense_out and chunk_at_zero and tuning.anchor0_cudnn and cudnn_lse_ok(q, k_cache, interpret):
         out, lse_nat = cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale)
         lse = pack_lse(lse_nat, lay)
+        if mgpu is not None:
+            lse2 = jnp.transpose(lse_nat, (0, 2, 1)) * _LOG2E
     elif mgpu is not None:
-        from kernels_pallas import prefill_mgpu as M
-
         out, lse2 = M.flash_lse(q, *mgpu, scale=scale, with_out=dense_out, interpret=interpret)
-        lse = M.lse_for_triton(lse2, q, mgpu[0], tile_size)
+        lse = None  # (the Triton score kernel's packed rows: `prefill_mgpu.lse_for_triton`)
     else:
         lse, out = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out, tuning=tuning,
                                interpret=interpret)
         out = _unpack_out(out, lay) if dense_out else None
+    mgpu_scores = None
+    if mgpu is not None:
+        mgpu_scores = lambda first, n, width: M.pooled_scores(q, mgpu[0], lse2, tile_size, scale=scale,
+                                                              interpret=interpret, first_tile=first, n_tiles=n,
+                                                              width=width)
     idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret,
-                         sinks, window)
+                         sinks, window, mgpu_scores)
     assert idx.shape[1] == idx_heads
     if dense_out:
         return out, idx, counts

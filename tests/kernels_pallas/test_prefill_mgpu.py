@@ -153,7 +153,9 @@ def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
     calls = [(lambda q, k, v: M.flash_lse(q, k, v), (q, k, k)),
              (lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(p_in_regs=False, block_kv=64)), (q, k, k)),
              (lambda q, k: M.flash_lse(q, k, with_out=False), (q, k)),
-             (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse))]
+             (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse)),
+             (lambda q, k, l, f: M.pooled_scores(q, k, l, tile, first_tile=f, n_tiles=32, width=5120),
+              (q, k, lse, jax.ShapeDtypeStruct((1,), jnp.int32)))]
     for f, args in calls:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -176,7 +178,8 @@ def _spy(monkeypatch, *names):
     return calls
 
 
-def _anchor_both(seed, b, t, hq, kvh, d, tile, dtype, dense_out, q_start, kv_len, max_len, interpret=True, **kw):
+def _anchor_both(seed, b, t, hq, kvh, d, tile, dtype, dense_out, q_start, kv_len, max_len, interpret=True,
+                 sinks=0, window=0):
     """anchor_prefill with both backends at one shape -> (triton, mgpu) results, checked against the reference."""
     from tests.kernels_pallas.test_prefill import _check_idx, _tol
 
@@ -184,10 +187,10 @@ def _anchor_both(seed, b, t, hq, kvh, d, tile, dtype, dense_out, q_start, kv_len
     qs, kl = jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32)
     frac, min_k = 0.25, 8
     kw = dict(topk_frac=frac, min_k=min_k, k_max=R.max_budget(max_len, frac, min_k), dense_out=dense_out,
-              impl="pallas", interpret=interpret, **kw)
+              impl="pallas", interpret=interpret, sinks=sinks, window=window)
     res = [P.anchor_prefill(q, k, v, qs, kl, kl, tile, tuning=P.PrefillTuning(anchor_backend=be), **kw)
            for be in ("triton", "mgpu")]
-    scores, _ = R.pooled_scores_prefill_reference(q, k, qs, kl, tile)
+    scores, _ = R.pooled_scores_prefill_reference(q, k, qs, kl, tile, sinks=sinks, window=window)
     if dense_out:
         ref_out = lambda idx: R.attention_reference(q, k, v, qs, kl)
     else:
@@ -203,15 +206,37 @@ def _anchor_both(seed, b, t, hq, kvh, d, tile, dtype, dense_out, q_start, kv_len
     return res, same
 
 
-@pytest.mark.parametrize("dense_out", [False, True])
-def test_anchor_prefill_mgpu_backend_interpret(monkeypatch, interp, dense_out):
-    """In scope (batch 1, chunk at 0 holding every key; the cache is longer than the chunk): the Mosaic GPU passes
-    run and give the Triton backend's counts, the reference's Top-k sets and outputs."""
-    calls = _spy(monkeypatch, "flash_lse")
+@pytest.mark.parametrize("dense_out,forced", [(False, {}), (True, dict(sinks=4, window=32))])
+def test_anchor_prefill_mgpu_backend_interpret(monkeypatch, interp, dense_out, forced):
+    """In scope (batch 1, chunk at 0 holding every key; the cache is longer than the chunk): both Mosaic GPU passes
+    run, the scores in two windows of two tiles (the score budget lowered to 16 KiB), and give the Triton backend's
+    counts, the reference's Top-k sets (forced keys too) and outputs."""
+    calls = _spy(monkeypatch, "flash_lse", "pooled_scores")
+    monkeypatch.setattr(P, "_SCORE_CHUNK_BYTES", 16 << 10)  # rows of 1024 fp32 keys x 2 KV heads: 2 tiles a chunk
     t = 128
-    _, same = _anchor_both(SEED + 60, 1, t, 4, 2, 64, 32, jnp.bfloat16, dense_out, [0], [t], t + 64)
-    assert calls["flash_lse"] == 1, calls
+    _, same = _anchor_both(SEED + 60, 1, t, 4, 2, 64, 32, jnp.bfloat16, dense_out, [0], [t], t + 64, **forced)
+    assert calls["flash_lse"] == 1 and calls["pooled_scores"] >= 1, calls
     assert same > 0.99, same
+
+
+def test_pooled_scores_window_interpret(interp):
+    """A window of tiles (traced first tile, static count and width) gives the full call's rows bit for bit; tiles
+    past the last and keys past q_len are -inf."""
+    t, tile = 128, 16
+    q, k, _ = _inputs(np.random.default_rng(SEED + 62), 1, t, 4, 2, 64, t, jnp.bfloat16, peaky=True)
+    _, lse = _ref_lse2(q, k, k)
+    lse = lse.astype(jnp.float32)
+    full = np.asarray(M.pooled_scores(q, k, lse, tile, interpret=interp))
+    win = jax.jit(lambda f: M.pooled_scores(q, k, lse, tile, interpret=interp, first_tile=f, n_tiles=4, width=256))
+    for first in (3, 6):  # 8 tiles: [3, 7) inside, [6, 10) runs two tiles past the end
+        got = np.asarray(win(jnp.asarray([first], jnp.int32)))
+        assert got.shape == (1, 2, 4, 256)
+        n_in = min(4, 8 - first)
+        np.testing.assert_array_equal(got[:, :, :n_in, :t], full[:, :, first:first + n_in])
+        assert np.all(np.isneginf(got[:, :, n_in:])) and np.all(np.isneginf(got[..., t:]))
+    with pytest.raises(ValueError, match="width") as e:
+        M.pooled_scores(q, k, lse, tile, width=200)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("case", [dict(b=2, kv_len=[128, 120]), dict(q_start=[64])])
