@@ -23,7 +23,8 @@ DTYPES = flags.DEFINE_list("prefill_dtypes", ["bfloat16"], "dtypes (bfloat16, fl
 MIN_K = flags.DEFINE_integer("prefill_min_k", 128, "Minimum Top-k budget.")
 TILE = flags.DEFINE_integer("prefill_tile_size", 32, "Query tile size.")
 ITERS = flags.DEFINE_integer("prefill_iterations", 5, "CUPTI iterations per measurement (median reported).")
-CHECK = flags.DEFINE_boolean("prefill_check", False, "Check the kernels against the references at 8K first.")
+CHECK = flags.DEFINE_boolean("prefill_check", False, "Check the kernels against the references at 8K first "
+                              "(the --prefill_tuning and each --prefill_sweep variant).")
 OUT = flags.DEFINE_string("prefill_out", "benchmarks", "Output folder for prefill[_<bench_tag>].md/json/png.")
 TUNE = flags.DEFINE_integer("prefill_tune", 0, "If > 0: first time the tuning variants at this context and use the "
                             "fastest setting of each kernel for the table.")

@@ -56,6 +56,7 @@ _INF_BITS = 0x7F800000  # int32 bits of +inf: every finite non-negative fp32 sco
 _SCORE_CHUNK_BYTES = 1 << 30  # fp32 pooled scores held at once by the anchor pipeline
 _REUSE_ORDERS = ("tile_major", "head_major")
 _REUSE_ROWS = (16, 32, 64, 128)
+_ANCHOR_BACKENDS = ("triton", "mgpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,11 @@ class PrefillTuning:
     # Anchor layer 0 (dense_out) with chunk_at_zero on a GPU, bf16/fp16: dense output and per-row LSE from cuDNN
     # flash attention instead of the Triton dense pass; elsewhere the Triton/interpret path.
     anchor0_cudnn: bool = True
+    # The anchor's LSE pass (and its dense output where cuDNN does not give it) and pooled-score pass: "triton" (the
+    # kernels of this file) or "mgpu" (`prefill_mgpu`'s Mosaic GPU kernels) for the calls they cover: batch 1, a chunk
+    # at position 0 holding every key (q_start and kv_len concrete or chunk_at_zero), q_len a multiple of 128, d 64 /
+    # 128, bf16 / fp16. Every other call takes the Triton path silently (`prefill_mgpu.supported`).
+    anchor_backend: str = "triton"
 
     def __post_init__(self):
         for name in ("dense_block_k", "lse_block_k", "scores_block_k", "reuse_block_k", "select_block"):
@@ -124,6 +130,8 @@ class PrefillTuning:
             raise ValueError(f"reuse_order must be one of {_REUSE_ORDERS}, got {self.reuse_order!r}")
         if self.reuse_rows not in _REUSE_ROWS:
             raise ValueError(f"reuse_rows must be one of {_REUSE_ROWS}, got {self.reuse_rows}")
+        if self.anchor_backend not in _ANCHOR_BACKENDS:
+            raise ValueError(f"anchor_backend must be one of {_ANCHOR_BACKENDS}, got {self.anchor_backend!r}")
 
 
 DEFAULT_TUNING = PrefillTuning()
@@ -527,14 +535,30 @@ def _score_chunking(lay: _Layout, tuning) -> tuple[int, int, int]:
 
 
 def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scale, k_max, pool, tuning, interpret,
-                   sinks=0, window=0):
-    """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]."""
+                   sinks=0, window=0, mgpu_scores=None):
+    """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]. mgpu_scores: a window of
+    tiles' pooled scores from `prefill_mgpu` (a chunk at 0 holding every key: `_mgpu_keys`), (first tile [1], tiles,
+    width) -> [1, kv_heads, tiles, width], instead of the Triton kernel on the packed `lse`."""
     width_s, chunk, n_chunks = _score_chunking(lay, tuning)
     block_s = tuning.select_block
     idx_heads = lay.kv_heads if pool == "gqa" else 1
     n_pad = n_chunks * chunk
     counts_p = jnp.pad(counts, ((0, 0), (0, n_pad - lay.n_tiles)))
-    scores_call = _scores_call(lay, scale, tuning, chunk, width_s, interpret, sinks, window)
+    if mgpu_scores is None:
+        scores_call = _scores_call(lay, scale, tuning, chunk, width_s, interpret, sinks, window)
+        chunk_scores = lambda cv: scores_call(cv, q_start, kv_len, qp, lse, k_cache)
+    else:
+        width_m = -(-width_s // 128) * 128  # (the select reads < width_s of each row)
+
+        def chunk_scores(cv):
+            sc = mgpu_scores(cv * chunk, chunk, width_m)
+            if sinks or window:  # forced keys, as the Triton kernel writes them (every key of the chunk is valid)
+                t = cv[0] * chunk + _iota(chunk)
+                ts = t * lay.tile
+                e = jnp.where(t < lay.n_tiles, ts, 0)
+                forced = ref.forced_prefill_mask(ts[None], e[None], width_m, sinks, window)
+                sc = jnp.where(forced[:, None], ref.FORCED_SCORE, sc)
+            return sc
     cap = tuning.select_cand
     cand_shape = [jax.ShapeDtypeStruct((lay.batch, idx_heads, chunk, cap), jnp.int32)] * (2 if cap else 0)
     select_call = pl.pallas_call(
@@ -548,7 +572,7 @@ def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scal
 
     def one_chunk(c, idx):
         cv = jnp.reshape(c, (1,)).astype(jnp.int32)
-        sc = scores_call(cv, q_start, kv_len, qp, lse, k_cache)
+        sc = chunk_scores(cv)
         if pool == "all":
             sc = jnp.sum(sc, axis=1, keepdims=True)
         return select_call(cv, q_start, kv_len, counts_p, sc, idx)[0]  # (candidate buffers: scratch)
@@ -677,6 +701,28 @@ def pack_lse(lse, lay: _Layout):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The Mosaic GPU anchor passes (`prefill_mgpu`, tuning.anchor_backend="mgpu") and their scope.
+
+
+def _mgpu_keys(q, k_cache, v_cache, q_start, kv_len, tile_size, chunk_at_zero, tuning, interpret):
+    """(k, v) cut to the chunk's keys if `prefill_mgpu` takes this anchor call, else None (the Triton path).
+
+    q_start / kv_len are the caller's: they must be concrete (or q_start guaranteed zero by chunk_at_zero), since the
+    Mosaic GPU kernels take no lengths. Under jit with traced lengths the call stays on the Triton path."""
+    if tuning.anchor_backend != "mgpu" or not (interpret or jax.default_backend() == "gpu"):
+        return None
+    from kernels_pallas import prefill_mgpu as M
+
+    t = q.shape[1]
+    if k_cache.shape[1] < t or v_cache is None:
+        return None
+    # From position 0 the keys past the chunk are never causally visible.
+    k, v = (k_cache, v_cache) if k_cache.shape[1] == t else (k_cache[:, :t], v_cache[:, :t])
+    ok = M.supported(q, k, tile_size, q_start=None if chunk_at_zero else q_start, kv_len=kv_len)
+    return (k, v) if ok else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Public API.
 
 
@@ -773,6 +819,7 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
         raise ValueError(f"min_k must be >= 0, got {min_k}")
     b, t = q.shape[:2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q_start_in, kv_len_in = q_start, kv_len  # (the Mosaic GPU scope check needs them as the caller gave them)
     q_start, kv_len = _ints(q_start, "q_start", b), _ints(kv_len, "kv_len", b)
     seq_len = _ints(jnp.broadcast_to(jnp.asarray(seq_len), (b,)), "seq_len", b)
     counts = ref.prefill_counts(q_start, kv_len, seq_len, t, tile_size, topk_frac, min_k, rolling, extra=extra_k)
@@ -796,15 +843,29 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     lay = _layout(q, k_cache, tile_size)
     qp = _pack_q(q, lay)
     tuning = tuning or DEFAULT_TUNING
+    mgpu = _mgpu_keys(q, k_cache, v_cache, q_start_in, kv_len_in, tile_size, chunk_at_zero, tuning, interpret)
+    if mgpu is not None:
+        from kernels_pallas import prefill_mgpu as M
+    lse2 = None  # Mosaic GPU scope: base-2 lse [1, q_heads, q_len] for `prefill_mgpu.pooled_scores`
     if dense_out and chunk_at_zero and tuning.anchor0_cudnn and cudnn_lse_ok(q, k_cache, interpret):
         out, lse_nat = cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale)
         lse = pack_lse(lse_nat, lay)
+        if mgpu is not None:
+            lse2 = jnp.transpose(lse_nat, (0, 2, 1)) * _LOG2E
+    elif mgpu is not None:
+        out, lse2 = M.flash_lse(q, *mgpu, scale=scale, with_out=dense_out, interpret=interpret)
+        lse = None  # (the Triton score kernel's packed rows: `prefill_mgpu.lse_for_triton`)
     else:
         lse, out = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out, tuning=tuning,
                                interpret=interpret)
         out = _unpack_out(out, lay) if dense_out else None
+    mgpu_scores = None
+    if mgpu is not None:
+        mgpu_scores = lambda first, n, width: M.pooled_scores(q, mgpu[0], lse2, tile_size, scale=scale,
+                                                              interpret=interpret, first_tile=first, n_tiles=n,
+                                                              width=width)
     idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret,
-                         sinks, window)
+                         sinks, window, mgpu_scores)
     assert idx.shape[1] == idx_heads
     if dense_out:
         return out, idx, counts

@@ -358,10 +358,15 @@ def lse_for_triton(lse, q, k, tile_size):
     return P.pack_lse(jnp.transpose(lse, (0, 2, 1)) / _LOG2E, lay)
 
 
-def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None = None, interpret=False):
+def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None = None, interpret=False,
+                  first_tile=None, n_tiles=None, width=None):
     """q [1, T, q_heads, d], k [1, T, kv_heads, d], lse [1, q_heads, T] (`flash_lse`) -> [1, kv_heads, tiles, T]
     fp32: per tile and KV head, the sum over the tile's rows and the group's heads of exp2(s * scale2 - lse_row) for
-    every key strictly before the tile, -inf at and after the tile start (`pooled_scores_prefill_reference`)."""
+    every key strictly before the tile, -inf at and after the tile start (`pooled_scores_prefill_reference`).
+
+    A window of tiles (the anchor pipeline bounds the scores held at once): `first_tile` (int32 [1], may be traced)
+    and `n_tiles` (static) give [1, kv_heads, n_tiles, width] for the tiles first_tile, first_tile + 1, ...; rows
+    of tiles past the last one are all -inf. `width` (static, a multiple of 128, >= T): keys past T are -inf."""
     tuning = tuning or DEFAULT_TUNING
     _check(q, k, tile_size, tuning)
     b, t, hq, d = q.shape
@@ -370,6 +375,12 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
         raise ValueError(f"prefill_mgpu: lse must be float32 [{b}, {hq}, {t}], got {lse.dtype} {lse.shape}")
     rows = _rows(tile_size, hq // kvh, tuning.scores_row_cap)
     n, n_sub, nt = rows.n, rows.n_sub, t // tile_size
+    n_w = nt if n_tiles is None else int(n_tiles)
+    width = t if width is None else int(width)
+    if n_w < 1 or width < t or width % (_COMPUTE_WGS * tuning.scores_block_k):
+        raise ValueError(f"prefill_mgpu: n_tiles must be >= 1 and width a multiple of "
+                         f"{_COMPUTE_WGS * tuning.scores_block_k} >= q_len {t}, got {n_tiles} / {width}")
+    first = jnp.zeros((1,), jnp.int32) if first_tile is None else jnp.reshape(first_tile, (1,)).astype(jnp.int32)
     scale2 = (1.0 / math.sqrt(d) if scale is None else float(scale)) * _LOG2E
     bk = tuning.scores_block_k
     wgs = _COMPUTE_WGS
@@ -378,12 +389,14 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
     qp, lsep = _pack_q(q, kvh, rows), _pack_lse(lse, kvh, rows)
     interp = _interpret_params(interpret)
 
-    def kernel(q_ref, lse_ref, k_ref, out_ref, q_smem, lse_smem, k_smem, o_smem, q_bar, k_bar, k_free):
+    def kernel(first_ref, q_ref, lse_ref, k_ref, out_ref, q_smem, lse_smem, k_smem, o_smem, q_bar, k_bar, k_free):
         bi = lax.axis_index("batch")
         h = lax.axis_index("kvh")
-        tt = nt - 1 - lax.axis_index("tile")  # later tiles have more keys: they start first
+        tl = n_w - 1 - lax.axis_index("tile")  # later tiles have more keys: they start first
+        tw = first_ref[0] + tl
+        tt = jnp.minimum(tw, nt - 1)  # (a window past the last tile reads the last tile's rows and writes -inf)
         wg = lax.axis_index("wg")
-        e = tt * tile_size  # eligible keys [0, e)
+        e = jnp.where(tw < nt, tt * tile_size, 0)  # eligible keys [0, e)
         n_steps = pl.cdiv(e, jnp.array(step_k, jnp.int32))
 
         @pl.when(wg < wgs)
@@ -413,15 +426,15 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy that last read this buffer is done
                 o_smem[wg, buf] = jnp.where(kidx < e, tot, -jnp.inf)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, buf], out_ref.at[bi, h, tt, pl.ds(j * step_k + wg * bk, bk)])
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, buf], out_ref.at[bi, h, tl, pl.ds(j * step_k + wg * bk, bk)])
                 return carry
 
             lax.fori_loop(0, n_steps, step, None)
             plgpu.commit_smem()
 
-            @pl.loop(n_steps, t // step_k)
+            @pl.loop(n_steps, width // step_k)
             def _(j):  # keys at and after the tile start: -inf
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, 2], out_ref.at[bi, h, tt, pl.ds(j * step_k + wg * bk, bk)])
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, 2], out_ref.at[bi, h, tl, pl.ds(j * step_k + wg * bk, bk)])
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -455,12 +468,12 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
             pl.loop(last, n_steps)(consumed)  # (observe the last phases, as in the flash pass)
 
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((b, kvh, nt, t), jnp.float32),
+        kernel, out_type=jax.ShapeDtypeStruct((b, kvh, n_w, width), jnp.float32),
         scratch_types=dict(
             q_smem=_swizzled((n_sub, n, d), q.dtype), lse_smem=plgpu.SMEM((n_sub, n), jnp.float32),
             k_smem=_swizzled((wgs, steps, bk, d), q.dtype), o_smem=plgpu.SMEM((wgs, 3, bk), jnp.float32),
             q_bar=plgpu.Barrier(num_arrivals=n_sub + 1), k_bar=plgpu.Barrier(num_barriers=wgs * steps),
             k_free=plgpu.Barrier(num_barriers=wgs * steps)),
-        grid=(nt, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
+        grid=(n_w, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interp,
-    )(qp, lsep, k)
+    )(first, qp, lsep, k)

@@ -189,9 +189,10 @@ def _parts(tuning, base):
 
     changed = {f for f, v in dataclasses.asdict(tuning).items() if getattr(base, f) != v}
     parts = {"R"} if any(f.startswith("reuse_") for f in changed) else set()
-    if changed & {"anchor0_cudnn"} or any(f.startswith(("dense_", "scores_", "select_")) for f in changed):
+    if changed & {"anchor0_cudnn", "anchor_backend"} or any(f.startswith(("dense_", "scores_", "select_"))
+                                                          for f in changed):
         parts.add("A0")
-    if any(f.startswith(("lse_", "scores_", "select_")) for f in changed):
+    if "anchor_backend" in changed or any(f.startswith(("lse_", "scores_", "select_")) for f in changed):
         parts.add("A")
     return parts
 
@@ -293,9 +294,11 @@ def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=
         note_overwrite(out_dir, sweep_stem, shape, log)
     if contexts or long_contexts:
         note_overwrite(out_dir, stem, shape, log)
-    if check_first:
-        for peaky in (False, True):
-            check(peaky=peaky, tuning=pf.tuning_from_string(tuning_spec), log=log, shape=shape)
+    if check_first:  # the base tuning and every sweep variant (e.g. anchor_backend=mgpu) against the references
+        base_tuning = pf.tuning_from_string(tuning_spec)
+        for spec in [""] + list(sweep_specs):
+            for peaky in (False, True):
+                check(peaky=peaky, tuning=pf.tuning_from_string(spec, base_tuning), log=log, shape=shape)
     if sweep_specs:
         srows = sweep(sweep_contexts, sweep_specs, dtypes[0], fracs[0], min_k, tile, iters, base_spec=tuning_spec,
                       log=log, shape=shape)

@@ -8,10 +8,22 @@
 # pool` times the selection pools gqa (Kascade) and all (all_heads_pooled) through the strategy, into
 # OUTDIR/decode_qwen*_pool.*; `bench_shapes.sh OUTDIR pool 0.1,0.2,0.3 poolk` the same at those decode budgets
 # (the dps_all_dec* candidates), into OUTDIR/decode_qwen*_poolk.* (first in the report's --speed_bench decode list:
-# its plain rows at 0.2 and 0.3 are then measured, not scaled from 10%).
+# its plain rows at 0.2 and 0.3 are then measured, not scaled from 10%). `bench_shapes.sh OUTDIR mgpu [CONTEXTS]`
+# A/Bs the anchor layers on the Mosaic GPU passes (`--prefill_sweep=anchor_backend=mgpu`, both checked at 8K first)
+# against Triton at the three shapes, 32K and 128K, batch 1, into OUTDIR/prefill_sweep_{qwen05,qwen15,llama8b}_mgpu.*.
 set -u
 OUTDIR=${1:?output dir}
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
+if [ "${2:-}" = mgpu ]; then  # issue 22: the anchor layer on the Triton vs the Mosaic GPU passes, like for like
+  for shape in "qwen05_mgpu 14,2,64 24" "qwen15_mgpu 12,2,128 28" "llama8b_mgpu 32,8,128 32"; do
+    read -r tag heads layers <<< "$shape"
+    python3 -m experiments.bench --phase=prefill --heads=$heads --num_layers=$layers --num_anchors=5 \
+      --bench_tag=$tag --prefill_contexts= --prefill_long_contexts= --prefill_check \
+      --prefill_sweep=anchor_backend=mgpu --prefill_sweep_contexts=${3:-32768,131072} --prefill_iterations=3 \
+      --prefill_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 16
+  done
+  exit 0
+fi
 if [ "${2:-}" = pool ]; then  # Kascade's per-KV-head selection vs all_heads_pooled's shared set, like for like
   fracs=${3:-0.1}; suffix=${4:-pool}
   for shape in "qwen05_$suffix 14,2,64 24" "qwen15_$suffix 12,2,128 28"; do

@@ -327,3 +327,11 @@ def test_generate_and_speed_show_what_runs():
     assert res.returncode == 0, res.stderr[-3000:]
     assert "strategy: dense, kernels: jnp attention (XLA)" in res.stderr
     assert "compile (prefill, generate): 100%" in res.stderr and "timed repeats: 100%" in res.stderr
+
+
+def test_prefill_sweep_retimes_the_anchor_layers_for_the_backend():
+    """`--prefill_sweep=anchor_backend=mgpu` re-times A0 and A (both anchor kinds take the Mosaic GPU passes), not R."""
+    from kascade_jax.bench.prefill import _parts
+    from kernels_pallas import prefill as pf
+
+    assert _parts(pf.tuning_from_string("anchor_backend=mgpu"), pf.DEFAULT_TUNING) == {"A0", "A"}

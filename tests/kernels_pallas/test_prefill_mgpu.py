@@ -153,10 +153,115 @@ def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
     calls = [(lambda q, k, v: M.flash_lse(q, k, v), (q, k, k)),
              (lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(p_in_regs=False, block_kv=64)), (q, k, k)),
              (lambda q, k: M.flash_lse(q, k, with_out=False), (q, k)),
-             (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse))]
+             (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse)),
+             (lambda q, k, l, f: M.pooled_scores(q, k, l, tile, first_tile=f, n_tiles=32, width=5120),
+              (q, k, lse, jax.ShapeDtypeStruct((1,), jnp.int32)))]
     for f, args in calls:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------------------------------ anchor_prefill wiring
+
+
+def _spy(monkeypatch, *names):
+    """Count the calls of prefill_mgpu functions (the fallback to Triton is silent: a test must see which ran)."""
+    calls = {n: 0 for n in names}
+    for n in names:
+        fn = getattr(M, n)
+
+        def wrapped(*a, _fn=fn, _n=n, **kw):
+            calls[_n] += 1
+            return _fn(*a, **kw)
+
+        monkeypatch.setattr(M, n, wrapped)
+    return calls
+
+
+def _anchor_both(seed, b, t, hq, kvh, d, tile, dtype, dense_out, q_start, kv_len, max_len, interpret=True,
+                 sinks=0, window=0, chunk_at_zero=False):
+    """anchor_prefill with both backends at one shape -> (triton, mgpu) results, checked against the reference."""
+    from tests.kernels_pallas.test_prefill import _check_idx, _tol
+
+    q, k, v = _inputs(np.random.default_rng(seed), b, t, hq, kvh, d, max_len, dtype, peaky=True)
+    qs, kl = jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32)
+    frac, min_k = 0.25, 8
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=R.max_budget(max_len, frac, min_k), dense_out=dense_out,
+              impl="pallas", interpret=interpret, sinks=sinks, window=window, chunk_at_zero=chunk_at_zero)
+    res = [P.anchor_prefill(q, k, v, qs, kl, kl, tile, tuning=P.PrefillTuning(anchor_backend=be), **kw)
+           for be in ("triton", "mgpu")]
+    scores, _ = R.pooled_scores_prefill_reference(q, k, qs, kl, tile, sinks=sinks, window=window)
+    if dense_out:
+        ref_out = lambda idx: R.attention_reference(q, k, v, qs, kl)
+    else:
+        ref_out = lambda idx: R.sparse_prefill_reference(q, k, v, qs, kl, idx, jnp.arange(kvh), tile)
+    for out, idx, counts in res:
+        _check_idx(idx, counts, scores)
+        err = _row_err(out, ref_out(idx))
+        assert err < _tol(dtype), err
+    (o_t, i_t, c_t), (o_m, i_m, c_m) = res
+    np.testing.assert_array_equal(np.asarray(c_m), np.asarray(c_t))
+    same = float(np.mean(np.asarray(i_m) == np.asarray(i_t)))
+    print(f"mgpu vs triton: same index fraction {same:.4f}, output row error {_row_err(o_m, o_t):.2e}")
+    return res, same
+
+
+@pytest.mark.parametrize("dense_out,forced", [(False, {}), (True, dict(sinks=4, window=32))])
+def test_anchor_prefill_mgpu_backend_interpret(monkeypatch, interp, dense_out, forced):
+    """In scope (batch 1, chunk at 0 holding every key; the cache is longer than the chunk): both Mosaic GPU passes
+    run, the scores in two windows of two tiles (the score budget lowered to 16 KiB), and give the Triton backend's
+    counts, the reference's Top-k sets (forced keys too) and outputs."""
+    calls = _spy(monkeypatch, "flash_lse", "pooled_scores")
+    monkeypatch.setattr(P, "_SCORE_CHUNK_BYTES", 16 << 10)  # rows of 1024 fp32 keys x 2 KV heads: 2 tiles a chunk
+    t = 128
+    _, same = _anchor_both(SEED + 60, 1, t, 4, 2, 64, 32, jnp.bfloat16, dense_out, [0], [t], t + 64, **forced)
+    assert calls["flash_lse"] == 1 and calls["pooled_scores"] >= 1, calls
+    assert same > 0.99, same
+
+
+def test_pooled_scores_window_interpret(interp):
+    """A window of tiles (traced first tile, static count and width) gives the full call's rows bit for bit; tiles
+    past the last and keys past q_len are -inf."""
+    t, tile = 128, 16
+    q, k, _ = _inputs(np.random.default_rng(SEED + 62), 1, t, 4, 2, 64, t, jnp.bfloat16, peaky=True)
+    _, lse = _ref_lse2(q, k, k)
+    lse = lse.astype(jnp.float32)
+    full = np.asarray(M.pooled_scores(q, k, lse, tile, interpret=interp))
+    win = jax.jit(lambda f: M.pooled_scores(q, k, lse, tile, interpret=interp, first_tile=f, n_tiles=4, width=256))
+    for first in (3, 6):  # 8 tiles: [3, 7) inside, [6, 10) runs two tiles past the end
+        got = np.asarray(win(jnp.asarray([first], jnp.int32)))
+        assert got.shape == (1, 2, 4, 256)
+        n_in = min(4, 8 - first)
+        np.testing.assert_array_equal(got[:, :, :n_in, :t], full[:, :, first:first + n_in])
+        assert np.all(np.isneginf(got[:, :, n_in:])) and np.all(np.isneginf(got[..., t:]))
+    with pytest.raises(ValueError, match="width") as e:
+        M.pooled_scores(q, k, lse, tile, width=200)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("case", [dict(b=2, kv_len=[128, 120]), dict(q_start=[64])])
+def test_anchor_prefill_mgpu_falls_back_interpret(monkeypatch, interp, case):
+    """Out of scope (batch 2 with padding queries; a chunk at an offset): silently the Triton path, bit for bit."""
+    calls = _spy(monkeypatch, "flash_lse", "pooled_scores")
+    b, t = case.get("b", 1), 128
+    q, k, v = _inputs(np.random.default_rng(SEED + 61), b, t, 4, 2, 64, t + 64, jnp.bfloat16, peaky=True)
+    qs = jnp.asarray(case.get("q_start", [0] * b), jnp.int32)
+    kl = jnp.asarray(case.get("kv_len", [t] * b), jnp.int32)
+    kw = dict(topk_frac=0.25, min_k=8, k_max=R.max_budget(t + 64, 0.25, 8), impl="pallas", interpret=True)
+    res = [P.anchor_prefill(q, k, v, qs, kl, kl, 32, tuning=P.PrefillTuning(anchor_backend=be), **kw)
+           for be in ("triton", "mgpu")]
+    assert calls == {"flash_lse": 0, "pooled_scores": 0}, calls
+    for a, m in zip(*res):
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(a))
+
+
+def test_anchor_backend_errors():
+    with pytest.raises(ValueError, match="anchor_backend must be one of") as e:
+        P.PrefillTuning(anchor_backend="cuda")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="anchor_backend"):
+        P.tuning_from_string("anchor_backend=mosaic")
+    assert P.tuning_from_string("anchor_backend=mgpu").anchor_backend == "mgpu"
 
 
 # ------------------------------------------------------------------------------------------ GPU tier (H200)
@@ -197,3 +302,50 @@ def test_gpu_pooled_scores_4k(peaky, hq, kvh, d, tile):
     ref, _ = R.pooled_scores_prefill_reference(q, k, z, z + t, tile)
     err = _score_err(sc, ref)
     assert err < 2e-3, err
+
+
+_ANCHOR_SHAPES = [(14, 2, 64), (12, 2, 128), (32, 8, 128)]  # the 0.5B, 1.5B and 8B shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,kvh,d", _ANCHOR_SHAPES)
+@pytest.mark.parametrize("dense_out,cudnn", [(False, False), (True, False), (True, True)])
+def test_gpu_anchor_backends_4k(monkeypatch, hq, kvh, d, dense_out, cudnn):
+    """anchor_prefill on the Mosaic GPU passes (anchor 0 with the Triton-free dense output, or with cuDNN's LSE
+    feeding the Mosaic GPU scores) against the Triton backend and the references."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    calls = _spy(monkeypatch, "flash_lse", "pooled_scores")
+    t = 4096
+    _, same = _anchor_both(SEED + 70, 1, t, hq, kvh, d, 32, jnp.bfloat16, dense_out, [0], [t], t, interpret=False,
+                           chunk_at_zero=cudnn)
+    assert calls["flash_lse"] == (0 if cudnn else 1) and calls["pooled_scores"] >= 1, calls
+    assert same > 0.95, same  # (near ties may swap: the LSE passes differ in rounding)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,kvh,d", _ANCHOR_SHAPES)
+def test_gpu_anchor_backends_32k(monkeypatch, hq, kvh, d):
+    """At 32K (the score budget then spans several windows at the 8B shape; no reference: its scores would not fit)
+    the two backends agree: counts exactly, index sets up to near ties, outputs within bf16."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from tests.kernels_pallas.test_prefill import _tol
+
+    calls = _spy(monkeypatch, "flash_lse", "pooled_scores")
+    t = 32768
+    q, k, v = _inputs(np.random.default_rng(SEED + 71), 1, t, hq, kvh, d, t, jnp.bfloat16, peaky=True)
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    kw = dict(topk_frac=0.1, min_k=128, k_max=R.max_budget(t, 0.1, 128), impl="pallas")
+    res = [jax.jit(lambda q, k, v, be=be: P.anchor_prefill(q, k, v, qs, kl, kl, 32, tuning=P.PrefillTuning(
+        anchor_backend=be), **kw))(q, k, v) for be in ("triton", "mgpu")]
+    assert calls["flash_lse"] == 1 and calls["pooled_scores"] >= 1, calls
+    (o_t, i_t, c_t), (o_m, i_m, c_m) = res
+    np.testing.assert_array_equal(np.asarray(c_m), np.asarray(c_t))
+    i_t, i_m, c = np.asarray(i_t), np.asarray(i_m), np.asarray(c_t)
+    same = np.mean([set(a[:n]) == set(b[:n]) for a, b, n in zip(
+        i_t.reshape(-1, i_t.shape[-1]), i_m.reshape(-1, i_m.shape[-1]), np.broadcast_to(c[:, None], i_t.shape[:3])
+        .reshape(-1))])
+    err = _row_err(o_m, o_t)
+    print(f"32K {hq}/{kvh}/{d}: same index sets {same:.4f}, output row error vs Triton {err:.2e}")
+    assert same > 0.9 and err < _tol(jnp.bfloat16), (same, err)
