@@ -3,11 +3,9 @@
 A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`, `--calib_dataset`,
 `--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`, `--decode_topk_frac`,
-`--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`, `--decode_tail_stride`, `--decode_tail_cap`,
-`--pool`;
-each defaults to None,
-"the recipe's", and an explicitly given value wins over the `--recipe`. `--anchors` is defined here too, so it
-parses and means the same everywhere
+`--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`, `--decode_tail_stride`,
+`--decode_tail_cap`, `--pool`; each defaults to None, "the recipe's", and an explicitly given value wins over the
+`--recipe`. `--anchors` is defined here too, so it parses and means the same everywhere
 (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
 `--calib_num_prompts` (it warns; see `experiments.cli.deprecated_alias`).
 

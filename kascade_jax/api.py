@@ -43,8 +43,9 @@ def strategy_for(model, name: str = "kascade", *, recipe: Any = "default", model
         raise ValueError("strategy_for: the model has no name (config.name); pass model_name=... (the alias that "
                          "keys its calibration)")
     r = recipe if isinstance(recipe, Recipe) else load_recipe(model_name, recipe)
-    if verbose and untuned_notice(r):
-        print(f"note: {untuned_notice(r)}", file=sys.stderr, flush=True)
+    notice = untuned_notice(r)
+    if verbose and notice:
+        print(f"note: {notice}", file=sys.stderr, flush=True)
     dtype = getattr(getattr(model, "dtype", None), "name", None) or str(getattr(model, "dtype", "float32"))
     kw, desc = recipe_kascade(model_name, cfg.num_layers, cfg.kv_heads, recipe=r, dtype=dtype, model=model,
                               tokenizer=tokenizer, calibrate=calibrate)

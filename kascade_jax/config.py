@@ -142,8 +142,8 @@ class KascadeConfig:
         if self.decode_tail_cap is True and not tail:
             raise ValueError("decode_tail_cap caps the sampled tail's weights: it needs decode_tail_stride >= 2")
         if tail and self.decode_rerank > 1:
-            raise ValueError("decode_tail_stride and decode_rerank > 1 are not combined (a reranking layer's tail would "
-                             "have to exclude its own Top-k of the candidates): use one or the other")
+            raise ValueError("decode_tail_stride and decode_rerank > 1 are not combined (a reranking layer's tail "
+                             "would have to exclude its own Top-k of the candidates): use one or the other")
         for name in ("sink_tokens", "recent_window", "dense_suffix", "local_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -27,7 +27,8 @@ from typing import Any
 
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
-          "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank", "decode_tail_stride", "decode_tail_cap", "pool")
+          "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank", "decode_tail_stride", "decode_tail_cap",
+          "pool")
 BOOL_LEVERS = ("prefill_dense_anchors", "decode_only", "decode_tail_cap")
 
 
@@ -91,7 +92,8 @@ class Recipe:
                              "those layers rerank)")
         t = self.decode_tail_stride
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0 or t == 1):
-            raise ValueError(f"recipe {self.name!r}: decode_tail_stride must be null, 0 (off) or an int >= 2, got {t!r}")
+            raise ValueError(f"recipe {self.name!r}: decode_tail_stride must be null, 0 (off) or an int >= 2, "
+                             f"got {t!r}")
         if self.decode_tail_cap is True and not t:
             raise ValueError(f"recipe {self.name!r}: decode_tail_cap needs decode_tail_stride >= 2")
         if t and (rr or 1) > 1:

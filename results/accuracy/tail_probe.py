@@ -15,7 +15,9 @@ steps) attend with
   top3k     each layer's own Top-3k (the budget lever of session 17); topCk any multiple C of the budget;
   topk+samp the Top-k plus every STRIDE-th unselected key, each weighted by STRIDE (a softmax term + log STRIDE):
             a ratio estimate of the unselected keys' numerator and denominator from a uniform sample (as vAttention
-            and MagicPIG sample the tail), at 1/STRIDE more budget; selection-free, so it composes with the reuse;
+            and MagicPIG sample the tail), at 1/STRIDE more budget (session 19: at dense on fwe here, over each
+            layer's own Top-k; over a reuse layer's anchor selection, the strategy lever `decode_tail_stride`,
+            it lost 4-6 points in the eval: keys the anchor missed get STRIDE times their weight);
   topk+stride the same keys without the weight (a larger selection, no estimate);
   toppP     per row and KV head the fewest keys that hold mass P of the pooled attention (at least min_k): an
             adaptive budget (as Twilight's top-p), large where attention is flat (counting) and small where it is

@@ -80,7 +80,8 @@ def test_choose_reproduces_the_shipped_smollm2_default(tmp_path):
     inputs = [ROOT / "results/accuracy/h200_2026-12-03_i21s13/smol_dev", S17 / "smol_pin"]
     base = [sys.executable, "-m", "experiments.accuracy", "--mode=choose", "--model=smollm2-135m", "--num_layers=30",
             "--context=4096", f"--out={tmp_path / 'r.json'}", "--overwrite"]
-    cmd = base + ["--also_contexts=8192", f"--inputs={','.join(map(str, inputs + [s19 / 'smol_dec', s19 / 'smol_p6_d8']))}"]
+    s19_cells = [s19 / "smol_dec", s19 / "smol_p6_d8"]
+    cmd = base + ["--also_contexts=8192", f"--inputs={','.join(map(str, inputs + s19_cells))}"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads((tmp_path / "r.json").read_text())
