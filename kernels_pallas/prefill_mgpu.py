@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -98,7 +99,7 @@ def unsupported_reason(q, k, tile_size=None, *, q_start=None, kv_len=None, tunin
             continue
         if isinstance(v, jax.core.Tracer):
             return f"{name} must be concrete (host-checkable), got a tracer"
-        vv = jnp.asarray(v)
+        vv = np.asarray(v)  # host-side: under a jit trace a jnp op on a concrete array is staged (a tracer)
         if vv.size != b or int(vv.reshape(-1)[0]) != want:
             return f"{name} must be [{want}], got {v}"
     return None

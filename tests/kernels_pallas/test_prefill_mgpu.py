@@ -140,6 +140,23 @@ def test_unsupported_raises_one_line(case, needle):
     assert M.supported(jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 2, 64), jnp.bfloat16), 16)
 
 
+def test_supported_under_jit():
+    """Inside a jit trace, lengths closed over as concrete arrays are still host-checkable (a jnp op on them would be
+    staged: session 20's GPU run failed so), and traced lengths keep the Triton path instead of raising."""
+    q, k = jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    qs, kl, bad = jnp.zeros((1,), jnp.int32), jnp.full((1,), 128, jnp.int32), jnp.full((1,), 64, jnp.int32)
+    seen = {}
+
+    def f(x, traced):
+        seen["closed"] = M.supported(q, k, 16, q_start=qs, kv_len=kl)
+        seen["closed_bad"] = M.supported(q, k, 16, q_start=qs, kv_len=bad)
+        seen["traced"] = M.supported(q, k, 16, q_start=qs, kv_len=traced)
+        return x
+
+    jax.jit(f)(jnp.zeros(()), kl)
+    assert seen == {"closed": True, "closed_bad": False, "traced": False}, seen
+
+
 @pytest.mark.parametrize("hq,kvh,d,tile,dtype", [(32, 8, 128, 32, jnp.bfloat16), (12, 2, 128, 64, jnp.float16),
                                                   (14, 2, 64, 16, jnp.bfloat16)])
 def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
