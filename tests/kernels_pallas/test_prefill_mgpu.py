@@ -344,7 +344,7 @@ def test_gpu_anchor_backends_4k(monkeypatch, hq, kvh, d, dense_out, cudnn):
 @pytest.mark.parametrize("hq,kvh,d", _ANCHOR_SHAPES)
 def test_gpu_anchor_backends_32k(monkeypatch, hq, kvh, d):
     """At 32K (the score budget then spans several windows at the 8B shape; no reference: its scores would not fit)
-    the two backends agree: counts exactly, index sets up to near ties, outputs within bf16."""
+    the two backends agree: counts exactly, index sets up to near ties, outputs within bf16 where the sets agree."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     from tests.kernels_pallas.test_prefill import _tol
@@ -360,9 +360,13 @@ def test_gpu_anchor_backends_32k(monkeypatch, hq, kvh, d):
     (o_t, i_t, c_t), (o_m, i_m, c_m) = res
     np.testing.assert_array_equal(np.asarray(c_m), np.asarray(c_t))
     i_t, i_m, c = np.asarray(i_t), np.asarray(i_m), np.asarray(c_t)
-    same = np.mean([set(a[:n]) == set(b[:n]) for a, b, n in zip(
+    agree = np.array([set(a[:n]) == set(b[:n]) for a, b, n in zip(
         i_t.reshape(-1, i_t.shape[-1]), i_m.reshape(-1, i_m.shape[-1]), np.broadcast_to(c[:, None], i_t.shape[:3])
-        .reshape(-1))])
-    err = _row_err(o_m, o_t)
-    print(f"32K {hq}/{kvh}/{d}: same index sets {same:.4f}, output row error vs Triton {err:.2e}")
-    assert same > 0.9 and err < _tol(jnp.bfloat16), (same, err)
+        .reshape(-1))]).reshape(i_t.shape[1:3])  # [kv heads, tiles]
+    # A near tie swapped at a tile's budget edge changes that tile's rows by a key's share (session 20: up to 0.12 of
+    # a row's RMS); the outputs are compared where the two selections agree, which is every other row.
+    rows = agree[(np.arange(hq) // (hq // kvh))[None, :], (np.arange(t) // 32)[:, None]]  # [t, q heads]
+    err = _row_err(np.asarray(o_m)[0][rows], np.asarray(o_t)[0][rows])
+    print(f"32K {hq}/{kvh}/{d}: same index sets {agree.mean():.4f}, output row error vs Triton where they agree "
+          f"{err:.2e}, over all rows {_row_err(o_m, o_t):.2e}")
+    assert agree.mean() > 0.99 and err < _tol(jnp.bfloat16), (agree.mean(), err)
