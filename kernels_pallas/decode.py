@@ -48,6 +48,9 @@ class DecodeTuning:
     stream_warps: int = 4
     stream_stages: int = 3
     target_programs: int = 1056  # ~8 programs per SM of an H200 (132 SMs)
+    # Paged layouts only: K rows that are not attended load through a zero mask. False loads them as they are (a
+    # stale inf/NaN gives a NaN logit, which the kernels replace by -inf before the softmax); V keeps its mask.
+    paged_mask_k: bool = True
 
     def __post_init__(self):
         blocks = {"stream_block": self.stream_block}
@@ -94,6 +97,10 @@ class Layout:
     def load(self, ref, rows, valid):
         """K or V rows [block, d]; valid [block]: the rows that are attended."""
         return ref[rows, :]
+
+    def load_k(self, ref, rows, valid):
+        """K rows: as `load`, for a layout that may skip the mask of K (whose unattended logits become -inf)."""
+        return self.load(ref, rows, valid)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -247,7 +254,7 @@ def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, *refs, layout: Layout, bl
         ids = idx_ref[ih, pl.ds(off_c, block)]  # [block] logical token positions
         valid = (pos >= off) & (pos < end) & (ids >= 0) & (ids < kv_len)
         at = layout.gather(table_ref, jnp.where(valid, ids, 0))
-        k = layout.load(k_ref, at, valid)  # [block, d] gathered rows
+        k = layout.load_k(k_ref, at, valid)  # [block, d] gathered rows
         v = layout.load(v_ref, at, valid)
         qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
@@ -331,7 +338,7 @@ def _cand_kernel(kvlen_ref, cand_ref, q_ref, k_ref, out_ref, *, layout: Layout, 
     kv_len = kvlen_ref[pl.program_id(0)]
     ids = cand_ref[...]  # [block] logical token positions, -1 = none
     valid = (ids >= 0) & (ids < kv_len)
-    k = layout.load(k_ref, layout.gather(None, jnp.where(valid, ids, 0)), valid)  # [block, d] gathered rows
+    k = layout.load_k(k_ref, layout.gather(None, jnp.where(valid, ids, 0)), valid)  # [block, d] gathered rows
     qk = plgpu.dot(q_ref[...], k, trans_b=True) * scale  # [rows, block] fp32
     out_ref[...] = jnp.where(valid[None, :], qk, -jnp.inf)
 
@@ -400,7 +407,7 @@ def _stream_kernel(kvlen_ref, *refs, layout: Layout, block: int, split_len: int,
         pos = off_c + jnp.arange(block)
         valid = (pos >= off) & (pos < end)
         at = layout.block(table_ref, off_c, block, pos)
-        k = layout.load(k_ref, at, valid)  # [block, d]
+        k = layout.load_k(k_ref, at, valid)  # [block, d]
         qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
         if write_logits:

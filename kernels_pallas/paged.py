@@ -8,7 +8,9 @@ The kernels are decode.py's with `PagedLayout` as their addressing (nothing is g
 indices stay logical positions). Decisions: a whole-cache block within one page (stream_block <= page_size) is one
 contiguous load, a longer one gathers its rows; pages are reused dirty, so masked rows (past kv_len, a -1 entry
 clamped to page 0) may hold a previous owner's inf/NaN: K and V are loaded with a mask that reads 0 there (0 x inf =
-NaN), a masked load rather than a select so that the loads still go straight to shared memory.
+NaN), a masked load rather than a select so that the loads still go straight to shared memory. K may skip its mask
+(`DecodeTuning.paged_mask_k=False`: an unattended row's NaN logit is replaced by -inf anyway), an A/B for the gap
+left to the contiguous kernels.
 References (off-GPU): `gather_pages`, then the contiguous references.
 """
 
@@ -37,12 +39,14 @@ class PagedLayout(dec.Layout):
 
     page_size: int
     num_pages: int
+    mask_k: bool = True  # DecodeTuning.paged_mask_k
     name: ClassVar[str] = "paged"
     has_table: ClassVar[bool] = True
 
     @classmethod
-    def of(cls, pool, page_table) -> "PagedLayout":
-        return cls(s_len=page_table.shape[1] * pool.shape[1], page_size=pool.shape[1], num_pages=pool.shape[0])
+    def of(cls, pool, page_table, tuning: dec.DecodeTuning = dec.DEFAULT_TUNING) -> "PagedLayout":
+        return cls(s_len=page_table.shape[1] * pool.shape[1], page_size=pool.shape[1], num_pages=pool.shape[0],
+                   mask_k=tuning.paged_mask_k)
 
     def operand(self, pool):
         n, ps, kvh, d = pool.shape
@@ -70,6 +74,9 @@ class PagedLayout(dec.Layout):
         else:  # gathered rows, indexed by two arrays: interpret mode cannot mask a load mixing an array and a slice
             at = ref.at[rows[:, None], jnp.arange(ref.shape[1])[None, :]]
         return plgpu.load(at, mask=valid[:, None], other=0)
+
+    def load_k(self, ref, rows, valid):
+        return self.load(ref, rows, valid) if self.mask_k else ref[rows, :]
 
 
 def gather_pages(pool, page_table, kv_len=None):
@@ -123,7 +130,8 @@ def dense_decode(q, k_pages, v_pages, page_table, kv_len, *, scale=None, impl="a
     kv_len, page_table = jnp.asarray(kv_len, jnp.int32), jnp.asarray(page_table, jnp.int32)
     if not pallas:
         return dense_decode_reference(q, k_pages, v_pages, page_table, kv_len, scale=scale)
-    _, _, out = dec._stream_pallas(q, k_pages, v_pages, page_table, kv_len, PagedLayout.of(k_pages, page_table),
+    layout = PagedLayout.of(k_pages, page_table, tuning)
+    _, _, out = dec._stream_pallas(q, k_pages, v_pages, page_table, kv_len, layout,
                                    scale, dense_out=True, write_logits=False, interpret=interpret, tuning=tuning)
     return out
 
@@ -140,7 +148,7 @@ def reuse_decode(q, k_pages, v_pages, page_table, kv_len, idx, counts, head_map_
     if not pallas:
         k, v = gather_pages(k_pages, page_table, kv_len), gather_pages(v_pages, page_table, kv_len)
         return ref.sparse_decode_reference(q, k, v, kv_len, idx, head_map_row, scale=scale)
-    return dec._reuse_pallas(q, k_pages, v_pages, page_table, kv_len, PagedLayout.of(k_pages, page_table),
+    return dec._reuse_pallas(q, k_pages, v_pages, page_table, kv_len, PagedLayout.of(k_pages, page_table, tuning),
                              jnp.asarray(idx, jnp.int32), jnp.asarray(counts, jnp.int32), head_map_row, scale,
                              interpret, tuning)
 
@@ -159,7 +167,7 @@ def anchor_decode(q, k_pages, v_pages, page_table, kv_len, *, topk_frac: float, 
         return dec.anchor_decode(q, k, v, kv_len, topk_frac=topk_frac, min_k=min_k, k_max=k_max,
                                  head_map_row=head_map_row, dense_out=dense_out, pool=pool, scale=scale,
                                  impl="reference", sinks=sinks, window=window)
-    layout = PagedLayout.of(k_pages, page_table)
+    layout = PagedLayout.of(k_pages, page_table, tuning)
     head_map_row, scale, kv_len, counts, k_eff = dec._anchor_args(
         kvh, d, layout.s_len, kv_len, topk_frac=topk_frac, min_k=min_k, k_max=k_max, head_map_row=head_map_row,
         pool=pool, scale=scale)

@@ -96,7 +96,7 @@ def check(b, s, page_size, shape: BenchShape, frac=0.1, min_k=128, seed=0, inter
 
 
 def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print, stream_block=128, *,
-              interpret=False, dense_impl="cudnn", timer=cupti_time):
+              interpret=False, dense_impl="cudnn", timer=cupti_time, mask_k=True):
     """One row: dense, A0, A, R and the weighted Kascade time on both caches (<name>_contig, <name>_paged), and
     their ratios paged / contiguous (<name>_ratio). The layouts are measured one after the other: the contiguous K
     is freed once its pool is built, then V, so at most one layout's K/V plus one pool is held (1.5x one cache: 52 GB
@@ -112,12 +112,12 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print,
     kv_len = jnp.full((b,), s, jnp.int32)
     impl = dict(impl="pallas", interpret=interpret)
     kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(s, frac, min_k), **impl)
-    tuning = dec.DecodeTuning(stream_block=stream_block)
+    tuning = dec.DecodeTuning(stream_block=stream_block, paged_mask_k=mask_k)
     hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
     an = jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, **kw))
     _, idx, counts = an(q, k, v, kv_len)
     row = dict(batch=b, context=s, page_size=page_size, stream_block=stream_block, topk_frac=frac, k=int(counts[0]),
-               **shape.record())
+               paged_mask_k=mask_k, **shape.record())
     names = ("dense", "A0", "A", "R")
 
     def time_layout(tag, fns, cache_args):  # cache_args lives only in this call: the caller can free the cache after
@@ -140,7 +140,7 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print,
         jax.jit(lambda q, k, v, t, l: pg.dense_decode(q, k, v, t, l, tuning=tuning, **impl)),
         jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, dense_out=True, tuning=tuning, **kw)),
         jax.jit(lambda q, k, v, t, l: pg.anchor_decode(q, k, v, t, l, tuning=tuning, **kw)),
-        jax.jit(lambda q, k, v, t, l, i, c: pg.reuse_decode(q, k, v, t, l, i, c, hm, **impl)))
+        jax.jit(lambda q, k, v, t, l, i, c: pg.reuse_decode(q, k, v, t, l, i, c, hm, tuning=tuning, **impl)))
     time_layout("paged", paged, (q, kp, vp, table, kv_len))
     for n in names:
         row[f"{n}_ratio"] = row[f"{n}_paged"] / row[f"{n}_contig"]
@@ -156,7 +156,7 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print,
 
 
 def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=100.0, shape: BenchShape | None = None, stream_block=128, log=print):
+        max_cache_gb=100.0, shape: BenchShape | None = None, stream_block=128, log=print, mask_k=True):
     """Time every (batch, context, page size) on the GPU, after the checks (do_check); every shape asked for ends as
     a row or a not_measured entry with its reason (too large, or failed). Writes the kernels section of
     <out_dir>/paged.json / paged.md (`update`) and returns the rows."""
@@ -181,21 +181,22 @@ def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_chec
                 reason = (f"skipped: peak K/V {gb:.0f} GB (one layout + one pool) > "
                           f"--paged_max_cache_gb={max_cache_gb:g}")
                 log(f"skip b={b} s={s}: {reason}")
-                not_measured += [dict(batch=b, context=s, page_size=ps, stream_block=stream_block, reason=reason)
-                                 for ps in page_sizes]
+                not_measured += [dict(batch=b, context=s, page_size=ps, stream_block=stream_block, paged_mask_k=mask_k,
+                                      reason=reason) for ps in page_sizes]
                 continue
             for ps in page_sizes:
                 try:
-                    rows.append(bench_one(b, s, ps, frac, min_k, iters, shape, log, stream_block))
+                    rows.append(bench_one(b, s, ps, frac, min_k, iters, shape, log, stream_block, mask_k=mask_k))
                 except Exception as e:  # keep the sweep going; the failure is reported and recorded
                     reason = f"failed: {type(e).__name__}: {str(e)[:300]}"
                     log(f"FAILED b={b} s={s} page {ps}: {reason}")
                     not_measured.append(dict(batch=b, context=s, page_size=ps, stream_block=stream_block,
-                                             reason=reason))
+                                             paged_mask_k=mask_k, reason=reason))
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), iterations=iters,
                 heads=shape.heads_text(), formula=f"{shape.formula()} ({shape.mix_text()})",
-                page_size=",".join(map(str, page_sizes)), stream_block=stream_block, shape=shape.record())
+                page_size=",".join(map(str, page_sizes)), stream_block=stream_block, shape=shape.record(),
+                paged_mask_k=mask_k)
     log("wrote " + update(out_dir, "kernels", dict(meta=meta, checks=checks, rows=rows, not_measured=not_measured)))
     return rows
 

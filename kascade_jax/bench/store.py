@@ -104,13 +104,13 @@ def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str, plot=No
 
 
 def _paged_key(r: dict) -> tuple:
-    return (r["batch"], r["context"], r["page_size"], r.get("stream_block"))
+    return (r["batch"], r["context"], r["page_size"], r.get("stream_block"), int(r.get("paged_mask_k", True)))
 
 
 def merge_paged_kernels(old: dict | None, new: dict) -> dict:
     """The paged file's kernels section after run `new`: rows and not_measured entries keyed by (batch, context,
-    page_size, stream_block); for a shape the new run measured or failed, only its latest result stays (a row or a
-    not_measured entry); the other shapes of earlier runs stay; meta and checks are the new run's."""
+    page_size, stream_block, paged_mask_k); for a shape the new run measured or failed, only its latest result
+    stays (a row or a not_measured entry); the other shapes of earlier runs stay; meta and checks are the new run's."""
     if not old:
         return new
     latest = {_paged_key(r) for r in new.get("rows", []) + new.get("not_measured", [])}

@@ -40,7 +40,8 @@ def test_bench_paged_row_holds_one_layout_at_a_time():
         return 1.0 + len(seen) / 10, {}  # the n-th call "takes" 1 + n/10 ms
 
     row = paged.bench_one(b, s, 16, 0.2, 16, 1, shape, log=lambda *_: None, interpret=True, dense_impl=None,
-                          timer=timer)
+                          timer=timer, mask_k=False)
+    assert row["paged_mask_k"] is False
     assert [n for n, _ in seen] == [4, 4, 4, 6, 5, 5, 5, 7]  # contiguous dense, A0, A, R; then paged
     assert all(alive >= 2 for _, alive in seen[:4]) and all(alive == 0 for _, alive in seen[4:]), seen
     assert row["A_contig"] == 1.3 and row["A_paged"] == 1.7 and abs(row["A_ratio"] - 1.7 / 1.3) < 1e-12
@@ -110,8 +111,15 @@ def test_kernels_section_merges_rows_by_shape_and_refuses_an_unreadable_json(tmp
                 and r["batch"] == 8)["dense_contig"] == 2.0  # the new row replaced the old one of its key
     assert sec["not_measured"] == []
     text = open(md).read()
-    assert "| page | stream block |" in text and "| 8 | 32768 | 16 | 128 | 10% |" in text
+    assert "| page | stream block | K mask |" in text and "| 8 | 32768 | 16 | 128 | on | 10% |" in text
     assert "Not measured" not in text
+    # the K-mask A/B (--nopaged_mask_k) of a shape already measured sits beside it, never over it
+    off = dict(_krow(8, 32768, 16, 128, base=3.0), paged_mask_k=False)
+    paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=[], not_measured=[], rows=[off]))
+    sec = json.load(open(tmp_path / "paged.json"))["kernels"]
+    same = [r for r in sec["rows"] if (r["batch"], r["page_size"], r["stream_block"]) == (8, 16, 128)]
+    assert sorted((r.get("paged_mask_k", True), r["dense_contig"]) for r in same) == [(False, 3.0), (True, 1.0)]
+    assert "| 8 | 32768 | 16 | 128 | off | 10% |" in open(md).read()
     (tmp_path / "paged.json").write_text("{truncated")
     with pytest.raises(ValueError, match=r"paged\.json exists but cannot be read"):
         paged_report.update(str(tmp_path), "replay", dict(meta={}, rows=[]))

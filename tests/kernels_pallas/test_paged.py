@@ -129,8 +129,8 @@ def test_non_power_of_two_length_interpret():
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
-@pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl):
+@pytest.mark.parametrize("impl,mask_k", [("interpret", True), ("interpret", False), ("reference", True)])
+def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl, mask_k):
     """Pages are reused dirty: a previous owner's inf/NaN past kv_len (in the last page of each sequence, and in
     every unused page, page 0 included, which is where a -1 entry is clamped) must not reach the output."""
     rng = np.random.default_rng(SEED + 5)
@@ -158,16 +158,17 @@ def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl):
     kw = dict(impl="pallas", interpret=True) if impl == "interpret" else dict(impl="reference")
     args = (jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tb), kv_len)
     for block in (16, 64):  # within a page (one load) and over four pages (gathered rows)
-        out = paged.dense_decode(*args, tuning=dec.DecodeTuning(stream_block=block), **kw)
+        out = paged.dense_decode(*args, tuning=dec.DecodeTuning(stream_block=block, paged_mask_k=mask_k), **kw)
         assert _row_err(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
     akw = dict(topk_frac=0.25, min_k=8, k_max=ref.max_budget(128, 0.25, 8))
-    out, _, _ = paged.anchor_decode(*args, **akw, **kw)
+    out, _, _ = paged.anchor_decode(*args, **akw, **kw, tuning=dec.DecodeTuning(paged_mask_k=mask_k))
     want, _, _ = dec.anchor_decode(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_len, impl="reference", **akw)
     assert _row_err(out, want) < 1e-5
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
-def test_reuse_decode_masked_slots_on_poison(poison):
+@pytest.mark.parametrize("mask_k", [True, False])
+def test_reuse_decode_masked_slots_on_poison(poison, mask_k):
     """Reuse decode reads its masked slots (past counts, ids >= kv_len) at position 0: for a sequence with kv_len 0
     and no page (-1, clamped to page 0) that row is a previous owner's inf/NaN, and V must read as 0 there (p = 0,
     but 0 x inf = NaN). The other sequence's real rows sit on two pages of the same poisoned pool."""
@@ -187,7 +188,7 @@ def test_reuse_decode_masked_slots_on_poison(poison):
     idx[0, :, :5] = [[0, 3, 17, 19, 25], [19, 1, 16, 2, 40]]  # 25 and 40 are past kv_len: masked
     idx = jnp.asarray(idx)
     out = paged.reuse_decode(q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tb), kv_len, idx, counts, hm,
-                             interpret=True)
+                             interpret=True, tuning=dec.DecodeTuning(paged_mask_k=mask_k))
     want = ref.sparse_decode_reference(q, jnp.asarray(k), jnp.asarray(v), kv_len, idx, hm)
     assert _row_err(out, want) < 1e-5  # the empty sequence's output is zeros, as the reference's
 
@@ -209,12 +210,13 @@ def test_gather_pages_and_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ps", [16, 64])
-def test_paged_kernels_gpu(ps):
+@pytest.mark.parametrize("ps,mask_k", [(16, True), (64, True), (64, False)])
+def test_paged_kernels_gpu(ps, mask_k):
     """Realistic shapes on the GPU: 32/8 heads, d 128, 32K, batch 8, bf16, Triton lowering (no interpret); inputs
     made on the device (peaky keys planted), pages a random permutation of the pool, ragged kv_len."""
     import jax
 
+    tuning = dec.DecodeTuning(paged_mask_k=mask_k)
     s, b, hq, kvh, d = 32768, 8, 32, 8, 128
     kq, kk, kv, kp_, kt = jax.random.split(jax.random.PRNGKey(SEED), 5)
     q = jax.random.normal(kq, (b, 1, hq, d), jnp.bfloat16)
@@ -231,11 +233,12 @@ def test_paged_kernels_gpu(ps):
         x.reshape(b * mp, ps, kvh, d))
     kp, vp = to_pool(k), to_pool(v)
     kv_len = jnp.asarray(np.random.default_rng(SEED).integers(s // 2, s + 1, b), jnp.int32)
-    out = paged.dense_decode(q, kp, vp, table, kv_len, impl="pallas")
+    out = paged.dense_decode(q, kp, vp, table, kv_len, impl="pallas", tuning=tuning)
     assert _row_err(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-2
     kw = dict(topk_frac=0.1, min_k=128, k_max=ref.max_budget(s, 0.1, 128))
     for dense_out in (False, True):
-        o, idx, counts = paged.anchor_decode(q, kp, vp, table, kv_len, impl="pallas", dense_out=dense_out, **kw)
+        o, idx, counts = paged.anchor_decode(q, kp, vp, table, kv_len, impl="pallas", dense_out=dense_out,
+                                             tuning=tuning, **kw)
         o_c, idx_c, counts_c = dec.anchor_decode(q, k, v, kv_len, impl="pallas", dense_out=dense_out, **kw)
         np.testing.assert_array_equal(counts, counts_c)
         a, c = np.asarray(idx).reshape(-1, idx.shape[-1]), np.asarray(idx_c).reshape(-1, idx.shape[-1])
@@ -243,8 +246,9 @@ def test_paged_kernels_gpu(ps):
         assert same >= 0.99
         assert _row_err(o, o_c) < 1e-2
     hm = jnp.arange(kvh, dtype=jnp.int32)[::-1]
-    o = paged.reuse_decode(q, kp, vp, table, kv_len, idx, counts, hm, impl="pallas")
+    o = paged.reuse_decode(q, kp, vp, table, kv_len, idx, counts, hm, impl="pallas", tuning=tuning)
     assert _row_err(o, dec.reuse_decode(q, k, v, kv_len, idx, counts, hm, impl="pallas")) < 1e-2
+
 
 def test_triton_modules_verify_for_sm90(triton_sm90_modules):
     """Lower the paged kernels for CUDA on the CPU and verify the Triton modules (catches GPU-only lowering errors,
@@ -266,4 +270,11 @@ def test_triton_modules_verify_for_sm90(triton_sm90_modules):
           q, pool, pool, pt, kv, idx, kv)
     lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
                                                     impl="pallas"), q, pool, pool, pt, kv)
-    assert len(verified) == 2 + 1 + 6  # dense (gather, in-page); reuse; anchor = stream + 4 select kernels + reuse
+    nk = dec.DecodeTuning(paged_mask_k=False)  # K loaded without its mask: the same kernels, one load unmasked
+    lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas", tuning=nk), q, pool, pool, pt, kv)
+    lower(lambda q, k, v, t, l, i, c: paged.reuse_decode(q, k, v, t, l, i, c, jnp.arange(kvh), impl="pallas",
+                                                         tuning=nk), q, pool, pool, pt, kv, idx, kv)
+    lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
+                                                    impl="pallas", tuning=nk), q, pool, pool, pt, kv)
+    # dense (gather, in-page); reuse; anchor = stream + 4 select kernels + reuse; then K unmasked: dense, reuse, anchor
+    assert len(verified) == (2 + 1 + 6) + (1 + 1 + 6)
