@@ -861,9 +861,10 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
         out = _unpack_out(out, lay) if dense_out else None
     mgpu_scores = None
     if mgpu is not None:
+        packed = M.pack_scores_inputs(q, mgpu[0], lse2, tile_size)  # once, outside the select's loop over windows
         mgpu_scores = lambda first, n, width: M.pooled_scores(q, mgpu[0], lse2, tile_size, scale=scale,
                                                               interpret=interpret, first_tile=first, n_tiles=n,
-                                                              width=width)
+                                                              width=width, packed=packed)
     idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret,
                          sinks, window, mgpu_scores)
     assert idx.shape[1] == idx_heads

@@ -359,15 +359,25 @@ def lse_for_triton(lse, q, k, tile_size):
     return P.pack_lse(jnp.transpose(lse, (0, 2, 1)) / _LOG2E, lay)
 
 
+def pack_scores_inputs(q, k, lse, tile_size, tuning: MgpuTuning | None = None):
+    """(q, lse) in the packed layouts `pooled_scores` reads, for `pooled_scores(..., packed=)`: a caller looping over
+    windows of tiles packs once outside its loop (XLA does not hoist the transposes out of a while loop: at 128K on
+    the 8B shape the 16 windows' copies of q cost 10.8 ms of an anchor layer's 402)."""
+    tuning = tuning or DEFAULT_TUNING
+    rows = _rows(tile_size, q.shape[2] // k.shape[2], tuning.scores_row_cap)
+    return _pack_q(q, k.shape[2], rows), _pack_lse(lse, k.shape[2], rows)
+
+
 def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None = None, interpret=False,
-                  first_tile=None, n_tiles=None, width=None):
+                  first_tile=None, n_tiles=None, width=None, packed=None):
     """q [1, T, q_heads, d], k [1, T, kv_heads, d], lse [1, q_heads, T] (`flash_lse`) -> [1, kv_heads, tiles, T]
     fp32: per tile and KV head, the sum over the tile's rows and the group's heads of exp2(s * scale2 - lse_row) for
     every key strictly before the tile, -inf at and after the tile start (`pooled_scores_prefill_reference`).
 
     A window of tiles (the anchor pipeline bounds the scores held at once): `first_tile` (int32 [1], may be traced)
     and `n_tiles` (static) give [1, kv_heads, n_tiles, width] for the tiles first_tile, first_tile + 1, ...; rows
-    of tiles past the last one are all -inf. `width` (static, a multiple of 128, >= T): keys past T are -inf."""
+    of tiles past the last one are all -inf. `width` (static, a multiple of 128, >= T): keys past T are -inf.
+    `packed`: `pack_scores_inputs(q, k, lse, tile_size, tuning)`, computed once by a caller that loops over windows."""
     tuning = tuning or DEFAULT_TUNING
     _check(q, k, tile_size, tuning)
     b, t, hq, d = q.shape
@@ -387,7 +397,10 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
     wgs = _COMPUTE_WGS
     step_k = wgs * bk  # keys per pipeline step (each compute warpgroup takes bk of them)
     steps = tuning.max_concurrent_steps
-    qp, lsep = _pack_q(q, kvh, rows), _pack_lse(lse, kvh, rows)
+    qp, lsep = pack_scores_inputs(q, k, lse, tile_size, tuning) if packed is None else packed
+    if qp.shape != (b, kvh, n_sub, nt, n, d) or lsep.shape != (b, kvh, n_sub, nt, n):
+        raise ValueError(f"prefill_mgpu: packed must be pack_scores_inputs(q, k, lse, {tile_size}) of these operands, "
+                         f"got shapes {qp.shape} / {lsep.shape}")
     interp = _interpret_params(interpret)
 
     def kernel(first_ref, q_ref, lse_ref, k_ref, out_ref, q_smem, lse_smem, k_smem, o_smem, q_bar, k_bar, k_free):

@@ -178,6 +178,39 @@ def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
         assert "mosaic_gpu" in text
 
 
+def _ops_in_loops(module):
+    """Names of the operations inside the bodies of the while loops of a lowered StableHLO module."""
+    names = []
+
+    def walk(op, inside):
+        for region in op.regions:
+            for block in region.blocks:
+                for o in block.operations:
+                    here = inside or o.operation.name == "stablehlo.while"
+                    if inside:
+                        names.append(o.operation.name)
+                    walk(o.operation, here)
+
+    walk(module.operation, False)
+    return names
+
+
+def test_anchor_packs_q_once_outside_the_window_loop(triton_sm90_modules, monkeypatch):
+    """anchor_prefill with the Mosaic GPU scores packs q and the LSE before the select's loop over windows of tiles:
+    packed inside the loop, XLA transposed q once per window (10.8 ms of the 8B shape's 402 ms anchor at 128K, H200,
+    session 20). Lowered for CUDA on the CPU (the scope check is told the backend is a GPU)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    t, hq, kvh, d = 8192, 32, 8, 128  # the 8B shape: 8K keys make several windows of tiles
+    q, k = jax.ShapeDtypeStruct((1, t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, t, kvh, d), jnp.bfloat16)
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    kw = dict(topk_frac=0.1, min_k=128, k_max=R.max_budget(t, 0.1, 128), impl="pallas")
+    f = lambda q, k, v: P.anchor_prefill(q, k, v, qs, kl, kl, 32, tuning=P.PrefillTuning(anchor_backend="mgpu"),
+                                         **kw)  # noqa: E731
+    ops = _ops_in_loops(jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo"))
+    assert "stablehlo.custom_call" in ops  # the scores kernel runs in the loop
+    assert "stablehlo.transpose" not in ops, sorted(set(ops))
+
+
 # ------------------------------------------------------------------------------------------ anchor_prefill wiring
 
 
