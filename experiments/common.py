@@ -137,6 +137,8 @@ def describe_strategy(strategy) -> str:
             rr = cfg.decode_rerank_layers
             which = "every reuse layer" if rr is None else f"layers {list(rr)}"
             lines.append(f"decode rerank: {cfg.decode_rerank} x the budget as candidates, in {which}")
+        if getattr(cfg, "decode_dense_layers", None):
+            lines.append(f"decode dense layers: {list(cfg.decode_dense_layers)}")
         extra = [f"{f}={getattr(cfg, f)}" for f in ("topk_frac", "min_k", "tile_size") if hasattr(cfg, f)]
         lines.append("budget: " + ", ".join(extra))
     return "\n".join(lines)

@@ -4,8 +4,8 @@ A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): 
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`, `--calib_dataset`,
 `--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`, `--decode_topk_frac`,
 `--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`, `--decode_tail_stride`,
-`--decode_tail_cap`, `--pool`; each defaults to None, "the recipe's", and an explicitly given value wins over the
-`--recipe`. `--anchors` is defined here too, so it parses and means the same everywhere
+`--decode_tail_cap`, `--pool`, `--decode_dense_layers`; each defaults to None, "the recipe's", and an explicitly
+given value wins over the `--recipe`. `--anchors` is defined here too, so it parses and means the same everywhere
 (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
 `--calib_num_prompts` (it warns; see `experiments.cli.deprecated_alias`).
 
@@ -60,6 +60,9 @@ TAIL = flags.DEFINE_integer("decode_tail_stride", None, "recipe lever (decode): 
                             lower_bound=0)
 TAIL_CAP = flags.DEFINE_boolean("decode_tail_cap", None, "recipe lever (with --decode_tail_stride): a sampled key as "
                                 "heavy as the row's lightest selected key counts once, not S times")
+DENSE_LAYERS = flags.DEFINE_string("decode_dense_layers", None, "recipe lever (decode): layers that output dense "
+                                   "attention, comma-separated, negatives counted from the end (-3,-2,-1: the last "
+                                   "three; '': none)")
 POOL = flags.DEFINE_enum("pool", None, list(POOLS), "recipe lever: the anchors' selection pool "
                          "(gqa: one Top-k per KV head, Kascade; all: one set pooled over every query head and shared, "
                          "no head map, as --strategies=all_heads_pooled)")
@@ -103,13 +106,24 @@ def _given(holder):
     return None if flags.FLAGS[holder.name].using_default_value else holder.value
 
 
+def _int_list(holder) -> tuple[int, ...] | None:
+    """A comma-separated list-of-ints flag as a tuple (None: not given; '': the empty tuple)."""
+    if holder.value is None:
+        return None
+    try:
+        return tuple(int(x) for x in holder.value.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{holder.name} takes comma-separated ints such as -3,-2,-1, got {holder.value!r}") from None
+
+
 def _apply_flags(recipe):
     return recipe.replace(  # another --num_anchors than a pinned set's size drops the pins (Recipe.replace)
         num_anchors=_given(NUM_ANCHORS), sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
         local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
         prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
         decode_rerank_worst=RERANK_WORST.value, decode_tail_stride=TAIL.value,
-        decode_tail_cap=TAIL_CAP.value, pool=POOL.value, calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,
+        decode_tail_cap=TAIL_CAP.value, pool=POOL.value, decode_dense_layers=_int_list(DENSE_LAYERS),
+        calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,
         calib_importance=CALIB_IMPORTANCE.value,
         calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,
         calib_dtype=CALIB_DTYPE.value, calib_dataset=CALIB_DATASET.value)

@@ -58,6 +58,13 @@ Recipe levers (all off by default, i.e. the paper's method; see results/accuracy
 - `decode_tail_cap` (with `decode_tail_stride`): a sampled key whose logit reaches the row's lightest selected key
   counts once instead of S times; over a row's own Top-k it changes nothing, over an anchor's selection it keeps
   the missed keys from being multiplied.
+- `decode_dense_layers` (None = off): in decode these layers output dense attention over all their keys; a listed
+  anchor still selects (the same indices for the layers after it), a listed reuse layer hands its anchor's state on
+  unchanged; neither reranks nor takes the sampled tail. Negative entries count from the end (-1: the last layer),
+  so one recipe fits any depth; layer 0 is `layer0_dense`'s. Cost: a listed reuse layer costs a dense decode
+  instead of a sparse one, a listed anchor one P.V product more. Why: on the 0.5B at 16K the last reuse layers keep
+  the least of their own decode mass with their anchor's selection (results/accuracy/NOTES.md, session 9's probe05:
+  L21-23 0.61-0.70 against 0.85-0.95 with their own Top-k).
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
@@ -109,6 +116,7 @@ class KascadeConfig:
     decode_rerank_layers: tuple[int, ...] | None = None  # the reuse layers that rerank (None: all of them)
     decode_tail_stride: int = 0  # decode: sampled tail of the unselected keys, every S-th key weighted by S (0: off)
     decode_tail_cap: bool = False  # the tail: a sampled key as heavy as the lightest selected one counts once
+    decode_dense_layers: tuple[int, ...] | None = None  # decode: layers that output dense attention (-1: the last)
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size", "decode_rerank"):
@@ -178,6 +186,9 @@ class KascadeConfig:
                 raise ValueError(f"decode_rerank_layers must be reuse layers (in [0, {self.num_layers - 1}], not the "
                                  f"anchors {list(anchors)}), got {bad}")
 
+        if self.decode_dense_layers is not None:
+            object.__setattr__(self, "decode_dense_layers", self._dense_layers(self.decode_dense_layers))
+
         if self.head_map is not None:
             rows = tuple(_as_int_tuple(r, f"head_map row {i}") for i, r in enumerate(self.head_map))
             object.__setattr__(self, "head_map", rows)
@@ -195,6 +206,25 @@ class KascadeConfig:
                                      f"{list(range(self.kv_heads))}, got {list(rows[a])}")
             if self.pool == "all":
                 raise ValueError("pool='all' shares one index set between all heads, so head_map must be None")
+
+    def _dense_layers(self, given) -> tuple[int, ...] | None:
+        """`decode_dense_layers` as absolute layers (negatives count from the end), checked; empty: None (off)."""
+        what, n = "decode_dense_layers", self.num_layers
+        if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
+            raise ValueError(f"{what} must be a sequence of layer numbers such as (-3, -2, -1), got {given!r}")
+        given = tuple(given)
+        bad = [x for x in given if isinstance(x, bool) or not hasattr(x, "__index__")]
+        if bad:
+            raise ValueError(f"{what} must hold ints (not bools), got {list(given)}")
+        layers = tuple(int(x) + n if int(x) < 0 else int(x) for x in given)
+        bad = [x for x, y in zip(given, layers) if not 1 <= y < n]
+        if bad:
+            raise ValueError(f"{what} must lie in [1, {n - 1}] or [-{n}, -1] from the end, not layer 0 (that is "
+                             f"layer0_dense's; num_layers={n}), got {bad} in {list(given)}")
+        if any(b <= a for a, b in zip(layers, layers[1:])):
+            raise ValueError(f"{what} must be strictly increasing (after counting negatives from the end), got "
+                             f"{list(given)} = layers {list(layers)}")
+        return layers or None
 
     @property
     def prefill_frac(self) -> float:
@@ -218,9 +248,16 @@ class KascadeConfig:
             return layer
         return max(a for a in self.anchors if a <= layer)
 
+    def decode_dense(self, layer: int) -> bool:
+        """Whether decode at `layer` outputs dense attention (`decode_dense_layers`; layer 0: `layer0_dense`)."""
+        if layer == 0:
+            return self.layer0_dense
+        return self.decode_dense_layers is not None and layer in self.decode_dense_layers
+
     def reranks(self, layer: int) -> bool:
-        """Whether decode at reuse `layer` ranks its anchor's candidates itself (`decode_rerank`)."""
-        return (self.decode_rerank > 1 and not self.is_anchor(layer)
+        """Whether decode at reuse `layer` ranks its anchor's candidates itself (`decode_rerank`; a dense layer
+        does not)."""
+        return (self.decode_rerank > 1 and not self.is_anchor(layer) and not self.decode_dense(layer)
                 and (self.decode_rerank_layers is None or layer in self.decode_rerank_layers))
 
     @property
@@ -242,6 +279,7 @@ class KascadeConfig:
         d["anchors"] = list(self.anchors)
         d["head_map"] = None if self.head_map is None else [list(r) for r in self.head_map]
         d["decode_rerank_layers"] = None if self.decode_rerank_layers is None else list(self.decode_rerank_layers)
+        d["decode_dense_layers"] = None if self.decode_dense_layers is None else list(self.decode_dense_layers)
         return d
 
     def to_json(self, **kwargs) -> str:

@@ -3,7 +3,7 @@
 A recipe fixes everything the user does not pass explicitly: the calibration that chooses anchors and head maps
 (k, reduction over tiles, DP importance weighting, development prompts), the anchor count M, and the
 `KascadeConfig` levers (`recipes.LEVERS`: forced keys, dense suffix, budgets, dense anchor outputs, dense prefill,
-the rerank, the selection pool).
+the rerank, the selection pool, the dense decode layers).
 Two names exist for every model:
 - `paper`: the paper's method exactly (DP over k = 64 similarity, min over tiles, importance-weighted, M = 5, no
   levers);
@@ -28,7 +28,7 @@ from typing import Any
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
           "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank", "decode_tail_stride", "decode_tail_cap",
-          "pool")
+          "pool", "decode_dense_layers")
 BOOL_LEVERS = ("prefill_dense_anchors", "decode_only", "decode_tail_cap")
 
 
@@ -58,6 +58,8 @@ class Recipe:
     decode_tail_cap: bool = False  # the tail: a sampled key as heavy as the lightest selected one counts once
     pool: str | None = None  # selection pool (KascadeConfig.pool): "all" = one Top-k set shared by every head, no
     # head map (the all_heads_pooled strategy as a recipe); None: the strategy's ("gqa", one set per KV head)
+    decode_dense_layers: tuple[int, ...] | None = None  # decode: layers that output dense attention, negatives
+    # counted from the end (-1: the last layer), so one list fits any depth; [] (e.g. an empty flag): none
     anchors: tuple[int, ...] | None = None  # pinned anchor layers (0 first; num_anchors must equal their count):
     # `--anchors=auto` then runs these instead of the calibration's DP (whose head map still applies)
     note: str = ""  # why this recipe (what it measured on the dev split)
@@ -104,6 +106,16 @@ class Recipe:
         if self.pool == "all" and (rr or 1) > 1:
             raise ValueError(f"recipe {self.name!r}: pool 'all' shares one index set between all heads, and "
                              f"decode_rerank={rr} ranks candidates per KV head: use one or the other")
+        dl = self.decode_dense_layers
+        if dl is not None:
+            if (isinstance(dl, (str, bytes)) or not hasattr(dl, "__iter__")
+                    or any(isinstance(x, bool) or not isinstance(x, int) for x in dl)):
+                raise ValueError(f"recipe {self.name!r}: decode_dense_layers must be a list of layer numbers such as "
+                                 f"[-3, -2, -1], got {dl!r}")
+            if 0 in dl:
+                raise ValueError(f"recipe {self.name!r}: decode_dense_layers must not hold layer 0 (layer0_dense "
+                                 f"governs it), got {list(dl)}")
+            object.__setattr__(self, "decode_dense_layers", tuple(dl))
         if self.anchors is not None:
             a = self.anchors
             if (isinstance(a, (str, bytes)) or not hasattr(a, "__iter__")
@@ -146,8 +158,14 @@ class Recipe:
                     dtype=self.calib_dtype or dtype, dataset=self.calib_dataset)
 
     def describe(self) -> str:
-        on = [f"{f}={getattr(self, f):g}" if isinstance(getattr(self, f), float) else
-              f if isinstance(getattr(self, f), bool) else f"{f}={getattr(self, f)}" for f in LEVERS if getattr(self, f)]
+        def show(f, v):  # one token per lever (the eval's config strings are split on spaces)
+            if isinstance(v, float):
+                return f"{f}={v:g}"
+            if isinstance(v, tuple):
+                return f"{f}={','.join(map(str, v))}"
+            return f if isinstance(v, bool) else f"{f}={v}"
+
+        on = [show(f, getattr(self, f)) for f in LEVERS if getattr(self, f)]
         on += [f"decode_rerank_worst={self.decode_rerank_worst}"] if self.decode_rerank_worst else []
         calib = f"k{self.calib_k}/{self.calib_reduce}/w={self.calib_importance}"
         calib += f"/d={self.calib_dataset}" if self.calib_dataset != "builtin" else ""
@@ -385,6 +403,13 @@ CANDIDATES: dict[str, dict[str, Any]] = {
                             decode_tail_stride=20, decode_tail_cap=True),
     "smol_p6_dec30_tailc20": dict(num_anchors=6, anchors=(0, 2, 8, 18, 21, 24), sink_tokens=4, recent_window=60,
                                   decode_only=True, decode_topk_frac=0.3, decode_tail_stride=20, decode_tail_cap=True),
+    # session 20, to measure in 21 (hypothesis): the last three layers dense in decode (the 0.5B's reuse layers that
+    # keep the least of their own mass) close part of dps_all's decode loss
+    "dps_all_dl3": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                        decode_dense_layers=(-3, -2, -1)),
+    # hypothesis, as dps_all_dl3: the last layer alone (nearest the logits) at a third of its cost
+    "dps_all_dl1": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                        decode_dense_layers=(-1,)),
 }
 
 

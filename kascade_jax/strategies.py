@@ -13,6 +13,9 @@ those candidates (`rerank_decode`, plain JAX ops before the reuse kernel); with 
 layers do, and the anchor orders its candidates (`order_candidates`) so that the others read its first k.
 With `decode_tail_stride` = S every sparse decode layer adds a sampled estimate of the keys it did not select
 (`sampled_tail`: the unselected keys at multiples of S, weighted by S, merged through the reuse kernel's lse).
+With `decode_dense_layers` those layers' decode outputs dense attention: a listed anchor through its kernel's
+`dense` output (its selection unchanged), a listed reuse layer through the models' dense attention (the anchor's
+state handed on); neither reranks nor takes the tail.
 The attended set is the indices plus the causal diagonal tile in prefill, the indices alone in decode; softmax
 is renormalised over it. The state threaded between layers is `{"idx", "counts"}` of the most recent anchor
 (`None` before layer 0): prefill idx [batch, idx_heads, tiles, k_max] + counts [batch, tiles], decode idx
@@ -50,7 +53,7 @@ from jax import lax
 
 from kascade_jax.config import KascadeConfig
 from kernels_pallas.dense import dense_attention, on_gpu
-from kernels_pallas.paged import gather_pages
+from kernels_pallas.paged import dense_attention_paged, gather_pages
 from kernels_pallas.prefill import dense_prefill, dense_prefill_supported
 from kernels_pallas.reference import (
     FORCED_SCORE,
@@ -572,16 +575,18 @@ class KascadeStrategy:
             return self._decode_paged(layer, kern, inputs, state, cfg.head_map_row(layer))
         if cfg.is_anchor(layer):
             row = tuple(range(k.shape[2])) if cfg.pool != "all" else cfg.head_map_row(layer)
-            acfg = rerank_config(cfg)
+            acfg, dense = rerank_config(cfg), cfg.decode_dense(layer)
             out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=acfg, k_max=static_k_max(acfg, k.shape[1]),
-                                                  dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
+                                                  dense=dense, head_map_row=row)
             if cfg.decode_rerank_layers is not None:
                 idx = order_candidates(q, _rows_contiguous(k), kv_len, idx, cfg, static_k_max(cfg, k.shape[1]),
                                        kern.select_topk, _logits_fn(kern, q, k, kv_len))
-            if cfg.decode_tail_stride and not (layer == 0 and cfg.layer0_dense):
+            if cfg.decode_tail_stride and not dense:
                 # the anchor's sparse output again, with its lse (one more reuse pass: the anchor kernel keeps it)
                 out = _with_tail(kern, cfg, q, k, v, kv_len, idx, counts, row)
             return out, {"idx": self._gather_anchor(layer, idx, inputs.shards), "counts": counts}
+        if cfg.decode_dense(layer):  # decode_dense_layers: every key, and the anchor's state passes on
+            return dense_attention(q, k, v, inputs.q_start, kv_len, phase="decode", chunk_at_zero=False), state
         idx, row = self._reuse_indices(layer, state["idx"], inputs.shards, k.shape[2])
         if cfg.reranks(layer):
             cand = jnp.take(idx, jnp.asarray(row), axis=1)
@@ -610,11 +615,14 @@ class KascadeStrategy:
             acfg = rerank_config(cfg)
             out, idx, counts = kern.paged_anchor_decode(q, k, v, pt, kv_len, cfg=acfg,
                                                         k_max=static_k_max(acfg, max_len),
-                                                        dense=layer == 0 and cfg.layer0_dense, head_map_row=row)
+                                                        dense=cfg.decode_dense(layer), head_map_row=row)
             if cfg.decode_rerank_layers is not None:
                 idx = order_candidates(q, _rows_paged(k, pt), kv_len, idx, cfg, static_k_max(cfg, max_len),
                                        kern.select_topk)
             return out, {"idx": idx, "counts": counts}
+        if cfg.decode_dense(layer):  # decode_dense_layers: DenseStrategy's paged decode, the anchor's state passes on
+            return dense_attention_paged(q, k, v, pt, inputs.q_start, kv_len, phase="decode",
+                                         chunk_at_zero=False), state
         if cfg.reranks(layer):
             cand = jnp.take(state["idx"], jnp.asarray(row), axis=1)
             idx, counts = rerank_decode(q, _rows_paged(k, pt), kv_len, cand, cfg, static_k_max(cfg, max_len),

@@ -208,6 +208,8 @@ def config_fields(config: str) -> dict:
             out[key] = val
         elif key == "pinned" and re.fullmatch(r"\d+(,\d+)*", val):
             out["anchors"] = tuple(int(x) for x in val.split(","))
+        elif key == "decode_dense_layers" and re.fullmatch(r"-?\d+(,-?\d+)*", val):
+            out[key] = tuple(int(x) for x in val.split(","))
         elif (key in LEVERS or key == "decode_rerank_worst") and eq:
             out[key] = float(val) if "." in val else int(val)
     return out
@@ -285,7 +287,8 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
                    dense_prefill: bool = False, topk_frac: float = 0.1, prefill_topk_frac: float | None = None,
                    decode_topk_frac: float | None = None, local_window: int = 0, prefill_dense_anchors: bool = False,
                    decode_rerank: int = 1, decode_rerank_worst: int | None = None, pool: str = "gqa",
-                   decode_tail_stride: int = 0, ratios: dict | None = None) -> dict:
+                   decode_tail_stride: int = 0, decode_dense_layers: tuple[int, ...] | None = None,
+                   anchors: tuple[int, ...] | None = None, ratios: dict | None = None) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
@@ -312,15 +315,26 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     `decode_tail_stride` S: every sparse decode layer (all but layer 0) also reads 1/S of the keys, priced at the
     reuse layer's cost per key: the floor of a fused kernel (as built, plain JAX around the reuse kernel and one more
     reuse pass per anchor, it costs more: measure it before it ships).
+    `decode_dense_layers` (negatives from the end): in decode a listed reuse layer costs a dense layer (1.0) and a
+    listed anchor what a dense-output anchor costs (layer 0's a0: scores, select and a dense P.V); neither reranks or
+    takes the tail. Which listed layers are anchors: `anchors` (the layers, when known), every one with `oracle`;
+    without `anchors` each is priced as a reuse layer, the dearer case with the measured ratios.
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
     df = topk_frac if decode_topk_frac is None else decode_topk_frac
     frac = dict(decode=df, prefill=pf)
     scale = dict(decode=df / 0.1, prefill=(pf + 2.0 * local_window / context) / 0.1)
+    listed = {x + num_layers if x < 0 else x for x in decode_dense_layers or ()}
+    if not all(0 < x < num_layers for x in listed):
+        raise ValueError(f"decode_dense_layers {list(decode_dense_layers)} do not fit {num_layers} layers (layer 0 "
+                         "is not one)")
     n_reuse = num_layers - m
-    n_rr = n_reuse if decode_rerank_worst is None else min(decode_rerank_worst, n_reuse)
-    rr = 1.0 + ((decode_rerank + 1) / 2.0 - 1.0) * (n_rr / n_reuse if n_reuse else 0.0)
+    known = set(range(num_layers)) if oracle else {int(a) for a in anchors or ()}
+    n_dr = min(n_reuse, len(listed - known))  # dense reuse layers (every listed one where the anchors are unknown)
+    n_da = len(listed) - n_dr  # dense-output anchors
+    n_rr = n_reuse - n_dr if decode_rerank_worst is None else min(decode_rerank_worst, n_reuse - n_dr)
+    rr = 1.0 + ((decode_rerank + 1) / 2.0 - 1.0) * (n_rr / (n_reuse - n_dr) if n_reuse > n_dr else 0.0)
     rerank = dict(decode=rr, prefill=1.0)
     out = {}
     for phase, r in (("decode", DECODE_RATIOS), ("prefill", PREFILL_RATIOS)):
@@ -335,25 +349,28 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
         reuse = r["reuse"] * scale[phase] * (1.0 if measured_rr else rerank[phase])
         dense_anchors = phase == "prefill" and prefill_dense_anchors
         anchor = r["a0"] if dense_anchors else r["anchor"]
-        cost = (r["a0"] + (m - 1) * anchor + (num_layers - m) * reuse) / num_layers
+        # decode: the dense layers' places (n_da anchors priced as a0, n_dr reuse layers as dense 1.0)
+        da, dr = (n_da, n_dr) if phase == "decode" else (0, 0)
+        sa, sr = m - 1 - da, num_layers - m - dr  # the sparse anchors past layer 0, the sparse reuse layers
+        cost = (r["a0"] * (1 + da) + sa * anchor + sr * reuse + dr) / num_layers
         if measured_rr:
             q = ratios["decode_rerank"][decode_rerank]
-            cost = (q["a0"] + (m - 1) * q["anchor"] + n_rr * q["reuse"] * scale[phase]
-                    + (n_reuse - n_rr) * reuse) / num_layers
+            cost = (q["a0"] * (1 + da) + sa * q["anchor"] + n_rr * q["reuse"] * scale[phase]
+                    + (sr - n_rr) * reuse + dr) / num_layers
             w = (ratios.get("decode_rerank_worst") or {}).get((decode_rerank, decode_rerank_worst))
             if decode_rerank_worst is not None and w is not None:  # timed as such: the anchors' ordering included
-                cost = (w["a0"] + (m - 1) * w["anchor"] + n_rr * w["reuse"] * scale[phase]
-                        + (n_reuse - n_rr) * w["first"] * scale[phase]) / num_layers
+                cost = (w["a0"] * (1 + da) + sa * w["anchor"] + n_rr * w["reuse"] * scale[phase]
+                        + (sr - n_rr) * w["first"] * scale[phase] + dr) / num_layers
         if phase == "decode" and pool != "gqa" and ratios is not None:  # (without ratios all is an estimate)
             pools = ratios.get("pool", {})
             if pool not in pools or "gqa" not in pools:
                 out.update(decode_cost=None, decode_speedup=None)
                 continue
             p, g = pools[pool], pools["gqa"]
-            cost = (r["a0"] * p["a0"] / g["a0"] + (m - 1) * r["anchor"] * p["anchor"] / g["anchor"]
-                    + (num_layers - m) * reuse * p["reuse"] / g["reuse"]) / num_layers
+            cost = (r["a0"] * p["a0"] / g["a0"] * (1 + da) + sa * r["anchor"] * p["anchor"] / g["anchor"]
+                    + sr * reuse * p["reuse"] / g["reuse"] + dr) / num_layers
         if phase == "decode" and decode_tail_stride:
-            cost += (num_layers - 1) / num_layers * reuse / df / decode_tail_stride
+            cost += (num_layers - 1 - da - dr) / num_layers * reuse / df / decode_tail_stride
         if phase == "prefill":
             if dense_prefill:
                 cost = 1.0
@@ -375,7 +392,16 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | N
                           prefill_dense_anchors=bool(fields.get("prefill_dense_anchors")),
                           decode_rerank=fields.get("decode_rerank") or 1,
                           decode_rerank_worst=fields.get("decode_rerank_worst"), pool=fields.get("pool") or "gqa",
-                          decode_tail_stride=fields.get("decode_tail_stride") or 0, ratios=ratios)
+                          decode_tail_stride=fields.get("decode_tail_stride") or 0,
+                          decode_dense_layers=fields.get("decode_dense_layers"), anchors=fields.get("anchors"),
+                          ratios=ratios)
+
+
+def _cell_anchors(fields: dict, row: dict) -> dict:
+    """A recipe's fields with the anchor layers its cell ran with (the row's `anchors`), which `recipe_cost` needs
+    to price `decode_dense_layers`; the fields unchanged where the row names none."""
+    have = [int(a) for a in str(row.get("anchors") or "").split(",") if a.strip().isdigit()]
+    return dict(fields, anchors=tuple(have)) if have else fields
 
 
 def _recipe_cells(rows) -> dict:
@@ -453,7 +479,7 @@ def choose_recipe(summary_rows, candidates: dict, *, model: str, context: int, n
     for name, fields in candidates.items():
         if name not in dev:
             continue
-        speed = recipe_cost(fields, num_layers=num_layers, context=context, ratios=ratios)
+        speed = recipe_cost(_cell_anchors(fields, dev[name]), num_layers=num_layers, context=context, ratios=ratios)
         timed = all(speed[f"{p}_cost"] is not None for p in ("decode", "prefill"))  # else its price is unknown
         extra = {}
         if within_dense is not None:
@@ -555,8 +581,8 @@ def add_speed(rows, bench: dict, *, decode_batch: int = 32) -> list[dict]:
             f["pool"] = VARIANT_POOL.get(r["strategy"], f.get("pool"))
             if m or oracle:
                 f.update(num_anchors=m or 1, decode_only=bool(f.get("decode_only")) or r["strategy"] == "decode_only")
-                cost = recipe_cost(f, num_layers=layers, context=int(r["context"]), ratios=ratios, oracle=oracle,
-                                   topk_frac=r.get("topk_frac") or 0.1)
+                cost = recipe_cost(_cell_anchors(f, r), num_layers=layers, context=int(r["context"]), ratios=ratios,
+                                   oracle=oracle, topk_frac=r.get("topk_frac") or 0.1)
                 r.update(decode_speedup=cost["decode_speedup"], prefill_speedup=cost["prefill_speedup"])
         out.append(r)
     return out
