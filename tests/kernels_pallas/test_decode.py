@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from kernels_pallas import decode as dec
 from kernels_pallas import reference as ref
 from kernels_pallas import topk
+from tests.kernels_pallas.errors import row_err_global as _row_err
 
 SEED = 0
 TOL = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}  # per-row error / output RMS
@@ -38,13 +39,6 @@ def _inputs(seed, b, s, hq, kvh, d, dtype, peaky):
     kv_len = rng.integers(s // 2, s + 1, size=b).astype(np.int32)
     kv_len[0] = s
     return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(kv_len))
-
-
-def _row_err(a, r):
-    """The largest RMS error of a row (one sequence, one head) over the RMS of the whole reference output."""
-    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-    assert np.all(np.isfinite(a))
-    return float(np.sqrt(np.mean((a - r) ** 2, axis=-1)).max() / np.sqrt(np.mean(r ** 2)))
 
 
 def _assert_same_selection(idx, ref_idx, scores, counts, kv_len):

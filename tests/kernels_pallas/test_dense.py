@@ -7,16 +7,9 @@ import pytest
 
 from kernels_pallas.dense import dense_attention
 from kernels_pallas.reference import attention_reference
+from tests.kernels_pallas.errors import row_err_relative as _row_err
 
 SEED = 515  # fixed: whether a planted error is detected must not depend on the draw
-
-
-def _row_err(out, ref):
-    """The largest per-row (query, head) RMS error over head_dim, relative to that row's RMS in the reference (floored
-    at 1/8 of the whole output's RMS, for rows whose output is near zero)."""
-    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    row = np.sqrt(np.mean(r ** 2, axis=-1))
-    return float((np.sqrt(np.mean((o - r) ** 2, axis=-1)) / np.maximum(row, np.sqrt(np.mean(r ** 2)) / 8)).max())
 
 
 def _numpy_attention(q, k, v, q_start, kv_len):

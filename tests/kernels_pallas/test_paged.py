@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from kernels_pallas import decode as dec
 from kernels_pallas import paged
 from kernels_pallas import reference as ref
+from tests.kernels_pallas.errors import row_err_global as _row_err
 
 SEED = 0
 
@@ -52,13 +53,6 @@ def _paged_inputs(seed, b, s, hq, kvh, d, ps, dtype, spare=3, peaky=True):
         k[bi, kv_len[bi]:] = 0.0  # contiguous padding differs from the pool's noise: it must never be read
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     return cast(q), cast(k), cast(v), cast(kp), cast(vp), jnp.asarray(table), jnp.asarray(kv_len)
-
-
-def _row_err(a, r):
-    """The largest RMS error of a row (one sequence, one head) over the RMS of the whole reference output."""
-    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-    assert np.all(np.isfinite(a))
-    return float(np.sqrt(np.mean((a - r) ** 2, axis=-1)).max() / np.sqrt(np.mean(r ** 2)))
 
 
 CASES = [(16, jnp.bfloat16, 1e-2), (64, jnp.float32, 1e-5)]

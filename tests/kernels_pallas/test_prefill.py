@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import prefill as P
 from kernels_pallas import reference as R
+from tests.kernels_pallas.errors import row_err_relative as _row_err
 
 SEED = 20251  # fixed: whether a planted error is detected must not depend on the draw
 
@@ -31,14 +32,6 @@ def _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky=False):
         k[:, hot] += 2.0 * q.mean(axis=(1, 2))[:, None, None, :] / (np.abs(q.mean(axis=(1, 2))).mean() + 1e-6)
         q *= 2.5
     return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype))
-
-
-def _row_err(out, ref):
-    """The largest per-row (query, head) RMS error over head_dim, relative to that row's RMS in the reference (floored
-    at 1/8 of the whole output's RMS, for rows whose output is near zero)."""
-    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    row = np.sqrt(np.mean(r ** 2, axis=-1))
-    return float((np.sqrt(np.mean((o - r) ** 2, axis=-1)) / np.maximum(row, np.sqrt(np.mean(r ** 2)) / 8)).max())
 
 
 # Bounds on _row_err: a few times the largest error measured at this file's fixed seeds in interpret mode (bf16

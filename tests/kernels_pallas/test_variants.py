@@ -21,17 +21,10 @@ from kernels_pallas import decode as D
 from kernels_pallas import prefill as P
 from kernels_pallas import reference as R
 from models.attention import AttentionInputs
+from tests.kernels_pallas.errors import row_err_relative as _row_err
 
 SEED = 4242  # fixed: whether a planted error is detected must not depend on the draw
 BF16_ROW_TOL = 1.5e-2  # bf16 per-row error bound: measured 2.4e-3 to 4.0e-3 here, a 3% softmax-scale error 4e-2+
-
-
-def _row_err(out, ref):
-    """The largest per-row (query, head) RMS error over head_dim, relative to that row's RMS in the reference (floored
-    at 1/8 of the whole output's RMS, for rows whose output is near zero)."""
-    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    row = np.sqrt(np.mean(r ** 2, axis=-1))
-    return float((np.sqrt(np.mean((o - r) ** 2, axis=-1)) / np.maximum(row, np.sqrt(np.mean(r ** 2)) / 8)).max())
 
 
 def _qkv(seed, b, t, hq, kvh, d, max_len, q_scale=1.0):
