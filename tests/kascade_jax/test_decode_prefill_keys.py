@@ -312,3 +312,67 @@ def test_paged_engine_and_mesh_are_refused(rng):
             G.prefill(m, toks, LENS, KVCache.init(m.config, 2, 512, jnp.float32), st)
     finally:
         m.mesh = None
+
+
+# ---- recipe, flag, config string, price -------------------------------------------------------------------------
+
+def test_recipe_candidates_and_describe():
+    from kascade_jax.registry import make_strategy
+
+    for name, s in (("dps_all_pk5", 0.05), ("dps_all_pk10", 0.1)):
+        c = candidate(name)
+        assert c.decode_prefill_keys == s and f"decode_prefill_keys={s:g}" in c.describe().split()
+        assert {k: v for k, v in c.levers().items() if k != "decode_prefill_keys"} == candidate("dps_all").levers()
+        cfg = make_strategy("kascade", 24, 2, anchors=(0, 1, 3, 5, 9), **c.levers()).config
+        assert cfg.decode_prefill_keys == s and cfg.decode_only and cfg.pool == "all"
+    assert "decode_prefill_keys" not in candidate("dps_all").describe()
+    r = Recipe.from_dict({"num_anchors": 5, "decode_only": True, "decode_prefill_keys": 0.05}, "x")
+    assert r.levers()["decode_prefill_keys"] == 0.05
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(decode_prefill_keys=True), r"recipe 'x': decode_prefill_keys must be null, 0 \(off\) or in \(0, 1\], got True"),
+    (dict(decode_prefill_keys=2), r"recipe 'x': decode_prefill_keys must be null, 0 \(off\) or in \(0, 1\], got 2"),
+    (dict(decode_prefill_keys=0.05, decode_tail_stride=20), r"recipe 'x': decode_prefill_keys is not combined with"),
+    (dict(decode_prefill_keys=0.05, decode_rerank=2), r"recipe 'x': decode_prefill_keys is not combined with"),
+])
+def test_recipe_rejects(over, match):
+    with pytest.raises(ValueError, match=match) as e:
+        Recipe(name="x", **over)
+    assert "\n" not in str(e.value)
+
+
+def _flag_recipe(*argv):
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", *argv])
+        return recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+
+
+def test_flag_overrides_the_recipe():
+    r = _flag_recipe("--recipe=candidate:dps_all", "--decode_prefill_keys=0.1")
+    assert r.name == "dps_all*" and r.decode_prefill_keys == 0.1 and r.levers()["decode_prefill_keys"] == 0.1
+    r = _flag_recipe("--recipe=candidate:dps_all_pk5", "--decode_prefill_keys=0")  # 0: off
+    assert r.name == "dps_all_pk5*" and "decode_prefill_keys" not in r.describe()
+    assert _flag_recipe("--recipe=candidate:dps_all_pk5").decode_prefill_keys == 0.05
+
+
+def test_config_string_parse():
+    fields = accuracy.config_fields("k=0.1 anchors=0,1,3,5,9 " + candidate("dps_all_pk5").describe())
+    assert fields["decode_prefill_keys"] == 0.05 and fields["pool"] == "all" and fields["decode_only"]
+    assert "decode_prefill_keys" not in accuracy.config_fields(candidate("dps_all").describe())
+    assert accuracy.config_fields("decode_prefill_keys=1")["decode_prefill_keys"] == 1
+
+
+RATIOS = {"decode": {0.1: dict(a0=1.2, anchor=0.8, reuse=0.1)}, "prefill": {0.1: dict(a0=2.0, anchor=1.5, reuse=0.2)}}
+
+
+def test_price():
+    """8 layers, 2 anchors: plain decode (1.2 + 0.8 + 6 x 0.1) / 8 = 0.325; each reuse layer reads k + s keys, so
+    s = 0.05 over k = 0.1 prices it 1.5x: (1.2 + 0.8 + 6 x 0.15) / 8 = 0.3625; prefill unchanged."""
+    cost = functools.partial(accuracy.attention_cost, 8, 2, context=4096, ratios=RATIOS)
+    plain, pk = cost(), cost(decode_prefill_keys=0.05)
+    assert plain["decode_cost"] == 0.325 and pk["decode_cost"] == 0.3625 and pk["prefill_cost"] == plain["prefill_cost"]
+    assert cost(decode_topk_frac=0.2, decode_prefill_keys=0.05)["decode_cost"] == 0.4375  # (2 + 6 x 0.2 x 1.25) / 8
+    fields = dict(num_anchors=2, decode_prefill_keys=0.05)
+    assert accuracy.recipe_cost(fields, num_layers=8, context=4096, ratios=RATIOS)["decode_cost"] == 0.3625
