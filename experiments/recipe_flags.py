@@ -4,7 +4,7 @@ A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): 
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`, `--calib_dataset`,
 `--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`, `--decode_topk_frac`,
 `--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`, `--decode_tail_stride`,
-`--decode_tail_cap`, `--pool`, `--decode_dense_layers`; each defaults to None, "the recipe's", and an explicitly
+`--decode_tail_cap`, `--pool`, `--decode_dense_layers`, `--decode_prefill_keys`; each defaults to None, "the recipe's", and an explicitly
 given value wins over the `--recipe`. `--anchors` is defined here too, so it parses and means the same everywhere
 (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
 `--calib_num_prompts` (it warns; see `experiments.cli.deprecated_alias`).
@@ -63,6 +63,9 @@ TAIL_CAP = flags.DEFINE_boolean("decode_tail_cap", None, "recipe lever (with --d
 DENSE_LAYERS = flags.DEFINE_string("decode_dense_layers", None, "recipe lever (decode): layers that output dense "
                                    "attention, comma-separated, negatives counted from the end (-3,-2,-1: the last "
                                    "three; '': none)")
+PREFILL_KEYS = flags.DEFINE_float("decode_prefill_keys", None, "recipe lever (decode, with --decode_only): each "
+                                  "reuse layer also attends its own Top-s fraction of the keys the prompt's last "
+                                  "tile attends in the dense prefill (e.g. 0.05; 0: off)")
 POOL = flags.DEFINE_enum("pool", None, list(POOLS), "recipe lever: the anchors' selection pool "
                          "(gqa: one Top-k per KV head, Kascade; all: one set pooled over every query head and shared, "
                          "no head map, as --strategies=all_heads_pooled)")
@@ -123,6 +126,7 @@ def _apply_flags(recipe):
         prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
         decode_rerank_worst=RERANK_WORST.value, decode_tail_stride=TAIL.value,
         decode_tail_cap=TAIL_CAP.value, pool=POOL.value, decode_dense_layers=_int_list(DENSE_LAYERS),
+        decode_prefill_keys=PREFILL_KEYS.value,
         calib_k=CALIB_K.value, calib_reduce=CALIB_REDUCE.value,
         calib_importance=CALIB_IMPORTANCE.value,
         calib_num_prompts=CALIB_NUM_PROMPTS.value, calib_max_tokens=CALIB_MAX_TOKENS.value,

@@ -65,6 +65,14 @@ Recipe levers (all off by default, i.e. the paper's method; see results/accuracy
   instead of a sparse one, a listed anchor one P.V product more. Why: on the 0.5B at 16K the last reuse layers keep
   the least of their own decode mass with their anchor's selection (results/accuracy/NOTES.md, session 9's probe05:
   L21-23 0.61-0.70 against 0.85-0.95 with their own Top-k).
+- `decode_prefill_keys` (s, 0 = off; needs `decode_only`): at the end of the dense prefill every reuse layer pools
+  the post-softmax attention of the prompt's last `tile_size` queries (as the anchors pool: `pool` "gqa" per KV
+  head, "all" one set) and keeps its own Top-s' keys, s' = min(max(floor(s L), 32), L) of the prompt's L, for the
+  whole decode (in the KV cache, `KVCache.strategy_state`); in decode each reuse layer attends the union of its
+  anchor's Top-k and that set (duplicates once), the keys written in decode left to `recent_window`. Anchors keep
+  their own selection only. Cost: s L keys more per reuse layer and step, no extra pass. Why: on the 0.5B each
+  layer's own decode Top-10% is at dense accuracy, its anchor's loses about 2 points, and the prompt's last tile
+  holds the question (results/accuracy/NOTES.md, "A lever for a later session").
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
@@ -117,6 +125,7 @@ class KascadeConfig:
     decode_tail_stride: int = 0  # decode: sampled tail of the unselected keys, every S-th key weighted by S (0: off)
     decode_tail_cap: bool = False  # the tail: a sampled key as heavy as the lightest selected one counts once
     decode_dense_layers: tuple[int, ...] | None = None  # decode: layers that output dense attention (-1: the last)
+    decode_prefill_keys: float = 0.0  # decode: each reuse layer also attends its own Top-s from the prefill's last tile
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size", "decode_rerank"):
@@ -152,6 +161,7 @@ class KascadeConfig:
         if tail and self.decode_rerank > 1:
             raise ValueError("decode_tail_stride and decode_rerank > 1 are not combined (a reranking layer's tail "
                              "would have to exclude its own Top-k of the candidates): use one or the other")
+        self._check_prefill_keys()
         for name in ("sink_tokens", "recent_window", "dense_suffix", "local_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -206,6 +216,32 @@ class KascadeConfig:
                                      f"{list(range(self.kv_heads))}, got {list(rows[a])}")
             if self.pool == "all":
                 raise ValueError("pool='all' shares one index set between all heads, so head_map must be None")
+
+    def _check_prefill_keys(self) -> None:
+        s = self.decode_prefill_keys
+        if s is None:  # None = off, as 0
+            object.__setattr__(self, "decode_prefill_keys", 0.0)
+            return
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise ValueError(f"decode_prefill_keys must be 0 (off) or a number in (0, 1], got {s!r}")
+        if s == 0:
+            return
+        try:
+            frac_numerator(s)
+        except ValueError:
+            raise ValueError(f"decode_prefill_keys must be 0 (off) or in (0, 1] and a multiple of 1e-4, "
+                             f"got {s!r}") from None
+        if not self.decode_only:
+            raise ValueError("decode_prefill_keys scores the dense prefill's last tile: it needs decode_only=True")
+        if self.pool not in ("gqa", "all"):
+            raise ValueError(f"decode_prefill_keys pools post-softmax scores: use pool 'gqa' or 'all', not "
+                             f"{self.pool!r}")
+        if self.oracle_topk:
+            raise ValueError("decode_prefill_keys adds keys to reuse layers, and oracle_topk has none")
+        if self.decode_tail_stride:
+            raise ValueError("decode_prefill_keys and decode_tail_stride are not combined: use one or the other")
+        if self.decode_rerank > 1:
+            raise ValueError("decode_prefill_keys and decode_rerank > 1 are not combined: use one or the other")
 
     def _dense_layers(self, given) -> tuple[int, ...] | None:
         """`decode_dense_layers` as absolute layers (negatives count from the end), checked; empty: None (off)."""

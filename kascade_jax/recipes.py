@@ -3,7 +3,7 @@
 A recipe fixes everything the user does not pass explicitly: the calibration that chooses anchors and head maps
 (k, reduction over tiles, DP importance weighting, development prompts), the anchor count M, and the
 `KascadeConfig` levers (`recipes.LEVERS`: forced keys, dense suffix, budgets, dense anchor outputs, dense prefill,
-the rerank, the selection pool, the dense decode layers).
+the rerank, the selection pool, the dense decode layers, each reuse layer's own keys from the prefill).
 Two names exist for every model:
 - `paper`: the paper's method exactly (DP over k = 64 similarity, min over tiles, importance-weighted, M = 5, no
   levers);
@@ -28,7 +28,7 @@ from typing import Any
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
           "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank", "decode_tail_stride", "decode_tail_cap",
-          "pool", "decode_dense_layers")
+          "pool", "decode_dense_layers", "decode_prefill_keys")
 BOOL_LEVERS = ("prefill_dense_anchors", "decode_only", "decode_tail_cap")
 
 
@@ -60,6 +60,8 @@ class Recipe:
     # head map (the all_heads_pooled strategy as a recipe); None: the strategy's ("gqa", one set per KV head)
     decode_dense_layers: tuple[int, ...] | None = None  # decode: layers that output dense attention, negatives
     # counted from the end (-1: the last layer), so one list fits any depth; [] (e.g. an empty flag): none
+    decode_prefill_keys: float | None = None  # decode: each reuse layer's own Top-s of the prefill's last tile, on
+    # top of its anchor's (KascadeConfig.decode_prefill_keys; needs decode_only)
     anchors: tuple[int, ...] | None = None  # pinned anchor layers (0 first; num_anchors must equal their count):
     # `--anchors=auto` then runs these instead of the calibration's DP (whose head map still applies)
     note: str = ""  # why this recipe (what it measured on the dev split)
@@ -116,6 +118,13 @@ class Recipe:
                 raise ValueError(f"recipe {self.name!r}: decode_dense_layers must not hold layer 0 (layer0_dense "
                                  f"governs it), got {list(dl)}")
             object.__setattr__(self, "decode_dense_layers", tuple(dl))
+        pk = self.decode_prefill_keys
+        if pk is not None and (isinstance(pk, bool) or not isinstance(pk, (int, float)) or not 0 <= pk <= 1):
+            raise ValueError(f"recipe {self.name!r}: decode_prefill_keys must be null, 0 (off) or in (0, 1], "
+                             f"got {pk!r}")
+        if pk and (t or (rr or 1) > 1):
+            raise ValueError(f"recipe {self.name!r}: decode_prefill_keys is not combined with decode_tail_stride or "
+                             "decode_rerank > 1: use one or the other")
         if self.anchors is not None:
             a = self.anchors
             if (isinstance(a, (str, bytes)) or not hasattr(a, "__iter__")
@@ -410,6 +419,13 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # hypothesis, as dps_all_dl3: the last layer alone (nearest the logits) at a third of its cost
     "dps_all_dl1": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
                         decode_dense_layers=(-1,)),
+    # hypothesis (NOTES, "A lever for a later session"): each reuse layer's own Top-5% from the prefill's last tile
+    # (the question) closes part of the anchors' 2-point loss on the 0.5B, +1 to +2 over dps_all at 16K
+    "dps_all_pk5": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                        decode_prefill_keys=0.05),
+    # hypothesis, as dps_all_pk5 with 10%: more of the question's keys, at twice the extra reuse cost
+    "dps_all_pk10": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                         decode_prefill_keys=0.10),
 }
 
 

@@ -16,6 +16,10 @@ With `decode_tail_stride` = S every sparse decode layer adds a sampled estimate 
 With `decode_dense_layers` those layers' decode outputs dense attention: a listed anchor through its kernel's
 `dense` output (its selection unchanged), a listed reuse layer through the models' dense attention (the anchor's
 state handed on); neither reranks nor takes the tail.
+With `decode_prefill_keys` = s (decode_only) every reuse layer keeps, from the dense prefill, its own Top-s of the
+prompt's last tile's pooled scores in the KV cache (`init_cache_state` / `update_cache_state`: {"idx" [batch,
+idx_heads, s_max], "scores" [batch, idx_heads, max_len] fp32, the tile's pooled scores summed over the chunks it
+spans}) and in decode attends the union of its anchor's indices and those (`union_indices`, duplicates once).
 The attended set is the indices plus the causal diagonal tile in prefill, the indices alone in decode; softmax
 is renormalised over it. The state threaded between layers is `{"idx", "counts"}` of the most recent anchor
 (`None` before layer 0): prefill idx [batch, idx_heads, tiles, k_max] + counts [batch, tiles], decode idx
@@ -63,9 +67,11 @@ from kernels_pallas.reference import (
     max_budget,
     pooled_scores_decode_reference,
     pooled_scores_prefill_reference,
+    pooled_scores_rows_reference,
     prefill_counts,
     select_topk_reference,
     sparse_decode_reference,
+    topk_budget,
     sparse_prefill_reference,
 )
 
@@ -260,6 +266,52 @@ def prefill_budget(cfg: KascadeConfig, q_start, kv_len, seq_len, q_len: int):
     eligible = jnp.minimum(q_start[:, None] + jnp.arange(n_tiles)[None, :] * cfg.tile_size, kv_len[:, None])
     # Rounding after clamping to the eligible keys equals clamping after rounding, since eligible <= base L.
     return _round_up(counts, cfg.k_multiple, eligible)
+
+
+PREFILL_KEYS_MIN_K = 32  # decode_prefill_keys: the floor of a layer's own prefill set (before clamping to L)
+
+
+def prefill_keys_budget(cfg: KascadeConfig, length):
+    """decode_prefill_keys' set size for a prompt of `length` keys: min(max(floor(s L), 32), L), exact integers."""
+    return topk_budget(length, cfg.decode_prefill_keys, PREFILL_KEYS_MIN_K)
+
+
+def union_indices(a, b, num_keys: int):
+    """The union of two index sets per row, a [batch, heads, ka] and b [batch, heads, kb] (distinct entries within
+    each, -1 = none) -> (idx [batch, heads, ka + kb], the distinct valid entries first, then -1; counts [batch], the
+    most distinct entries of any head: what reuse_decode reads). An entry of b already in a is dropped, so no key is
+    attended twice (the Pallas reuse kernel would weight a duplicate twice). Membership through a [batch, heads,
+    num_keys] mask, linear in the cache length."""
+    bsz, h, _ = a.shape
+    bi, hi = jnp.arange(bsz)[:, None, None], jnp.arange(h)[None, :, None]
+    member = jnp.zeros((bsz, h, num_keys + 1), bool).at[bi, hi, jnp.where(a >= 0, a, num_keys)].set(True)
+    b = jnp.where((b >= 0) & ~member[bi, hi, jnp.where(b >= 0, b, num_keys)], b, -1)
+    cat = jnp.concatenate([a, b], axis=-1).astype(jnp.int32)
+    valid = cat >= 0
+    n = cat.shape[-1]
+    dest = jnp.where(valid, jnp.cumsum(valid, -1) - 1, n)
+    idx = jnp.full_like(cat, -1).at[bi, hi, dest].set(cat, mode="drop")
+    return idx, jnp.max(jnp.sum(valid, -1), axis=1).astype(jnp.int32)
+
+
+def prefill_keys_update(cfg: KascadeConfig, entry, q, k, q_start, kv_len, seq_len):
+    """One prefill chunk's update of a reuse layer's decode_prefill_keys entry {"idx", "scores"}: the chunk's rows
+    among each sequence's last tile_size prompt positions [seq_len - tile_size, seq_len) add their pooled
+    post-softmax scores (causal) to "scores", and a sequence whose last prompt token lies in this chunk takes its
+    Top-s' of them as "idx". q [batch, T, q_heads, d] at q_start [batch]; k the cache [batch, max_len, kv_heads, d]."""
+    bsz, t = q.shape[:2]
+    w = min(t, cfg.tile_size)  # the tile's rows in this chunk lie in one static window of w rows
+    seq_len = jnp.broadcast_to(jnp.asarray(seq_len, jnp.int32), (bsz,))
+    start = jnp.clip(seq_len - cfg.tile_size - q_start, 0, t - w)  # [batch]
+    qw = jax.vmap(lambda x, st: lax.dynamic_slice_in_dim(x, st, w, axis=0))(q, start)
+    pos = (q_start + start)[:, None] + jnp.arange(w)[None, :]  # [batch, w]
+    rows = (pos >= seq_len[:, None] - cfg.tile_size) & (pos < seq_len[:, None])
+    scores = entry["scores"] + pooled_scores_rows_reference(qw, k, q_start + start, kv_len, rows, pool=cfg.pool)
+    ends = (seq_len - 1 >= q_start) & (seq_len - 1 < q_start + t)  # [batch]: the prompt's end is in this chunk
+    eligible = jnp.arange(k.shape[1])[None, None, :] < seq_len[:, None, None]
+    own = select_topk_reference(jnp.where(eligible, scores, -jnp.inf), prefill_keys_budget(cfg, seq_len)[:, None],
+                                entry["idx"].shape[-1])
+    return {"idx": jnp.where(ends[:, None, None], own, entry["idx"]), "scores": scores}
 
 
 def rerank_config(cfg: KascadeConfig) -> KascadeConfig:
@@ -485,7 +537,38 @@ class KascadeStrategy:
     def prefill_is_dense(self) -> bool:
         """decode_only: the prefill is dense attention in every layer and carries no state into decode (each decode
         step's anchors select anew), so the eval may share one prefill with other such strategies."""
-        return bool(self.config.decode_only)
+        return bool(self.config.decode_only) and not self.config.decode_prefill_keys
+
+    @property
+    def cache_state_lever(self) -> str | None:
+        """What needs a cache state (models.attention.check_no_cache_state), None: nothing."""
+        return "decode_prefill_keys" if self.config.decode_prefill_keys else None
+
+    def _keeps_prefill_keys(self, layer: int) -> bool:
+        cfg = self.config
+        return bool(cfg.decode_prefill_keys) and not cfg.is_anchor(layer) and not cfg.decode_dense(layer)
+
+    def init_cache_state(self, num_layers: int, batch: int, max_len: int):
+        """decode_prefill_keys: per reuse layer {"idx" [batch, idx_heads, s_max] -1, "scores" [batch, idx_heads,
+        max_len] 0}, None for the other layers; None when the lever is off."""
+        cfg = self.config
+        if not cfg.decode_prefill_keys:
+            return None
+        if num_layers != cfg.num_layers:
+            raise ValueError(f"the model has {num_layers} layers but the config num_layers={cfg.num_layers}")
+        s_max = max(1, prefill_keys_budget(cfg, max_len))
+        h = cfg.idx_heads
+        entry = lambda: {"idx": jnp.full((batch, h, s_max), -1, jnp.int32),  # noqa: E731
+                         "scores": jnp.zeros((batch, h, max_len), jnp.float32)}
+        return tuple(entry() if self._keeps_prefill_keys(i) else None for i in range(num_layers))
+
+    def update_cache_state(self, layer: int, inputs):
+        """The layer's cache-state entry after this call: a prefill chunk updates it, decode leaves it."""
+        entry = inputs.cache_state
+        if entry is None or inputs.phase != "prefill":
+            return entry
+        return prefill_keys_update(self.config, entry, inputs.q, inputs.k_cache, inputs.q_start, inputs.kv_len,
+                                   inputs.seq_len)
 
     def attend(self, layer: int, inputs, state: Any):
         cfg = self.config
@@ -598,6 +681,14 @@ class KascadeStrategy:
             return kern.reuse_decode(q, k, v, kv_len, idx, counts, row), state
         if cfg.decode_tail_stride:
             return _with_tail(kern, cfg, q, k, v, kv_len, idx, state["counts"], row), state
+        if cfg.decode_prefill_keys:  # the anchor's indices and this layer's own prefill set, each key once
+            if inputs.cache_state is None:
+                raise ValueError(f"decode_prefill_keys: reuse layer {layer} got no cache state; prefill with "
+                                 "models.generate.prefill into the same KVCache first")
+            if cfg.pool != "all":
+                idx, row = jnp.take(idx, jnp.asarray(row), axis=1), tuple(range(k.shape[2]))
+            idx, counts = union_indices(idx, inputs.cache_state["idx"], k.shape[1])
+            return kern.reuse_decode(q, k, v, kv_len, idx, counts, row), state
         return kern.reuse_decode(q, k, v, kv_len, idx, state["counts"], row), state
 
     def _decode_paged(self, layer, kern, inputs, state, row):

@@ -223,6 +223,18 @@ def pooled_scores_prefill_reference(q, k, q_start, kv_len, tile_size: int, *, po
     return jnp.where(before[:, None], sc, -jnp.inf), diag
 
 
+def pooled_scores_rows_reference(q, k, q_start, kv_len, row_mask, *, pool="gqa", scale=None):
+    """Post-softmax probabilities (causal, keys < kv_len) of the query rows q [batch, rows, q_heads, d] at positions
+    q_start.., summed over the rows where row_mask [batch, rows] and over the pool -> [batch, idx_heads, keys] fp32
+    (0 on keys no pooled row sees). The decode_prefill_keys lever's scores of the prompt's last tile."""
+    if pool not in ("gqa", "all"):
+        raise ValueError(f"pool must be 'gqa' or 'all', got {pool!r}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    p = _probs(q, k, q_start, kv_len, scale)  # [batch, kv_heads, group, rows, keys]
+    s = jnp.where(row_mask[:, None, None, :, None], p, 0.0).sum(axis=(2, 3))  # [batch, kv_heads, keys]
+    return s.sum(axis=1, keepdims=True) if pool == "all" else s
+
+
 def select_topk_reference(scores, counts, k_max: int):
     """Top-`counts` keys of `scores` [..., keys] (-inf = not eligible) -> indices [..., k_max] int32, -1 past the count.
 

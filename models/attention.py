@@ -37,6 +37,7 @@ class AttentionInputs:
     # pools [num_pages, page_size, kv_heads, head_dim]. None = the contiguous cache above.
     page_table: jax.Array | None = None
     shards: ShardLayout | None = dataclasses.field(default=None, metadata=dict(static=True))  # None: all heads here
+    cache_state: Any = None  # this layer's entry of the strategy's cache state (KVCache.strategy_state); None: none
 
 
 class AttentionStrategy(Protocol):
@@ -54,6 +55,26 @@ class AttentionStrategy(Protocol):
     # Optional, needed to run on a mesh (models/sharding.py): the PartitionSpec tree of the state that
     # attend(layer, ...) returns, given the layout (P() for a state that stays None).
     # def state_spec(self, layer: int, phase: str, shards: ShardLayout) -> Any: ...
+    # Optional, a state that lives in the KV cache across forwards (prefill into every decode step):
+    # init_cache_state(num_layers, batch, max_len) -> a tuple of one entry per layer (an entry may be None) or None
+    # (none needed); `models.generate.prefill` puts it in KVCache.strategy_state. Each layer whose entry is not None
+    # gets it as inputs.cache_state, and after attend the model stores update_cache_state(layer, inputs) as the new
+    # entry (fixed shapes). `cache_state_lever` (a str, None when no state is needed) names it in refusals: paged
+    # caches, the engine and a mesh do not carry a cache state yet (check_no_cache_state).
+
+
+def init_cache_state(strategy, num_layers: int, batch: int, max_len: int):
+    """The strategy's fresh cache state (see AttentionStrategy), or None for strategies without one."""
+    fn = getattr(strategy, "init_cache_state", None)
+    return None if fn is None else fn(num_layers, batch, max_len)
+
+
+def check_no_cache_state(strategy, where: str) -> None:
+    """Refuse a strategy that needs a cache state where none is carried (`where`: "paged caches", "the engine",
+    "a mesh"), with a ValueError naming the lever."""
+    lever = getattr(strategy, "cache_state_lever", None)
+    if lever:
+        raise ValueError(f"{lever} is not implemented for {where} yet; use the contiguous KVCache on one device")
 
 
 def check_supports_paged(strategy) -> None:

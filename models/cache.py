@@ -4,11 +4,15 @@ Left-aligned: the token at absolute position p of sequence b lives at row p of e
 different lengths share one buffer and `lengths[b]` says how much of row b is real. Prefill chunks write all sequences
 at the same offset (rows past a sequence's length hold padding that `kv_len` masks, and decode overwrites); decode
 writes each sequence at its own length.
+
+`strategy_state` (None unless the strategy asks for one, models.attention.init_cache_state) holds a strategy's
+per-layer entries that must live from prefill into every decode step; the model threads it, it never reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,7 @@ class KVCache:
     k: tuple  # per layer [batch, max_len, kv_heads, head_dim]
     v: tuple  # per layer [batch, max_len, kv_heads, head_dim]
     lengths: jax.Array  # [batch] int32
+    strategy_state: Any = None  # per layer, the strategy's cache-state entry (or None); None: no state
 
     @property
     def max_len(self) -> int:

@@ -36,9 +36,9 @@ Design:
   program before the first runs); if a compiled program failed after taking the donated pools, the engine is
   marked unusable and every later `submit` / `step` raises a RuntimeError naming the original error. Iterating
   an unfinished handle of an idle engine (never queued on it) raises a RuntimeError instead of spinning.
-- Construction refuses a strategy without `supports_paged`, a model placed on a mesh, a chunk_size that is not a
-  positive multiple of 64, and a max_len that is not a whole number of pages (max_len=None: the model's context,
-  rounded down to whole pages).
+- Construction refuses a strategy without `supports_paged` or with a cache state (`cache_state_lever`), a model
+  placed on a mesh, a chunk_size that is not a positive multiple of 64, and a max_len that is not a whole number of
+  pages (max_len=None: the model's context, rounded down to whole pages).
 
 Tokens follow `models.generate.generate`'s rules (greedy is bit-for-bit the same rule; temperature sampling uses one
 key per slot and step, so it is reproducible per request but not the same stream as `generate`'s batched draw).
@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import check_supports_paged
+from models.attention import check_no_cache_state, check_supports_paged
 from models.generate import (CHUNK_MULTIPLE, _check_pages as check_pages, _check_room as check_room,
                              _first_stop, _meta, check_sampling, prefill_chunk,
                              prefill_plan, trace_prefill_chunks)
@@ -244,6 +244,7 @@ class Engine:
             raise ValueError("the engine runs on one device: a paged KV cache on a device mesh is not supported "
                              "(this model was placed by models.sharding.shard_model); use generate() with --mesh")
         check_supports_paged(strategy)
+        check_no_cache_state(strategy, "the engine")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)

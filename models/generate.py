@@ -9,6 +9,8 @@
 - `generate` compiles the whole decode loop (`lax.while_loop`, greedy or temperature/top-p/top-k sampling with a
   seed, per-sequence EOS) into one jitted call. Stop strings need the text, so with `stop` the loop runs in jitted
   segments and the host checks the text between them.
+- A strategy's cache state (models.attention.init_cache_state) is created fresh by `prefill` and rides in the cache
+  through every decode step (and `generate`'s loop); paged caches and a mesh refuse a strategy that needs one.
 - A paged cache (models/paged.py) works in forward / prefill / decode_step when the strategy sets supports_paged
   and every page of the positions written or read is allocated (checked on the host, `_check_pages`). prefill
   traces every later chunk's program before the first chunk runs, so a trace-time refusal never meets a donated
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.attention import check_no_cache_state, init_cache_state
 from models.cache import KVCache
 from models.sharding import init_cache, to_host
 
@@ -169,6 +172,13 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
         raise ValueError(f"prompt_lens must be [batch] in [1, {p}], got {prompt_lens.tolist()}")
     _check_room(cache, int(prompt_lens.max()), "the prompt", model.config.max_position_embeddings)
     _check_pages(cache, prompt_lens, "prefill")
+    if getattr(cache, "page_table", None) is not None:
+        check_no_cache_state(strategy, "paged caches")
+    if getattr(model, "mesh", None) is not None:
+        check_no_cache_state(strategy, "a mesh")
+    cstate = init_cache_state(strategy, model.config.num_layers, b, cache.max_len)
+    if cstate is not None or getattr(cache, "strategy_state", None) is not None:  # a new prompt starts it fresh
+        cache = dataclasses.replace(cache, strategy_state=cstate)
     plan = prefill_plan(p, cache.max_len, chunk_size)
     total = plan[-1][0] + plan[-1][1]
     toks = np.zeros((b, total), np.int32)

@@ -2,7 +2,8 @@
 
 The layer stack is an unrolled Python loop. Every layer's attention goes through `strategy.attend(layer, inputs,
 state)` (models/attention.py), and the loop threads `state` from layer to layer, so a strategy can make each layer
-dense, an anchor or a reuse layer without the model knowing. Parameter names mirror HF (`q_proj`, `input_layernorm`,
+dense, an anchor or a reuse layer without the model knowing; a strategy's per-layer entries that must outlive one
+forward ride in the cache (`KVCache.strategy_state`, updated through `strategy.update_cache_state`). Parameter names mirror HF (`q_proj`, `input_layernorm`,
 ...) so checkpoint mapping is mechanical. Linear kernels are stored `(in, out)`.
 """
 
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import AttentionInputs, check_supports_paged
+from models.attention import AttentionInputs, check_no_cache_state, check_supports_paged
 from models.cache import KVCache, write_chunk, write_token
 from models.config import ModelConfig, RopeConfig
 from models.paged import write_paged
@@ -98,7 +99,10 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_eps, dtype=dtype, param_dtype=param_dtype)
         self.cfg = cfg
 
-    def __call__(self, layer, x, positions, k_cache, v_cache, meta, strategy, state, inv_freq, mesh=None):
+    def __call__(self, layer, x, positions, k_cache, v_cache, meta, strategy, state, inv_freq, mesh=None,
+                 cache_state=None):
+        """Returns (out, k_cache, v_cache, state, cache_state): cache_state is the layer's entry of the strategy's
+        cache state, updated by strategy.update_cache_state (None passes through)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.q_heads, cfg.head_dim)
@@ -114,7 +118,8 @@ class Attention(nnx.Module):
                                  "with --mesh, or the paged cache on one device")
             out, k_cache, v_cache, state = attend_per_shard(mesh, strategy, layer, q, k, v, k_cache, v_cache, meta,
                                                             state)
-            return self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim)), k_cache, v_cache, state
+            out = self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim))
+            return out, k_cache, v_cache, state, cache_state
         if page_table is not None:  # paged cache: k_cache / v_cache are this layer's pools
             k_cache, v_cache = (write_paged(k_cache, k, page_table, positions),
                                 write_paged(v_cache, v, page_table, positions))
@@ -124,9 +129,12 @@ class Attention(nnx.Module):
             k_cache, v_cache = write_chunk(k_cache, k, meta["offset"]), write_chunk(v_cache, v, meta["offset"])
         inputs = AttentionInputs(q=q, k_cache=k_cache, v_cache=v_cache, q_start=meta["q_start"], kv_len=meta["kv_len"],
                                  seq_len=meta["seq_len"], phase=meta["phase"], chunk_at_zero=meta["chunk_at_zero"],
-                                 page_table=page_table)
+                                 page_table=page_table, cache_state=cache_state)
         out, state = strategy.attend(layer, inputs, state)
-        return self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim)), k_cache, v_cache, state
+        if cache_state is not None:
+            cache_state = strategy.update_cache_state(layer, inputs)
+        out = self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim))
+        return out, k_cache, v_cache, state, cache_state
 
 
 class MLP(nnx.Module):
@@ -192,12 +200,17 @@ class Transformer(nnx.Module):
         page_table = getattr(cache, "page_table", None)  # a models.paged.PagedKVCache has one
         if page_table is not None:
             check_supports_paged(strategy)
+            check_no_cache_state(strategy, "paged caches")
+        if self.mesh is not None:
+            check_no_cache_state(strategy, "a mesh")
         meta = dict(meta, page_table=page_table)
         ks, vs = list(cache.k), list(cache.v)
+        cstate = getattr(cache, "strategy_state", None)  # per layer, carried across forwards (models/cache.py)
+        cs = [None] * len(self.layers) if cstate is None else list(cstate)
         for i, layer in enumerate(self.layers):  # unrolled: each layer's role is a trace-time Python fact
             h = layer.input_layernorm(x)
-            attn, ks[i], vs[i], state = layer.self_attn(i, h, positions, ks[i], vs[i], meta, strategy, state, inv_freq,
-                                                        self.mesh)
+            attn, ks[i], vs[i], state, cs[i] = layer.self_attn(i, h, positions, ks[i], vs[i], meta, strategy, state,
+                                                               inv_freq, self.mesh, cs[i])
             post = getattr(strategy, "post_attention", None)
             if post is not None:
                 state = post(i, x, attn, state)
@@ -207,4 +220,6 @@ class Transformer(nnx.Module):
             x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)[:, 0]
         logits = self.logits(self.norm(x))
         new_cache = dataclasses.replace(cache, k=tuple(ks), v=tuple(vs), lengths=meta["lengths"])
+        if cstate is not None:
+            new_cache = dataclasses.replace(new_cache, strategy_state=tuple(cs))
         return logits, new_cache, state

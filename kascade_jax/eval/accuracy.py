@@ -288,7 +288,8 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
                    decode_topk_frac: float | None = None, local_window: int = 0, prefill_dense_anchors: bool = False,
                    decode_rerank: int = 1, decode_rerank_worst: int | None = None, pool: str = "gqa",
                    decode_tail_stride: int = 0, decode_dense_layers: tuple[int, ...] | None = None,
-                   anchors: tuple[int, ...] | None = None, ratios: dict | None = None) -> dict:
+                   anchors: tuple[int, ...] | None = None, ratios: dict | None = None,
+                   decode_prefill_keys: float = 0.0) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
@@ -319,6 +320,8 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     listed anchor what a dense-output anchor costs (layer 0's a0: scores, select and a dense P.V); neither reranks or
     takes the tail. Which listed layers are anchors: `anchors` (the layers, when known), every one with `oracle`;
     without `anchors` each is priced as a reuse layer, the dearer case with the measured ratios.
+    `decode_prefill_keys` s: a sparse reuse layer reads its anchor's k and its own s of the keys in decode, priced as
+    its reuse cost times (df + s) / df (the union's per-step index merge left out: a floor).
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
@@ -347,6 +350,8 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
         measured_rr = (phase == "decode" and decode_rerank > 1 and ratios is not None
                        and decode_rerank in ratios.get("decode_rerank", {}))
         reuse = r["reuse"] * scale[phase] * (1.0 if measured_rr else rerank[phase])
+        if phase == "decode" and decode_prefill_keys:
+            reuse *= (df + decode_prefill_keys) / df
         dense_anchors = phase == "prefill" and prefill_dense_anchors
         anchor = r["a0"] if dense_anchors else r["anchor"]
         # decode: the dense layers' places (n_da anchors priced as a0, n_dr reuse layers as dense 1.0)
@@ -394,7 +399,7 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | N
                           decode_rerank_worst=fields.get("decode_rerank_worst"), pool=fields.get("pool") or "gqa",
                           decode_tail_stride=fields.get("decode_tail_stride") or 0,
                           decode_dense_layers=fields.get("decode_dense_layers"), anchors=fields.get("anchors"),
-                          ratios=ratios)
+                          ratios=ratios, decode_prefill_keys=fields.get("decode_prefill_keys") or 0.0)
 
 
 def _cell_anchors(fields: dict, row: dict) -> dict:

@@ -169,3 +169,41 @@ def test_sampling_errors(tiny_model, kw, message):
     with pytest.raises(ValueError, match=message):
         gen.generate(tiny_model, ToyTokenizer(), [[5, 6, 7]], S, max_new_tokens=2, **kw)
     gen.check_sampling(1.0, 1.0, 128, vocab=128)  # the largest top_k is the vocabulary
+
+
+class _CountingStrategy:
+    """DenseStrategy with a cache state (models.attention.AttentionStrategy): every layer but the first counts the
+    forwards it has seen, per sequence; layer 0's entry is None."""
+
+    name = "counting"
+    cache_state_lever = "counting"
+
+    def init_cache_state(self, num_layers, batch, max_len):
+        return (None,) + tuple({"n": jnp.zeros((batch,), jnp.int32)} for _ in range(num_layers - 1))
+
+    def update_cache_state(self, layer, inputs):
+        return {"n": inputs.cache_state["n"] + 1}
+
+    def attend(self, layer, inputs, state):
+        assert (inputs.cache_state is None) == (layer == 0)
+        return S.attend(layer, inputs, state)
+
+
+def test_cache_state_lives_from_prefill_through_decode(tiny_model, rng):
+    """prefill starts the strategy's cache state fresh, every forward (chunk or decode step) updates each layer's
+    entry once, and the outputs are dense attention's."""
+    st = _CountingStrategy()
+    toks = rng.integers(5, 128, (2, 200)).astype(np.int32)
+    lens = np.array([200, 90], np.int32)
+    cache = KVCache.init(tiny_model.config, 2, 256, jnp.float32)
+    cache = KVCache(cache.k, cache.v, cache.lengths, ("stale",) * 3)  # a previous prompt's state is replaced
+    logits, cache = gen.prefill(tiny_model, toks, lens, cache, st, chunk_size=64)  # 4 chunks
+    ref_logits, ref = gen.prefill(tiny_model, toks, lens, KVCache.init(tiny_model.config, 2, 256, jnp.float32), S)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-5, atol=1e-5)
+    assert cache.strategy_state[0] is None and ref.strategy_state is None
+    assert [np.asarray(e["n"]).tolist() for e in cache.strategy_state[1:]] == [[4, 4]] * 2
+    tok = jnp.argmax(logits, -1)
+    for step in range(2):
+        logits, cache = gen.decode_step(tiny_model, tok, cache, st)
+        tok = jnp.argmax(logits, -1)
+    assert [np.asarray(e["n"]).tolist() for e in cache.strategy_state[1:]] == [[6, 6]] * 2
