@@ -76,7 +76,7 @@ class PagedLayout(dec.Layout):
         return plgpu.load(at, mask=valid[:, None], other=0)
 
     def load_k(self, ref, rows, valid):
-        return self.load(ref, rows, valid) if self.mask_k else ref[rows, :]
+        return self.load(ref, rows, valid) if self.mask_k else super().load(ref, rows, valid)  # (unmasked)
 
 
 def gather_pages(pool, page_table, kv_len=None):

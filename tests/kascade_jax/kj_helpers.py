@@ -78,3 +78,16 @@ class FakeTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def flag_recipe(*argv, model: str = "qwen2.5-coder-0.5b"):
+    """The recipe an entry point resolves for `model` from these command-line flags (the flags restored after)."""
+    from absl import flags  # noqa: PLC0415
+    from absl.testing import flagsaver  # noqa: PLC0415
+
+    from experiments import cli, recipe_flags  # noqa: PLC0415
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", *argv])
+        return recipe_flags.resolve_recipe(model)

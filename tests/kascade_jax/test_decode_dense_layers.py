@@ -9,10 +9,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
-from absl.testing import flagsaver
 
-from experiments import cli, recipe_flags
 from kascade_jax.config import KascadeConfig
 from kascade_jax.eval import accuracy
 from kascade_jax.recipes import Recipe, candidate
@@ -20,7 +17,7 @@ from kascade_jax.registry import make_strategy
 from kascade_jax.strategies import Kernels, get_kernels, register_kernels
 from kernels_pallas import decode as dec
 from kernels_pallas import paged as pg
-from kj_helpers import decode_inputs, dense_reference, random_layer, run_layers
+from kj_helpers import decode_inputs, dense_reference, flag_recipe, random_layer, run_layers
 
 NUM_LAYERS, KVH, GROUP, MAX_LEN = 5, 2, 2, 128
 KW = dict(anchors=(0, 2), topk_frac=0.1, min_k=8, sink_tokens=2, recent_window=4)
@@ -204,22 +201,15 @@ def test_recipe_rejects(given, match):
     assert "\n" not in str(e.value)
 
 
-def _flag_recipe(*argv):
-    with flagsaver.flagsaver():
-        flags.FLAGS.unparse_flags()
-        cli._parse_flags(["generate", *argv])
-        return recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
-
-
 def test_flag_overrides_the_recipe():
-    r = _flag_recipe("--recipe=candidate:dps_all", "--decode_dense_layers=-2,-1")
+    r = flag_recipe("--recipe=candidate:dps_all", "--decode_dense_layers=-2,-1")
     assert r.name == "dps_all*" and r.decode_dense_layers == (-2, -1) and r.levers()["decode_dense_layers"] == (-2, -1)
-    r = _flag_recipe("--recipe=candidate:dps_all_dl3", "--decode_dense_layers=")  # '': off
+    r = flag_recipe("--recipe=candidate:dps_all_dl3", "--decode_dense_layers=")  # '': off
     assert r.name == "dps_all_dl3*" and r.decode_dense_layers == () and "decode_dense" not in r.describe()
-    assert _flag_recipe("--recipe=candidate:dps_all_dl3").decode_dense_layers == (-3, -2, -1)
+    assert flag_recipe("--recipe=candidate:dps_all_dl3").decode_dense_layers == (-3, -2, -1)
     with pytest.raises(ValueError, match=r"--decode_dense_layers takes comma-separated ints such as -3,-2,-1, got "
                                          r"'-1,x'"):
-        _flag_recipe("--recipe=candidate:dps_all", "--decode_dense_layers=-1,x")
+        flag_recipe("--recipe=candidate:dps_all", "--decode_dense_layers=-1,x")
 
 
 def test_config_string_parse():

@@ -11,11 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
-from absl.testing import flagsaver
 
 from conftest import CharTokenizer, tiny_config
-from experiments import cli, recipe_flags
 from kascade_jax.config import KascadeConfig
 from kascade_jax.eval import accuracy
 from kascade_jax.recipes import Recipe, candidate
@@ -23,7 +20,7 @@ from kascade_jax.strategies import KascadeStrategy, prefill_keys_budget, union_i
 from kernels_pallas import decode as dec
 from kernels_pallas.dense import dense_attention
 from kernels_pallas.reference import select_topk_reference, sparse_decode_reference
-from kj_helpers import decode_inputs, random_layer
+from kj_helpers import decode_inputs, flag_recipe, random_layer
 from models import generate as G
 from models.attention import DenseStrategy
 from models.cache import KVCache
@@ -342,19 +339,12 @@ def test_recipe_rejects(over, match):
     assert "\n" not in str(e.value)
 
 
-def _flag_recipe(*argv):
-    with flagsaver.flagsaver():
-        flags.FLAGS.unparse_flags()
-        cli._parse_flags(["generate", *argv])
-        return recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
-
-
 def test_flag_overrides_the_recipe():
-    r = _flag_recipe("--recipe=candidate:dps_all", "--decode_prefill_keys=0.1")
+    r = flag_recipe("--recipe=candidate:dps_all", "--decode_prefill_keys=0.1")
     assert r.name == "dps_all*" and r.decode_prefill_keys == 0.1 and r.levers()["decode_prefill_keys"] == 0.1
-    r = _flag_recipe("--recipe=candidate:dps_all_pk5", "--decode_prefill_keys=0")  # 0: off
+    r = flag_recipe("--recipe=candidate:dps_all_pk5", "--decode_prefill_keys=0")  # 0: off
     assert r.name == "dps_all_pk5*" and "decode_prefill_keys" not in r.describe()
-    assert _flag_recipe("--recipe=candidate:dps_all_pk5").decode_prefill_keys == 0.05
+    assert flag_recipe("--recipe=candidate:dps_all_pk5").decode_prefill_keys == 0.05
 
 
 def test_config_string_parse():
