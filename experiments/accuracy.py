@@ -17,6 +17,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 from pathlib import Path
 
 from absl import app, flags
@@ -34,6 +35,8 @@ flags.DEFINE_string("model", "", "--mode=choose: the model whose dev results dec
 flags.DEFINE_integer("context", 16384, "--mode=choose: the context length whose dev results decide")
 flags.DEFINE_list("also_contexts", [], "--mode=choose with --within_dense>=0: other dev lengths (e.g. 8192) where "
                   "a candidate must also be within --within_dense of dense to qualify")
+flags.DEFINE_list("dev_splits", ["dev"], "--mode=choose: the dev draws whose prompts decide, pooled (e.g. "
+                  "dev,dev-seed1,dev-seed2: eval --seed=1 and 2 runs; only cells run on every draw compete)")
 flags.DEFINE_integer("num_layers", 0, "--mode=choose: the model's layer count (for the speed model)")
 flags.DEFINE_float("max_slowdown", 0.15, "--mode=choose with --within_dense<0: allowed loss of weighted attention "
                    "speed vs the paper recipe (issue 17's rule)")
@@ -117,6 +120,11 @@ def main(argv):
             print(f"{r['a']} - {r['b']} on {r['split']} ({r['n']} paired prompts): {r['diff']:+.1f} "
                   f"[{r['ci_low']:+.1f}, {r['ci_high']:+.1f}]")
         return
+    if FLAGS.mode == "choose" and len(FLAGS.dev_splits) > 1:
+        if FLAGS.dev_splits[0] != "dev" or not all(re.fullmatch(r"dev-seed\d+", s) for s in FLAGS.dev_splits[1:]):
+            raise app.UsageError(f"--dev_splits are dev and its other draws dev-seed<N>, got {FLAGS.dev_splits}")
+        examples, dropped = accuracy.pool_draws(examples, FLAGS.dev_splits, into="dev")
+        print(f"dev pooled over {','.join(FLAGS.dev_splits)}; cells not run on every draw left out: {len(dropped)}")
     rows = accuracy.summarize(examples, ruler_tasks=list(ruler.TASKS))
     if not rows:
         raise ValueError(f"--inputs hold no real-RULER results ({len(examples)} example records; this report needs "
@@ -144,6 +152,9 @@ def main(argv):
                                      num_layers=FLAGS.num_layers, max_slowdown=FLAGS.max_slowdown,
                                      speed_tie=FLAGS.speed_tie, also_contexts=[int(c) for c in FLAGS.also_contexts],
                                      within_dense=FLAGS.within_dense if FLAGS.within_dense >= 0 else None)
+        if len(FLAGS.dev_splits) > 1:
+            doc["dev_splits"] = list(FLAGS.dev_splits)
+            doc["default"]["note"] += f"; dev pooled over {len(FLAGS.dev_splits)} draws ({','.join(FLAGS.dev_splits)})"
         if shipped.calib_dtype and not doc["default"].get("calib_dtype"):  # candidates calibrate in the shipped dtype
             doc["default"]["calib_dtype"] = shipped.calib_dtype
         out = Path(FLAGS.out).expanduser()

@@ -148,7 +148,7 @@ def main(argv):
                         max_len=max_len, chunk_size=common.CHUNK.value,
                         max_prefill_tokens_per_step=PREFILL_BUDGET.value)
         t = time.perf_counter()
-        warm_up(engine, MIN_PROMPT.value, MAX_PROMPT.value, cfg.vocab)
+        warm_up(engine, MIN_PROMPT.value, MAX_PROMPT.value, cfg.vocab, log=lambda m: print(m, flush=True))
         print(f"{name}: warm-up (compilation) {time.perf_counter() - t:.1f} s", flush=True)
         steps0 = engine.decode_steps
         row = dict(strategy=name, max_prefill_tokens_per_step=PREFILL_BUDGET.value, **replay(engine, trace))

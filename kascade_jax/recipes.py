@@ -426,6 +426,8 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     # hypothesis, as dps_all_pk5 with 10%: more of the question's keys, at twice the extra reuse cost
     "dps_all_pk10": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
                          decode_prefill_keys=0.10),
+    # session 21, measured (0.5B, 16K, three dev draws, 780 prompts, paired vs dps_all): dec20 +0.6 [-0.4, +1.7]
+    # (-0.9 vs dense: chosen on the pooled dev split), dl3 -0.1, dl1 -0.3, pk5 -0.6 (fwe -8), oracle +1.0
 }
 
 

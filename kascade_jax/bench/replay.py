@@ -126,13 +126,17 @@ def replay(engine, trace, *, clock=time.perf_counter, log=print):
     return row
 
 
-def warm_up(engine, min_prompt, max_prompt, vocab):
-    """One 2-token request per power-of-two prompt bucket (the engine pads prompts to these widths)."""
+def warm_up(engine, min_prompt, max_prompt, vocab, *, log=None):
+    """One 2-token request per power-of-two prompt bucket (the engine pads prompts to these widths); `log` gets one
+    line per bucket with its time (a long compilation shows where it is)."""
     from models.engine import SamplingParams, _prefill_width
 
     widths = sorted({_prefill_width(n, engine.max_len) for n in (min_prompt, max_prompt)} |
                     {w for w in (1 << i for i in range(6, 20)) if min_prompt < w < max_prompt})
     for w in widths:
         n = min(w, max_prompt)
+        t = time.perf_counter()
         engine.submit([i % vocab for i in range(n)], SamplingParams(max_new_tokens=2, ignore_eos=True))
         engine.run()
+        if log is not None:
+            log(f"  warm-up prompt {n}: {time.perf_counter() - t:.1f} s")

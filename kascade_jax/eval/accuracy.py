@@ -90,6 +90,31 @@ def _cells(examples):
     return cells
 
 
+def pool_draws(examples, splits, into: str = "dev") -> tuple[list[dict], list[tuple]]:
+    """The examples of several draws of one split (`dev`, `dev-seed1`, ...) as the one split `into`, so that a choice
+    or a report sees all their prompts: each draw's prompt indices are offset (draw j: + j * 10**6) so that pairs stay
+    within their draw. Only cells (model, context, strategy, config) run on every draw are pooled (a cell on fewer
+    draws would be scored on other prompts than its peers); examples of other splits pass unchanged.
+    Returns (examples, the dropped cells)."""
+    splits = list(dict.fromkeys(splits))
+    if len(splits) < 2:
+        raise ValueError(f"pooling needs at least two draws, got {splits}")
+    where: dict = {}
+    for r in examples:
+        if r["split"] in splits:
+            where.setdefault((r["model"], int(r["context_length"]), r["strategy"], r["config"]), set()).add(r["split"])
+    full = {c for c, s in where.items() if s == set(splits)}
+    if not full:
+        raise ValueError(f"no cell was run on every draw of {','.join(splits)}: nothing to pool")
+    out = []
+    for r in examples:
+        if r["split"] not in splits:
+            out.append(r)
+        elif (r["model"], int(r["context_length"]), r["strategy"], r["config"]) in full:
+            out.append(dict(r, split=into, index=int(r["index"]) + splits.index(r["split"]) * 10**6))
+    return out, sorted(set(where) - full, key=str)
+
+
 def _stratified(per_task: dict, rng, reps: int):
     """[reps] bootstrap means of the task-mean average, prompts resampled within each task."""
     tasks = sorted(per_task)

@@ -98,3 +98,22 @@ def test_choose_reproduces_the_shipped_smollm2_default(tmp_path):
 def test_a_replicated_cell_is_refused(tmp_path):
     res = _choose(tmp_path, [S1 / "dev05", S2 / "thr05"])  # the default recipe measured twice on the same prompts
     assert res.returncode != 0 and "is in two runs" in res.stderr
+
+
+def test_choose_on_three_pooled_dev_draws(tmp_path):
+    """Session 21: the 0.5B's candidates on three 16K dev draws (780 prompts each). Pooled, dps_all is 1.5 below dense
+    (it qualified on the first draw alone, +0.1) and dps_all_dec20 is the fastest within 1; a cell of one draw only
+    does not compete; --dev_splits other than dev and its seed draws are refused."""
+    S11, S21 = ROOT / "results/accuracy/h200_2026-12-03_i21s11", ROOT / "results/accuracy/h200_2026-12-04_i21s21"
+    inputs = [S1 / "dev05", S11 / "dev05_rep", S15 / "t05_ahp_d", S15 / "t05_ahp_s1", S17 / "t05_k_d",
+              *(S21 / f"{p}05_s{i}" for p in "po" for i in range(3))]
+    res = _choose(tmp_path, inputs, budgets=True, extra=["--context=16384", "--dev_splits=dev,dev-seed1,dev-seed2"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["chosen_from"] == "dps_all_dec20" and doc["dev_splits"] == ["dev", "dev-seed1", "dev-seed2"]
+    table = {r["recipe"]: r for r in doc["measured"]}
+    assert set(table) == {"dps_all", "dps_all_dec20", "dps_all_dl3", "dps_all_dl1", "dps_all_pk5"}  # on every draw
+    assert {r["dev_n"] for r in table.values()} == {780} and not table["dps_all"]["qualifies"]
+    assert "3 draws" in doc["default"]["note"]
+    bad = _choose(tmp_path, inputs, extra=["--dev_splits=dev,test", "--overwrite"])
+    assert bad.returncode != 0 and "--dev_splits are dev and its other draws" in bad.stderr

@@ -532,6 +532,32 @@ def test_compare_two_cells_per_split_and_pooled(rng):
         accuracy.compare(ex, "kascade:rr4", "dense", model="m", context=4096, splits=["dev"], ruler_tasks=TASKS)
 
 
+def test_pool_draws_pairs_within_each_draw_and_keeps_only_cells_on_every_draw(rng):
+    """--mode=choose --dev_splits: two dev draws become one dev split of twice the prompts, each prompt still paired
+    with its own draw's dense answer; a cell run on one draw only is left out (named), other splits pass unchanged."""
+    ex = []
+    for split, shift in (("dev", -0.1), ("dev-seed1", -0.5)):
+        base = _base(rng)
+        ex += _records(rng, "dense", "", base, split=split)
+        ex += _records(rng, "kascade", "k=0.1 recipe=a", base, shift=shift, split=split)
+    ex += _records(rng, "kascade", "k=0.1 recipe=b", _base(rng), split="dev")  # one draw only
+    ex += _records(rng, "dense", "", _base(rng), split="test")
+    pooled, dropped = accuracy.pool_draws(ex, ["dev", "dev-seed1"])
+    assert dropped == [("m", 4096, "kascade", "k=0.1 recipe=b")]
+    assert {r["split"] for r in pooled} == {"dev", "test"} and len(pooled) == len(ex) - 13 * 12
+    rows = {(r["split"], r["recipe"] or r["strategy"]): r for r in accuracy.summarize(pooled, ruler_tasks=TASKS, reps=300)
+            if r["task"] == "ruler_avg"}
+    assert rows[("dev", "a")]["n"] == rows[("dev", "dense")]["n"] == 2 * 13 * 12 and ("dev", "b") not in rows
+    each = [accuracy.summarize([r for r in ex if r["split"] == sp], ruler_tasks=TASKS, reps=300) for sp in
+            ("dev", "dev-seed1")]
+    per = [next(r["diff_vs_dense"] for r in e if r["task"] == "ruler_avg" and r["recipe"] == "a") for e in each]
+    assert rows[("dev", "a")]["diff_vs_dense"] == pytest.approx(sum(per) / 2, abs=0.02)  # paired within each draw
+    with pytest.raises(ValueError, match="at least two draws"):
+        accuracy.pool_draws(ex, ["dev"])
+    with pytest.raises(ValueError, match="no cell was run on every draw"):
+        accuracy.pool_draws(ex, ["dev", "dev-seed7"])
+
+
 def test_gzipped_examples_read_as_the_plain_file(rng, tmp_path):
     """Committed runs keep examples.jsonl gzipped (the tree travels with every device call): every reader (the
     accuracy report, a resume's read_results; merge_eval and the accuracy CLI's folder discovery go through the
