@@ -67,7 +67,7 @@ def check_merged_dir(merged_dir: str, inputs) -> None:
 
 def main(argv):
     del argv
-    from experiments.eval import fidelity_section  # noqa: PLC0415
+    from kascade_jax.eval.sections import fidelity_section  # noqa: PLC0415
     from kascade_jax.eval import report  # noqa: PLC0415
 
     if not FLAGS.inputs:

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from kascade_jax.eval import harness, report, suite
+from kascade_jax.eval import harness, report, sections, suite
 from tests.kascade_jax.kj_helpers import FakeTokenizer
 
 
@@ -416,27 +416,27 @@ def test_cli_helpers():
     fid = {"x": dict(strategy="kascade", config="k=0.1", context_length=256, documents=2, failures=0, kl=0.1,
                      top1=0.9, kl_late=0.2, mass_ratio=[1.0, 0.8, 0.9],
                      mass_ratio_heads=[[1.0, 1.0], [0.7, 0.9], [0.9, 0.9]])}
-    text = cli.fidelity_section(fid)
+    text = sections.fidelity_section(fid)
     assert "| kascade | k=0.1 | 256 | 2 | 0 | 0.1000 | 90.0 | 0.2000 | 0.900 | L1: 0.800 | L1 H0: 0.700 | - | - |" in text
     fid["x"].update(decode_mass_ratio=[1.0, 0.6, 0.9])
-    assert "| L1 H0: 0.700 | 0.833 | L1: 0.600 |" in cli.fidelity_section(fid)
+    assert "| L1 H0: 0.700 | 0.833 | L1: 0.600 |" in sections.fidelity_section(fid)
     failed = {"y": dict(strategy="kascade", config="k=0.1", context_length=256, documents=2, failures=2,
                         kl=float("nan"), top1=float("nan"), kl_late=float("nan"), errors=["JaxRuntimeError: OOM"])}
-    text = cli.fidelity_section(failed)  # every document failed: dashes and the first error, never "nan"
+    text = sections.fidelity_section(failed)  # every document failed: dashes and the first error, never "nan"
     assert "| 2 | 2 | - | - | - |" in text and "2 failed documents, first: JaxRuntimeError: OOM" in text
     assert "nan" not in text
     ans = dict(task="answers", strategy="kascade", config="k=0.1", context_length=256, prompts=13, failures=0, steps=64,
                agree=0.9712, first_agree=1.0, reproduced=0.8, kl=0.0123, decode_mass_ratio=[1.0, 0.6, 0.9])
-    text = cli.fidelity_section({"z @ 256 answers": ans})  # answers alone: their table only
+    text = sections.fidelity_section({"z @ 256 answers": ans})  # answers alone: their table only
     assert "teacher forcing on prose" not in text and "along dense's answers" in text
     assert "| kascade | k=0.1 | 256 | 13 | 0 | 64 | 97.12 | 100.0 | 80.0 | 0.0123 | 0.833 | L1: 0.600 |" in text
-    cut = cli.fidelity_section({"z @ 256 answers": dict(ans, prompts_done=4, state={})})
+    cut = sections.fidelity_section({"z @ 256 answers": dict(ans, prompts_done=4, state={})})
     assert "| 4 of 13 (cut; --resume goes on) | 0 | 64 |" in cut
-    both = cli.fidelity_section({**fid, "z @ 256 answers": ans})
+    both = sections.fidelity_section({**fid, "z @ 256 answers": ans})
     assert both.index("teacher forcing on prose") < both.index("along dense's answers")
     rows = [dict(family="longbench", strategy="dense", config="", task=t, score=s)
             for t, s in (("hotpotqa", 40.0), ("musique", 20.0), ("trec", 50.0))]
-    lb = cli.longbench_section(rows)
+    lb = sections.longbench_section(rows)
     assert "| dense |  | - | 30.0 | - | 50.0 | - | - |" in lb
 
 
