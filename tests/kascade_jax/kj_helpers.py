@@ -1,6 +1,9 @@
 """Helpers for the kascade_jax tests: random per-layer attention inputs and a model-like layer loop."""
 
+import dataclasses
+import json
 import re
+import types
 import zlib
 
 import jax
@@ -91,3 +94,18 @@ def flag_recipe(*argv, model: str = "qwen2.5-coder-0.5b"):
         flags.FLAGS.unparse_flags()
         cli._parse_flags(["generate", *argv])
         return recipe_flags.resolve_recipe(model)
+
+
+def shipped_model(name: str):
+    """A loaded model as the strategy builders see it (its config's layers, KV heads and name, its dtype), for a model
+    with a shipped calibration: no weights to load."""
+    from kascade_jax.calibration.resolve import PACKAGED_DIR  # noqa: PLC0415
+
+    art = json.loads(next(PACKAGED_DIR.glob(f"{name}-builtin-64-k64-ts32.json")).read_text())
+    cfg = types.SimpleNamespace(num_layers=art["num_layers"], kv_heads=art["kv_heads"], name=name)
+    return types.SimpleNamespace(config=cfg, dtype=jnp.dtype("float32"))
+
+
+def strategy_record(s) -> dict:
+    """A Kascade-family strategy as JSON-comparable data: its name, kernels and every config field."""
+    return json.loads(json.dumps(dict(name=s.name, kernels=s.kernels, config=dataclasses.asdict(s.config))))

@@ -1,7 +1,6 @@
 """kascade_jax.load / strategy_for: the strategy a Python user gets equals the command line's, for every shipped
 model and recipe (same recipe levers, DP anchors, head map, budget and kernels)."""
 
-import dataclasses
 import json
 import types
 
@@ -9,9 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 import kascade_jax
-from kascade_jax.calibration.resolve import PACKAGED_DIR
 from kascade_jax.recipes import RECIPE_DIR
 from tests import cli_fork  # the CLI probe: forked from a server that has imported the libraries
+from tests.kascade_jax.kj_helpers import shipped_model, strategy_record
 
 SHIPPED = sorted(p.stem for p in RECIPE_DIR.glob("*.json"))
 RECIPES = ["default", "paper", "candidate:dec20_ds512s", "candidate:dps_rr4w5", "candidate:smol_p5"]
@@ -19,44 +18,29 @@ RECIPES = ["default", "paper", "candidate:dec20_ds512s", "candidate:dps_rr4w5", 
 # The command line's strategy (experiments.common.build_strategy after flag parsing), in a subprocess: the
 # experiments' flag modules cannot share one process with the other entry points' tests.
 CLI = """
-import dataclasses, json, sys, types
-import jax.numpy as jnp
+import json, sys
 from absl import flags
 from experiments import cli, common
+from tests.kascade_jax.kj_helpers import shipped_model, strategy_record
 out = {}
-for name, layers, kvh in json.loads(sys.argv[1]):
+for name in json.loads(sys.argv[1]):
     for recipe in json.loads(sys.argv[2]):
         flags.FLAGS.unparse_flags()
         cli._parse_flags(["generate", f"--model={name}", f"--recipe={recipe}"])
-        model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=layers, kv_heads=kvh, name=name),
-                                      dtype=jnp.dtype("float32"))
-        s = common.build_strategy("kascade", model, None)
-        out[name + "|" + recipe] = dict(name=s.name, kernels=s.kernels, config=dataclasses.asdict(s.config))
+        s = common.build_strategy("kascade", shipped_model(name), None)
+        out[name + "|" + recipe] = strategy_record(s)
 print(json.dumps(out))
 """
 
 
-def _model(name):
-    """A loaded model as the strategy builders see it: its config (layers, KV heads, name) and dtype."""
-    art = json.loads(next(PACKAGED_DIR.glob(f"{name}-builtin-64-k64-ts32.json")).read_text())
-    cfg = types.SimpleNamespace(num_layers=art["num_layers"], kv_heads=art["kv_heads"], name=name)
-    return types.SimpleNamespace(config=cfg, dtype=jnp.dtype("float32"))
-
-
-def _jsonable(x):
-    return json.loads(json.dumps(x))
-
-
 def test_api_strategy_equals_the_cli_strategy():
-    models = [(m, _model(m).config.num_layers, _model(m).config.kv_heads) for m in SHIPPED]
-    res = cli_fork.run(["-c", CLI, json.dumps(models), json.dumps(RECIPES)], cli_fork.ENV, timeout=300)
+    res = cli_fork.run(["-c", CLI, json.dumps(SHIPPED), json.dumps(RECIPES)], cli_fork.ENV, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     from_cli = json.loads(res.stdout.splitlines()[-1])
     for m in SHIPPED:
         for recipe in RECIPES:
-            s = kascade_jax.strategy_for(_model(m), recipe=recipe, calibrate=False, verbose=False)
-            got = dict(name=s.name, kernels=s.kernels, config=_jsonable(dataclasses.asdict(s.config)))
-            assert got == from_cli[m + "|" + recipe], (m, recipe)
+            s = kascade_jax.strategy_for(shipped_model(m), recipe=recipe, calibrate=False, verbose=False)
+            assert strategy_record(s) == from_cli[m + "|" + recipe], (m, recipe)
             if recipe != "paper":  # the recipe's levers reach the strategy (the notebook used to lose them)
                 assert s.config.sink_tokens == 4
             if recipe == "default" and m.startswith("qwen"):  # dps_all: dense prefill, one selection for all heads
@@ -88,7 +72,7 @@ def test_api_announces_the_untuned_fallback(capsys):
 
 
 def test_api_baselines_and_errors():
-    model = _model("qwen2.5-coder-0.5b")
+    model = shipped_model("qwen2.5-coder-0.5b")
     q = kascade_jax.strategy_for(model, "quest", topk_frac=0.2, min_k=64)
     assert q.budget_frac == 0.2 and q.min_budget == 64
     assert kascade_jax.strategy_for(model, "dense").name == "dense"

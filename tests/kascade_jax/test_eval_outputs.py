@@ -289,7 +289,7 @@ def test_decode_rerank_worst_reaches_every_recipe_of_the_eval(monkeypatch, tmp_p
     # the eval once ran `candidate:dps_rr4w5` as plain dps_rr4 (every reuse layer reranked; H200 dev 2026-12-03:
     # identical predictions on all 260 prompts): its layers come from the calibration, as in the API
     import kascade_jax
-    from tests.kascade_jax.test_api import _model as shipped_model
+    from tests.kascade_jax.kj_helpers import shipped_model
 
     import models
 
