@@ -107,8 +107,9 @@ class PrefillTuning:
     anchor0_cudnn: bool = True
     # The anchor's LSE pass (and its dense output where cuDNN does not give it) and pooled-score pass: "triton" (the
     # kernels of this file) or "mgpu" (`prefill_mgpu`'s Mosaic GPU kernels) for the calls they cover: batch 1, a chunk
-    # at position 0 holding every key (q_start and kv_len concrete or chunk_at_zero), q_len a multiple of 128, d 64 /
-    # 128, bf16 / fp16. Every other call takes the Triton path silently (`prefill_mgpu.supported`).
+    # at position 0 (q_start concrete or chunk_at_zero) holding every key (kv_len == q_len: checked on the host, or at
+    # run time by a lax.cond when kv_len is traced), q_len a multiple of 128, d 64 / 128, bf16 / fp16. Every other
+    # call takes the Triton path silently (`prefill_mgpu.supported`).
     anchor_backend: str = "triton"
 
     def __post_init__(self):
@@ -705,21 +706,24 @@ def pack_lse(lse, lay: _Layout):
 
 
 def _mgpu_keys(q, k_cache, v_cache, q_start, kv_len, tile_size, chunk_at_zero, tuning, interpret):
-    """(k, v) cut to the chunk's keys if `prefill_mgpu` takes this anchor call, else None (the Triton path).
+    """((k, v) cut to the chunk's keys, at_run_time) if `prefill_mgpu` may take this anchor call, else (None, False).
 
-    q_start / kv_len are the caller's: they must be concrete (or q_start guaranteed zero by chunk_at_zero), since the
-    Mosaic GPU kernels take no lengths. Under jit with traced lengths the call stays on the Triton path."""
+    q_start / kv_len are the caller's (the Mosaic GPU kernels take no lengths): q_start must be concrete or guaranteed
+    zero by chunk_at_zero. A concrete kv_len is checked on the host; a traced one (a jitted model) gives
+    at_run_time=True: the caller picks the backend with lax.cond on kv_len[0] == q_len."""
     if tuning.anchor_backend != "mgpu" or not (interpret or jax.default_backend() == "gpu"):
-        return None
+        return None, False
     from kernels_pallas import prefill_mgpu as M
 
     t = q.shape[1]
     if k_cache.shape[1] < t or v_cache is None:
-        return None
+        return None, False
     # From position 0 the keys past the chunk are never causally visible.
     k, v = (k_cache, v_cache) if k_cache.shape[1] == t else (k_cache[:, :t], v_cache[:, :t])
-    ok = M.supported(q, k, tile_size, q_start=None if chunk_at_zero else q_start, kv_len=kv_len)
-    return (k, v) if ok else None
+    at_run_time = isinstance(kv_len, jax.core.Tracer)
+    ok = M.supported(q, k, tile_size, q_start=None if chunk_at_zero else q_start,
+                     kv_len=None if at_run_time else kv_len)
+    return ((k, v), at_run_time) if ok else (None, False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -804,7 +808,8 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     its dense output and LSE from cuDNN (tuning.anchor0_cudnn, GPU only). `sinks` / `window`: forced keys of every
     tile (the first `sinks` keys and the `window` keys before the tile score `reference.FORCED_SCORE`). `extra_k`:
     keys added to every tile's budget (`reference.prefill_counts(extra=...)`), e.g. a forced local window that
-    does not count against the Top-k.
+    does not count against the Top-k. tuning.anchor_backend="mgpu" with a traced kv_len traces both backends' LSE
+    and score passes under a lax.cond on kv_len[0] == q_len (`_mgpu_keys`).
     """
     ref.check_forced(sinks, window)
     _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
@@ -843,30 +848,40 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     lay = _layout(q, k_cache, tile_size)
     qp = _pack_q(q, lay)
     tuning = tuning or DEFAULT_TUNING
-    mgpu = _mgpu_keys(q, k_cache, v_cache, q_start_in, kv_len_in, tile_size, chunk_at_zero, tuning, interpret)
-    if mgpu is not None:
-        from kernels_pallas import prefill_mgpu as M
-    lse2 = None  # Mosaic GPU scope: base-2 lse [1, q_heads, q_len] for `prefill_mgpu.pooled_scores`
-    if dense_out and chunk_at_zero and tuning.anchor0_cudnn and cudnn_lse_ok(q, k_cache, interpret):
-        out, lse_nat = cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale)
-        lse = pack_lse(lse_nat, lay)
+    keys, at_run_time = _mgpu_keys(q, k_cache, v_cache, q_start_in, kv_len_in, tile_size, chunk_at_zero, tuning,
+                                   interpret)
+
+    def lse_and_select(mgpu):
+        """(dense out or None, idx) of the Mosaic GPU passes on mgpu = (k, v), or of the Triton passes (None)."""
         if mgpu is not None:
-            lse2 = jnp.transpose(lse_nat, (0, 2, 1)) * _LOG2E
-    elif mgpu is not None:
-        out, lse2 = M.flash_lse(q, *mgpu, scale=scale, with_out=dense_out, interpret=interpret)
-        lse = None  # (the Triton score kernel's packed rows: `prefill_mgpu.lse_for_triton`)
+            from kernels_pallas import prefill_mgpu as M
+        lse2 = None  # Mosaic GPU scope: base-2 lse [1, q_heads, q_len] for `prefill_mgpu.pooled_scores`
+        if dense_out and chunk_at_zero and tuning.anchor0_cudnn and cudnn_lse_ok(q, k_cache, interpret):
+            out, lse_nat = cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale)
+            lse = pack_lse(lse_nat, lay)
+            if mgpu is not None:
+                lse2 = jnp.transpose(lse_nat, (0, 2, 1)) * _LOG2E
+        elif mgpu is not None:
+            out, lse2 = M.flash_lse(q, *mgpu, scale=scale, with_out=dense_out, interpret=interpret)
+            lse = None  # (the Triton score kernel's packed rows: `prefill_mgpu.lse_for_triton`)
+        else:
+            lse, out = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out,
+                                   tuning=tuning, interpret=interpret)
+            out = _unpack_out(out, lay) if dense_out else None
+        mgpu_scores = None
+        if mgpu is not None:
+            packed = M.pack_scores_inputs(q, mgpu[0], lse2, tile_size)  # once, outside the select's loop over windows
+            mgpu_scores = lambda first, n, width: M.pooled_scores(q, mgpu[0], lse2, tile_size, scale=scale,
+                                                                  interpret=interpret, first_tile=first, n_tiles=n,
+                                                                  width=width, packed=packed)
+        idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret,
+                             sinks, window, mgpu_scores)
+        return out, idx
+
+    if at_run_time:  # traced kv_len: the Mosaic GPU passes only for a chunk that holds every key (no padding)
+        out, idx = lax.cond(kv_len[0] == t, lambda: lse_and_select(keys), lambda: lse_and_select(None))
     else:
-        lse, out = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out, tuning=tuning,
-                               interpret=interpret)
-        out = _unpack_out(out, lay) if dense_out else None
-    mgpu_scores = None
-    if mgpu is not None:
-        packed = M.pack_scores_inputs(q, mgpu[0], lse2, tile_size)  # once, outside the select's loop over windows
-        mgpu_scores = lambda first, n, width: M.pooled_scores(q, mgpu[0], lse2, tile_size, scale=scale,
-                                                              interpret=interpret, first_tile=first, n_tiles=n,
-                                                              width=width, packed=packed)
-    idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret,
-                         sinks, window, mgpu_scores)
+        out, idx = lse_and_select(keys)
     assert idx.shape[1] == idx_heads
     if dense_out:
         return out, idx, counts

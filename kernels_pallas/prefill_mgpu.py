@@ -13,7 +13,8 @@ Decisions: wgmma accumulators start at zero (`run_scoped` ACC) and the PV produc
 registers, and in interpret mode P goes to wgmma through shared memory: the Mosaic GPU interpreter of JAX 0.11.2
 handles neither `run_state` (pre-initialised accumulators) nor a wgmma operand held in registers. On a GPU P stays
 in registers (`p_in_regs`). Scope: batch 1, q_start 0, kv_len = q_len, q_len a multiple of the blocks; everything
-else raises ValueError so that callers keep the Triton path (`supported`).
+else raises ValueError so that callers keep the Triton path (`supported`). `supported` checks lengths on the host;
+`prefill.anchor_prefill` checks a traced kv_len at run time (lax.cond between the two backends).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -143,7 +145,8 @@ def test_unsupported_raises_one_line(case, needle):
 
 def test_supported_under_jit():
     """Inside a jit trace, lengths closed over as concrete arrays are still host-checkable (a jnp op on them would be
-    staged: session 20's GPU run failed so), and traced lengths keep the Triton path instead of raising."""
+    staged: session 20's GPU run failed so), and traced lengths are out of the host check's scope instead of raising
+    (`anchor_prefill` then picks the backend at run time)."""
     q, k = jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     qs, kl, bad = jnp.zeros((1,), jnp.int32), jnp.full((1,), 128, jnp.int32), jnp.full((1,), 64, jnp.int32)
     seen = {}
@@ -306,6 +309,113 @@ def test_anchor_prefill_mgpu_falls_back_interpret(monkeypatch, interp, case):
         np.testing.assert_array_equal(np.asarray(m), np.asarray(a))
 
 
+def _ran(monkeypatch):
+    """Run-time spy: the number of `prefill_mgpu.pooled_scores` calls that ran (not merely traced: a lax.cond traces
+    both backends; the Mosaic GPU branch runs it once per window of tiles)."""
+    ran, fn = [], M.pooled_scores
+
+    def wrapped(*a, **kw):
+        jax.debug.callback(lambda: ran.append(1))
+        return fn(*a, **kw)
+
+    monkeypatch.setattr(M, "pooled_scores", wrapped)
+    return ran
+
+
+def _anchor_jits(t, max_len, tile, dense_out, interpret):
+    """anchor_prefill(q, k, v, ...) jitted three ways, chunk at 0 of q_len t: Mosaic GPU with the lengths closed over
+    (the host check), Mosaic GPU with traced lengths (q_start, kv_len: the run-time choice), Triton with traced
+    lengths."""
+    kw = dict(topk_frac=0.25, min_k=8, k_max=R.max_budget(max_len, 0.25, 8), dense_out=dense_out, impl="pallas",
+              interpret=interpret, chunk_at_zero=True)
+    run = lambda be, q, k, v, qs, kl: P.anchor_prefill(q, k, v, qs, kl, kl, tile, tuning=P.PrefillTuning(
+        anchor_backend=be), **kw)  # noqa: E731
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    return (jax.jit(lambda q, k, v: run("mgpu", q, k, v, qs, kl)), jax.jit(functools.partial(run, "mgpu")),
+            jax.jit(functools.partial(run, "triton")))
+
+
+def _same(a, b):
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _check_traced(fns, q, k, v, ran, pad):
+    """The traced-length call (`_anchor_jits`) at kv_len == q_len: the concrete-length call's results bit for bit,
+    with the Mosaic GPU scores run; at kv_len = q_len - pad: the Triton path's bit for bit, no Mosaic GPU pass run."""
+    concrete, traced, triton = fns
+    t = q.shape[1]
+    qs = jnp.zeros((1,), jnp.int32)
+    want = concrete(q, k, v)
+    n_concrete = len(ran)
+    assert n_concrete >= 1
+    _same(traced(q, k, v, qs, jnp.full((1,), t, jnp.int32)), want)
+    assert len(ran) == 2 * n_concrete, ran
+    short = jnp.full((1,), t - pad, jnp.int32)
+    _same(traced(q, k, v, qs, short), triton(q, k, v, qs, short))
+    assert len(ran) == 2 * n_concrete, ran
+
+
+def test_anchor_prefill_mgpu_traced_kv_len_interpret(monkeypatch, interp):
+    """Under jit with traced lengths (as the models call it) and chunk_at_zero, a lax.cond on kv_len[0] == q_len
+    picks the backend at run time. Anchor layer 0 (dense_out) only: its output differs between the backends, so the
+    bit-for-bit comparisons also tell them apart (dense_out=False is lowered below and run in the GPU tier)."""
+    ran = _ran(monkeypatch)
+    t = 128
+    q, k, v = _inputs(np.random.default_rng(SEED + 63), 1, t, 4, 2, 64, t + 64, jnp.bfloat16, peaky=True)
+    _check_traced(_anchor_jits(t, t + 64, 32, True, True), q, k, v, ran, pad=8)
+
+
+def _case_branch_kernels(module):
+    """Per stablehlo.case of a lowered module, the kernels of each branch: Triton kernels by their pallas_call name,
+    Mosaic GPU ones as "mosaic_gpu" (calls to private functions followed)."""
+    funcs = {str(op.attributes["sym_name"]).strip('"'): op for op in module.body.operations
+             if op.operation.name == "func.func"}
+
+    def ops(regions):
+        for region in regions:
+            for block in region.blocks:
+                yield from (o.operation for o in block.operations)
+
+    def kernels(regions, acc):
+        for o in ops(regions):
+            if o.name == "stablehlo.custom_call":
+                tgt = str(o.attributes["call_target_name"]).strip('"')
+                acc.add("mosaic_gpu" if "mosaic_gpu" in tgt else str(o.attributes["mhlo.backend_config"]["name"])
+                        .strip('"'))
+            elif o.name == "func.call":
+                kernels(funcs[str(o.attributes["callee"]).lstrip("@")].regions, acc)
+            kernels(o.regions, acc)
+        return acc
+
+    def cases(regions):
+        for o in ops(regions):
+            if o.name == "stablehlo.case":
+                yield [kernels([r], set()) for r in o.regions]
+            yield from cases(o.regions)
+
+    return [c for f in funcs.values() for c in cases(f.regions)]
+
+
+@pytest.mark.parametrize("dense_out", [False, True])
+def test_anchor_traced_kv_len_lowers_to_both_backends(triton_sm90_modules, monkeypatch, dense_out):
+    """The jitted call with traced lengths, lowered for CUDA on the CPU (the scope check told the backend is a GPU),
+    holds both backends under one stablehlo.case: branch 1 (kv_len[0] == q_len) the Mosaic GPU kernels, branch 0
+    the Triton LSE and score kernels; each branch its Triton select."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    t, hq, kvh, d = 256, 4, 2, 64
+    q, k = jax.ShapeDtypeStruct((1, t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, t, kvh, d), jnp.bfloat16)
+    n = jax.ShapeDtypeStruct((1,), jnp.int32)
+    kw = dict(topk_frac=0.25, min_k=8, k_max=R.max_budget(t, 0.25, 8), impl="pallas", chunk_at_zero=True,
+              dense_out=dense_out)
+    tuning = P.PrefillTuning(anchor_backend="mgpu", anchor0_cudnn=False)  # (cuDNN does not lower without a GPU)
+    f = lambda q, k, v, qs, kl: P.anchor_prefill(q, k, v, qs, kl, kl, 32, tuning=tuning, **kw)  # noqa: E731
+    module = jax.jit(f).trace(q, k, k, n, n).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    lse = "kascade_prefill_dense" if dense_out else "kascade_prefill_lse"
+    assert _case_branch_kernels(module) == [[{lse, "kascade_prefill_pooled_scores", "kascade_prefill_select"},
+                                             {"mosaic_gpu", "kascade_prefill_select"}]]
+
+
 def test_anchor_backend_errors():
     with pytest.raises(ValueError, match="anchor_backend must be one of") as e:
         P.PrefillTuning(anchor_backend="cuda")
@@ -404,3 +514,17 @@ def test_gpu_anchor_backends_32k(monkeypatch, hq, kvh, d):
     print(f"32K {hq}/{kvh}/{d}: same index sets {agree.mean():.4f}, output row error vs Triton where they agree "
           f"{err:.2e}, over all rows {_row_err(o_m, o_t):.2e}")
     assert agree.mean() > 0.99 and err < _tol(jnp.bfloat16), (agree.mean(), err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,kvh,d", _ANCHOR_SHAPES[1:])
+@pytest.mark.parametrize("dense_out", [False, True])
+def test_gpu_anchor_traced_kv_len_4k(monkeypatch, hq, kvh, d, dense_out):
+    """The models' call (jit, traced lengths, chunk_at_zero; anchor layer 0 through cuDNN) at 4K: the Mosaic GPU
+    branch gives the concrete-length call's results bit for bit, a padded chunk the Triton path's."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    ran = _ran(monkeypatch)
+    t = 4096
+    q, k, v = _inputs(np.random.default_rng(SEED + 72), 1, t, hq, kvh, d, t, jnp.bfloat16, peaky=True)
+    _check_traced(_anchor_jits(t, t, 32, dense_out, False), q, k, v, ran, pad=100)
