@@ -107,9 +107,9 @@ class PrefillTuning:
     anchor0_cudnn: bool = True
     # The anchor's LSE pass (and its dense output where cuDNN does not give it) and pooled-score pass: "triton" (the
     # kernels of this file) or "mgpu" (`prefill_mgpu`'s Mosaic GPU kernels) for the calls they cover: batch 1, a chunk
-    # at position 0 (q_start concrete or chunk_at_zero) holding every key (kv_len == q_len: checked on the host, or at
-    # run time by a lax.cond when kv_len is traced), q_len a multiple of 128, d 64 / 128, bf16 / fp16. Every other
-    # call takes the Triton path silently (`prefill_mgpu.supported`).
+    # at position 0 (q_start concrete 0 or chunk_at_zero; any kv_len, concrete or traced: `_mgpu_keys`), q_len a
+    # multiple of 128, d 64 / 128, bf16 / fp16. Every other call takes the Triton path silently
+    # (`prefill_mgpu.supported`).
     anchor_backend: str = "triton"
 
     def __post_init__(self):
@@ -538,7 +538,7 @@ def _score_chunking(lay: _Layout, tuning) -> tuple[int, int, int]:
 def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scale, k_max, pool, tuning, interpret,
                    sinks=0, window=0, mgpu_scores=None):
     """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]. mgpu_scores: a window of
-    tiles' pooled scores from `prefill_mgpu` (a chunk at 0 holding every key: `_mgpu_keys`), (first tile [1], tiles,
+    tiles' pooled scores from `prefill_mgpu` (a chunk at position 0: `_mgpu_keys`), (first tile [1], tiles,
     width) -> [1, kv_heads, tiles, width], instead of the Triton kernel on the packed `lse`."""
     width_s, chunk, n_chunks = _score_chunking(lay, tuning)
     block_s = tuning.select_block
@@ -705,25 +705,22 @@ def pack_lse(lse, lay: _Layout):
 # The Mosaic GPU anchor passes (`prefill_mgpu`, tuning.anchor_backend="mgpu") and their scope.
 
 
-def _mgpu_keys(q, k_cache, v_cache, q_start, kv_len, tile_size, chunk_at_zero, tuning, interpret):
-    """((k, v) cut to the chunk's keys, at_run_time) if `prefill_mgpu` may take this anchor call, else (None, False).
+def _mgpu_keys(q, k_cache, v_cache, q_start, tile_size, chunk_at_zero, tuning, interpret):
+    """(k, v) cut to the chunk's keys if `prefill_mgpu` takes this anchor call, else None (the Triton path).
 
-    q_start / kv_len are the caller's (the Mosaic GPU kernels take no lengths): q_start must be concrete or guaranteed
-    zero by chunk_at_zero. A concrete kv_len is checked on the host; a traced one (a jitted model) gives
-    at_run_time=True: the caller picks the backend with lax.cond on kv_len[0] == q_len."""
+    The Mosaic GPU kernels take no lengths, so the chunk must start at position 0 (q_start concrete 0, or
+    chunk_at_zero). kv_len is not a condition (concrete or traced): from position 0 the keys past the chunk are never
+    causally visible, and rows at or past kv_len (padding) are taken out of the pooled scores by an infinite LSE."""
     if tuning.anchor_backend != "mgpu" or not (interpret or jax.default_backend() == "gpu"):
-        return None, False
+        return None
     from kernels_pallas import prefill_mgpu as M
 
     t = q.shape[1]
     if k_cache.shape[1] < t or v_cache is None:
-        return None, False
-    # From position 0 the keys past the chunk are never causally visible.
+        return None
     k, v = (k_cache, v_cache) if k_cache.shape[1] == t else (k_cache[:, :t], v_cache[:, :t])
-    at_run_time = isinstance(kv_len, jax.core.Tracer)
-    ok = M.supported(q, k, tile_size, q_start=None if chunk_at_zero else q_start,
-                     kv_len=None if at_run_time else kv_len)
-    return ((k, v), at_run_time) if ok else (None, False)
+    ok = M.supported(q, k, tile_size, q_start=None if chunk_at_zero else q_start)
+    return (k, v) if ok else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -808,8 +805,8 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     its dense output and LSE from cuDNN (tuning.anchor0_cudnn, GPU only). `sinks` / `window`: forced keys of every
     tile (the first `sinks` keys and the `window` keys before the tile score `reference.FORCED_SCORE`). `extra_k`:
     keys added to every tile's budget (`reference.prefill_counts(extra=...)`), e.g. a forced local window that
-    does not count against the Top-k. tuning.anchor_backend="mgpu" with a traced kv_len traces both backends' LSE
-    and score passes under a lax.cond on kv_len[0] == q_len (`_mgpu_keys`).
+    does not count against the Top-k. tuning.anchor_backend="mgpu": a chunk at position 0 takes the Mosaic GPU LSE
+    and score passes whatever its kv_len (`_mgpu_keys`).
     """
     ref.check_forced(sinks, window)
     _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
@@ -824,7 +821,7 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
         raise ValueError(f"min_k must be >= 0, got {min_k}")
     b, t = q.shape[:2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    q_start_in, kv_len_in = q_start, kv_len  # (the Mosaic GPU scope check needs them as the caller gave them)
+    q_start_in = q_start  # (the Mosaic GPU scope check needs it as the caller gave it: concrete or not)
     q_start, kv_len = _ints(q_start, "q_start", b), _ints(kv_len, "kv_len", b)
     seq_len = _ints(jnp.broadcast_to(jnp.asarray(seq_len), (b,)), "seq_len", b)
     counts = ref.prefill_counts(q_start, kv_len, seq_len, t, tile_size, topk_frac, min_k, rolling, extra=extra_k)
@@ -848,40 +845,32 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     lay = _layout(q, k_cache, tile_size)
     qp = _pack_q(q, lay)
     tuning = tuning or DEFAULT_TUNING
-    keys, at_run_time = _mgpu_keys(q, k_cache, v_cache, q_start_in, kv_len_in, tile_size, chunk_at_zero, tuning,
-                                   interpret)
-
-    def lse_and_select(mgpu):
-        """(dense out or None, idx) of the Mosaic GPU passes on mgpu = (k, v), or of the Triton passes (None)."""
-        if mgpu is not None:
-            from kernels_pallas import prefill_mgpu as M
-        lse2 = None  # Mosaic GPU scope: base-2 lse [1, q_heads, q_len] for `prefill_mgpu.pooled_scores`
-        if dense_out and chunk_at_zero and tuning.anchor0_cudnn and cudnn_lse_ok(q, k_cache, interpret):
-            out, lse_nat = cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale)
-            lse = pack_lse(lse_nat, lay)
-            if mgpu is not None:
-                lse2 = jnp.transpose(lse_nat, (0, 2, 1)) * _LOG2E
-        elif mgpu is not None:
-            out, lse2 = M.flash_lse(q, *mgpu, scale=scale, with_out=dense_out, interpret=interpret)
-            lse = None  # (the Triton score kernel's packed rows: `prefill_mgpu.lse_for_triton`)
-        else:
-            lse, out = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out,
-                                   tuning=tuning, interpret=interpret)
-            out = _unpack_out(out, lay) if dense_out else None
-        mgpu_scores = None
-        if mgpu is not None:
-            packed = M.pack_scores_inputs(q, mgpu[0], lse2, tile_size)  # once, outside the select's loop over windows
-            mgpu_scores = lambda first, n, width: M.pooled_scores(q, mgpu[0], lse2, tile_size, scale=scale,
-                                                                  interpret=interpret, first_tile=first, n_tiles=n,
-                                                                  width=width, packed=packed)
-        idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret,
-                             sinks, window, mgpu_scores)
-        return out, idx
-
-    if at_run_time:  # traced kv_len: the Mosaic GPU passes only for a chunk that holds every key (no padding)
-        out, idx = lax.cond(kv_len[0] == t, lambda: lse_and_select(keys), lambda: lse_and_select(None))
+    keys = _mgpu_keys(q, k_cache, v_cache, q_start_in, tile_size, chunk_at_zero, tuning, interpret)
+    if keys is not None:
+        from kernels_pallas import prefill_mgpu as M
+    lse2 = None  # Mosaic GPU scope: base-2 lse [1, q_heads, q_len] for `prefill_mgpu.pooled_scores`
+    if dense_out and chunk_at_zero and tuning.anchor0_cudnn and cudnn_lse_ok(q, k_cache, interpret):
+        out, lse_nat = cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale)
+        lse = pack_lse(lse_nat, lay)
+        if keys is not None:
+            lse2 = jnp.transpose(lse_nat, (0, 2, 1)) * _LOG2E
+    elif keys is not None:
+        out, lse2 = M.flash_lse(q, *keys, scale=scale, with_out=dense_out, interpret=interpret)
+        lse = None  # (the Triton score kernel's packed rows: `prefill_mgpu.lse_for_triton`)
     else:
-        out, idx = lse_and_select(keys)
+        lse, out = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out,
+                               tuning=tuning, interpret=interpret)
+        out = _unpack_out(out, lay) if dense_out else None
+    mgpu_scores = None
+    if keys is not None:
+        # padding rows (at or past kv_len) pool nothing: exp2(s - inf) = 0 (the Triton score pass masks them)
+        lse2 = jnp.where(jnp.arange(t)[None, None, :] < kv_len[:, None, None], lse2, jnp.inf)
+        packed = M.pack_scores_inputs(q, keys[0], lse2, tile_size)  # once, outside the select's loop over windows
+        mgpu_scores = lambda first, n, width: M.pooled_scores(q, keys[0], lse2, tile_size, scale=scale,
+                                                              interpret=interpret, first_tile=first, n_tiles=n,
+                                                              width=width, packed=packed)
+    idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret,
+                         sinks, window, mgpu_scores)
     assert idx.shape[1] == idx_heads
     if dense_out:
         return out, idx, counts

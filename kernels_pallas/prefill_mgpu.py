@@ -14,7 +14,9 @@ registers, and in interpret mode P goes to wgmma through shared memory: the Mosa
 handles neither `run_state` (pre-initialised accumulators) nor a wgmma operand held in registers. On a GPU P stays
 in registers (`p_in_regs`). Scope: batch 1, q_start 0, kv_len = q_len, q_len a multiple of the blocks; everything
 else raises ValueError so that callers keep the Triton path (`supported`). `supported` checks lengths on the host;
-`prefill.anchor_prefill` checks a traced kv_len at run time (lax.cond between the two backends).
+`prefill.anchor_prefill` calls these kernels for any chunk at position 0, whatever its kv_len (traced or not): the keys
+past the chunk are never visible from there, and padding rows get an infinite LSE, which takes them out of the
+pooled scores.
 """
 
 from __future__ import annotations
