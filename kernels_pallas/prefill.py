@@ -138,6 +138,13 @@ class PrefillTuning:
 DEFAULT_TUNING = PrefillTuning()
 
 
+def set_default_anchor_backend(name: str) -> None:
+    """Process-wide: the anchor backend ("triton" | "mgpu") of every later call that passes no tuning (the models'
+    prefill). Set it before the first trace: a compiled program keeps the backend it was traced with."""
+    global DEFAULT_TUNING
+    DEFAULT_TUNING = dataclasses.replace(DEFAULT_TUNING, anchor_backend=name)  # (an unknown name raises)
+
+
 def tuning_from_string(spec: str, base: PrefillTuning | None = None) -> PrefillTuning:
     """"field=value,field=value" -> PrefillTuning (for benchmark flags); values parsed by the field's type."""
     base = base or DEFAULT_TUNING

@@ -672,4 +672,6 @@ def test_e2e_recipe_is_checked_before_the_gpu():
     assert res.returncode == 2 and "--e2e_recipe=candidate:no_such" in res.stderr, res.stderr[-2000:]
     res = cli_fork.run([*base, "--e2e_recipe=candidate:dps_rr4"], cli_fork.ENV, cwd=ROOT)
     assert res.returncode == 2 and "needs its own --e2e_tag" in res.stderr, res.stderr[-2000:]
+    res = cli_fork.run([*base, "--e2e_anchor_backend=mgpu"], cli_fork.ENV, cwd=ROOT)  # the anchor A/B, the same way
+    assert res.returncode == 2 and "--e2e_anchor_backend=mgpu needs its own --e2e_tag" in res.stderr, res.stderr[-2000:]
     assert "qwen2.5-coder-0.5b" in em.SPECS and not em.SPECS["qwen2.5-coder-0.5b"].random

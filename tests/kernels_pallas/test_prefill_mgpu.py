@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -432,6 +433,19 @@ def test_anchor_backend_errors():
     with pytest.raises(ValueError, match="anchor_backend"):
         P.tuning_from_string("anchor_backend=mosaic")
     assert P.tuning_from_string("anchor_backend=mgpu").anchor_backend == "mgpu"
+
+
+def test_set_default_anchor_backend(monkeypatch):
+    """The process-wide backend of calls without a tuning (the models' prefill, `bench --e2e_anchor_backend`): set,
+    read by the next call, a bad name refused with the field's one-line error and the default kept."""
+    monkeypatch.setattr(P, "DEFAULT_TUNING", P.DEFAULT_TUNING)  # restored after the test
+    before = P.DEFAULT_TUNING
+    P.set_default_anchor_backend("mgpu")
+    assert P.DEFAULT_TUNING == dataclasses.replace(before, anchor_backend="mgpu")
+    assert P.tuning_from_string("").anchor_backend == "mgpu"  # (reads the default at call time)
+    with pytest.raises(ValueError, match="anchor_backend must be one of"):
+        P.set_default_anchor_backend("cuda")
+    assert P.DEFAULT_TUNING.anchor_backend == "mgpu"
 
 
 # ------------------------------------------------------------------------------------------ GPU tier (H200)
