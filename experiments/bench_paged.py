@@ -30,8 +30,9 @@ CHECK = flags.DEFINE_boolean("paged_check", True, "Check paged against contiguou
 OUT = flags.DEFINE_string("paged_out", "benchmarks", "Output folder for paged.json / paged.md.")
 STREAM_BLOCK = flags.DEFINE_integer("paged_stream_block", 128, "Keys per step of the paged whole-cache pass (dense, "
                                     "anchor scores); <= page size: one contiguous load per block, else a row gather.")
-MASK_K = flags.DEFINE_boolean("paged_mask_k", True, "Load the paged K rows through the zero mask (DecodeTuning."
-                              "paged_mask_k; --nopaged_mask_k: K unmasked, V masked), the A/B of the paged gap.")
+MASK = flags.DEFINE_enum("paged_mask", "none", ["none", "v", "kv"], "Paged rows loaded through a zero mask "
+                         "(DecodeTuning.paged_mask): none (the cache keeps them finite), v, or k and v; the A/B of "
+                         "the paged gap.")
 MAX_GB = flags.DEFINE_float("paged_max_cache_gb", 100.0,
                             "Skip shapes whose peak K/V (one layout's K and V plus one paged pool) exceeds this (GB).")
 
@@ -76,7 +77,7 @@ def main(argv):
               int_list("paged_page_sizes", PAGE_SIZES.value),
               frac=FRAC.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
               max_cache_gb=MAX_GB.value, shape=shape_from_flags(), stream_block=STREAM_BLOCK.value,
-              log=with_oom_hint(print), mask_k=MASK_K.value)
+              log=with_oom_hint(print), mask=MASK.value)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ _MIN_ROWS = 16  # tensor-core dots need >= 16 rows: the group's query rows are p
 _DTYPES = (jnp.bfloat16, jnp.float16)
 _HEAD_DIMS = (64, 128)
 _POOLS = ("gqa", "all", "pre_softmax")
+PAGED_MASKS = ("none", "v", "kv")  # DecodeTuning.paged_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +49,14 @@ class DecodeTuning:
     stream_warps: int = 4
     stream_stages: int = 3
     target_programs: int = 1056  # ~8 programs per SM of an H200 (132 SMs)
-    # Paged layouts only: K rows that are not attended load through a zero mask. False loads them as they are (a
-    # stale inf/NaN gives a NaN logit, which the kernels replace by -inf before the softmax); V keeps its mask.
-    paged_mask_k: bool = True
+    # Paged layouts only, the rows that are not attended: "none" loads them as they are (models/paged.py keeps them
+    # finite: pages are zeroed when handed out); "v" loads V through a zero mask (K needs none: a NaN logit is
+    # replaced by -inf before the softmax); "kv" masks both (safe on dirty pages). The A/B of the paged gap.
+    paged_mask: str = "none"
 
     def __post_init__(self):
+        if self.paged_mask not in PAGED_MASKS:
+            raise ValueError(f"paged_mask must be one of {', '.join(PAGED_MASKS)}, got {self.paged_mask!r}")
         blocks = {"stream_block": self.stream_block}
         if self.reuse_block:  # 0 = automatic
             blocks["reuse_block"] = self.reuse_block
@@ -72,7 +76,7 @@ class Layout:
     """Where the kernels find the K/V row of a logical position (static, part of the kernel). This class: the
     contiguous cache [batch, max_len, kv_heads, d] (one page of max_len rows per sequence: the BlockSpec picks the
     sequence's [max_len, d] block of its KV head), row = position, loaded as is. paged.PagedLayout maps positions
-    through a page table and zeroes the masked rows."""
+    through a page table (masked loads: `DecodeTuning.paged_mask`)."""
 
     s_len: int  # logical keys per sequence
     name: ClassVar[str] = "kascade"  # kernel names <name>_dense_decode, <name>_anchor_scores, <name>_reuse_decode
@@ -95,11 +99,11 @@ class Layout:
         return pos
 
     def load(self, ref, rows, valid):
-        """K or V rows [block, d]; valid [block]: the rows that are attended."""
+        """V rows [block, d] (K rows: `load_k`); valid [block]: the rows that are attended."""
         return ref[rows, :]
 
     def load_k(self, ref, rows, valid):
-        """K rows: as `load`, for a layout that may skip the mask of K (whose unattended logits become -inf)."""
+        """K rows: as `load`, for a layout that masks K and V differently (unattended logits become -inf anyway)."""
         return self.load(ref, rows, valid)
 
 

@@ -6,11 +6,12 @@ length is max_pages * page_size; the pages of [0, kv_len) must be allocated (ent
 
 The kernels are decode.py's with `PagedLayout` as their addressing (nothing is gathered into a contiguous copy;
 indices stay logical positions). Decisions: a whole-cache block within one page (stream_block <= page_size) is one
-contiguous load, a longer one gathers its rows; pages are reused dirty, so masked rows (past kv_len, a -1 entry
-clamped to page 0) may hold a previous owner's inf/NaN: K and V are loaded with a mask that reads 0 there (0 x inf =
-NaN), a masked load rather than a select so that the loads still go straight to shared memory. K may skip its mask
-(`DecodeTuning.paged_mask_k=False`: an unattended row's NaN logit is replaced by -inf anyway), an A/B for the gap
-left to the contiguous kernels.
+contiguous load, a longer one gathers its rows; a -1 entry reads the sequence's own first page (page 0 only for a
+sequence with no page), not another live sequence's. Masked rows (past kv_len, on a -1 entry) are read as they are (probability 0):
+they must be finite, since 0 x inf = NaN in P.V; models/paged.py guarantees it (pages are zeroed when handed out),
+so the loads are the contiguous kernels' plain ones (the masked loads held paged decode at 1.07-1.12x contiguous).
+`DecodeTuning.paged_mask` "v" / "kv" loads V / K and V through a zero-filling masked load instead (safe on dirty
+pages; a masked load rather than a select after the load, which staged every tile through registers), the A/B.
 References (off-GPU): `gather_pages`, then the contiguous references.
 """
 
@@ -35,18 +36,18 @@ _INTERPRET_DTYPES = dec._DTYPES + (jnp.float32,)  # interpret mode also takes fp
 @dataclasses.dataclass(frozen=True)
 class PagedLayout(dec.Layout):
     """K/V rows through the page table [batch, max_pages] over the flattened pool [num_pages * page_size, kv_heads,
-    d]; pages clamped into [0, num_pages), masked rows zeroed."""
+    d]; a -1 entry is the sequence's first page, pages clamped into [0, num_pages)."""
 
     page_size: int
     num_pages: int
-    mask_k: bool = True  # DecodeTuning.paged_mask_k
+    mask: str = "none"  # DecodeTuning.paged_mask
     name: ClassVar[str] = "paged"
     has_table: ClassVar[bool] = True
 
     @classmethod
     def of(cls, pool, page_table, tuning: dec.DecodeTuning = dec.DEFAULT_TUNING) -> "PagedLayout":
         return cls(s_len=page_table.shape[1] * pool.shape[1], page_size=pool.shape[1], num_pages=pool.shape[0],
-                   mask_k=tuning.paged_mask_k)
+                   mask=tuning.paged_mask)
 
     def operand(self, pool):
         n, ps, kvh, d = pool.shape
@@ -55,35 +56,44 @@ class PagedLayout(dec.Layout):
     def table_operands(self, table):
         return [(pl.BlockSpec((None, table.shape[1]), lambda i, j, s: (i, 0)), table)]
 
+    def page(self, table_ref, slot):
+        """Page of table slot(s) `slot`: a -1 entry (only masked rows lie there) reads the sequence's own first page,
+        so a masked row never reads another live sequence's page."""
+        page = table_ref[slot]
+        page = jnp.where(page < 0, table_ref[0], page)
+        return jnp.minimum(jnp.maximum(page, 0), self.num_pages - 1)
+
     def gather(self, table_ref, pos):
-        page = table_ref[jnp.minimum(pos // self.page_size, self.s_len // self.page_size - 1)]
-        page = jnp.minimum(jnp.maximum(page, 0), self.num_pages - 1)
+        page = self.page(table_ref, jnp.minimum(pos // self.page_size, self.s_len // self.page_size - 1))
         return page * self.page_size + pos % self.page_size
 
     def block(self, table_ref, off, block: int, pos):
         if block > self.page_size:  # the block spans pages: rows gathered through the page table
             return self.gather(table_ref, pos)
-        page = jnp.minimum(jnp.maximum(table_ref[off // self.page_size], 0), self.num_pages - 1)
+        page = self.page(table_ref, off // self.page_size)
         return pl.ds(page * self.page_size + off % self.page_size, block)  # within one page: one contiguous load
 
     def load(self, ref, rows, valid):
-        # A masked load (zero-filling cp.async straight to shared memory), not a jnp.where after the load: the select
-        # made Triton stage each K/V tile through registers and a second shared buffer (paged 1.2-2.2x contiguous).
+        return super().load(ref, rows, valid) if self.mask == "none" else self.masked_load(ref, rows, valid)
+
+    def load_k(self, ref, rows, valid):
+        return self.masked_load(ref, rows, valid) if self.mask == "kv" else super().load(ref, rows, valid)
+
+    @staticmethod
+    def masked_load(ref, rows, valid):
+        """Rows with the unattended ones read as 0: a zero-filling masked load (cp.async straight to shared memory),
+        not a jnp.where after the load (the select staged each tile through registers and a second shared buffer)."""
         if isinstance(rows, pl.Slice):  # a block within one page
             at = ref.at[rows, :]
         else:  # gathered rows, indexed by two arrays: interpret mode cannot mask a load mixing an array and a slice
             at = ref.at[rows[:, None], jnp.arange(ref.shape[1])[None, :]]
         return plgpu.load(at, mask=valid[:, None], other=0)
 
-    def load_k(self, ref, rows, valid):
-        return self.load(ref, rows, valid) if self.mask_k else super().load(ref, rows, valid)  # (unmasked)
-
 
 def gather_pages(pool, page_table, kv_len=None):
     """pool [num_pages, page_size, kv_heads, d] through page_table [batch, max_pages] -> the contiguous view
     [batch, max_pages * page_size, kv_heads, d] (rows on no page are zeros, and with kv_len [batch] also rows at
-    positions >= kv_len[b]: pages are reused dirty, and 0 x a stale inf/NaN would be NaN). A copy: references and
-    prefill only."""
+    positions >= kv_len[b], whatever the pool holds there). A copy: references and prefill only."""
     n, ps, kvh, d = pool.shape
     b, mp = page_table.shape
     pages = pool[jnp.clip(page_table, 0, n - 1)]  # [batch, max_pages, page_size, kv_heads, d]

@@ -25,10 +25,11 @@ Design:
 - Strategy state: Kascade's anchor indices are recomputed by every anchor layer in every decode step and threaded
   only through the layers of that step (`state` is None at the start of every forward), so no per-sequence state
   survives a step, and a reused slot starts clean; the only per-slot data are the cache pages and the page-table
-  row. On release the row is reset to -1, but the pages go back to the free list dirty (not zeroed): the next owner
-  overwrites them as it grows and never reads past its own kv_len, and the kernels zero V (and K) at masked
-  positions, so even a stale inf/NaN cannot leak (tested: a request in a reused slot gives the same tokens as
-  alone; NaN planted in a freed page changes nothing).
+  row. On release the row is reset to -1 and the pages go back to the free list as they are; every page is zeroed
+  when it is handed out (`models.paged.zero_pages`: the prompt's pages at admission, a decode step's new pages in
+  one call before the step), because the paged kernels read a sequence's rows past its kv_len unmasked, so even a
+  stale inf/NaN cannot leak (tested: a request in a reused slot gives the same tokens as alone, also when its
+  pages were poisoned with NaN after the previous owner left).
 - Errors: a request whose admission (prefill) raises is finished with finish_reason "error", its slot and pages
   given back, the exception kept on the handle (`error`, re-raised by `result()` and iteration) and re-raised by
   `step()`. A failing decode step does the same for every active request. The engine then stays usable when the
@@ -73,7 +74,7 @@ from models.attention import check_no_cache_state, check_supports_paged
 from models.generate import (CHUNK_MULTIPLE, _check_pages as check_pages, _check_room as check_room,
                              _first_stop, _meta, check_sampling, prefill_chunk,
                              prefill_plan, trace_prefill_chunks)
-from models.paged import PageAllocator, PagedKVCache, check_page_size, pages_for
+from models.paged import PageAllocator, PagedKVCache, check_page_size, pages_for, zero_pages
 
 _FIRST_STEP = 1 << 30  # sampling-key step index of the token sampled from the prefill logits (as generate)
 
@@ -413,9 +414,11 @@ class Engine:
                 check_room(view, plen, "the prompt", self.model.config.max_position_embeddings)
                 check_pages(view, np.array([plen]), "prefill")
                 trace_prefill_chunks(self.model, 1, h._plan, view, np.array([plen], np.int32), self.strategy)
+                self.cache = zero_pages(self.cache, h._pages)  # after the refusals: the first call to donate
             except Exception as err:
                 h._fail(err)
                 self._release(slot)
+                self._after_failure(err)
                 raise
             if self.max_prefill_tokens_per_step is None:  # the whole prefill now, as one admission
                 while h._plan:
@@ -465,16 +468,19 @@ class Engine:
         if h.finished:
             self._release(slot)
 
-    def _grow(self, slot: int) -> None:
+    def _grow(self, slot: int) -> list[int]:
+        """The page of the slot's next position, allocated if missing -> [the new page] (to be zeroed) or []."""
         pos = int(self._lengths[slot])
         j = pos // self.page_size
-        if self._table[slot, j] < 0:
-            h = self._slots[slot]
-            page = self.allocator.allocate(1)[0]  # covered by the request's reservation
-            h._pages.append(page)
-            h._reserve -= 1
-            self._reserved -= 1
-            self._table[slot, j] = page
+        if self._table[slot, j] >= 0:
+            return []
+        h = self._slots[slot]
+        page = self.allocator.allocate(1)[0]  # covered by the request's reservation
+        h._pages.append(page)
+        h._reserve -= 1
+        self._reserved -= 1
+        self._table[slot, j] = page
+        return [page]
 
     def _decode_all(self, events) -> None:
         active = np.array([s is not None and not s._plan for s in self._slots])
@@ -483,16 +489,18 @@ class Engine:
         steps = np.zeros(self.max_batch, np.int32)
         top_ps = np.ones(self.max_batch, np.float32)
         top_ks = np.zeros(self.max_batch, np.int32)
+        new_pages = []
         for b, h in enumerate(self._slots):
             if h is not None and not h._plan:
-                self._grow(b)
+                new_pages += self._grow(b)
                 temps[b], seeds[b], steps[b] = h.params.temperature, h.params.seed, h.new_tokens - 1
                 if h.params.filters:
                     top_ps[b], top_ks[b] = h.params.top_p, h.params.top_k
         filt = (jnp.asarray(top_ps), jnp.asarray(top_ks)) if (top_ps < 1).any() or (top_ks > 0).any() else ()
         table = np.where(active[:, None], self._table, -1)  # a prefilling slot's pages stay out of the step
-        cache = self.cache.with_table(table, np.where(active, self._lengths, 0))
         try:
+            self.cache = zero_pages(self.cache, new_pages)
+            cache = self.cache.with_table(table, np.where(active, self._lengths, 0))
             nxt, cache = self._decode(self._params, cache, jnp.asarray(self._next), jnp.asarray(active),
                                       jnp.asarray(temps), jnp.asarray(seeds), jnp.asarray(steps), *filt)
             nxt = np.asarray(nxt)

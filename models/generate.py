@@ -88,8 +88,8 @@ def _check_room(cache: KVCache, needed: int, what: str, model_max: int):
 
 def _check_pages(cache, needed, what: str) -> None:
     """A paged cache (models/paged.py) used directly: every page holding positions [0, needed[b]) of sequence b
-    must be allocated (in [0, num_pages)). Writes to a -1 page are dropped and the Pallas kernels clamp it to page 0
-    (another sequence's rows), so a missing page would give silently wrong logits. Host check (one device->host
+    must be allocated (in [0, num_pages)). Writes to a -1 page are dropped and the Pallas kernels read it as the
+    sequence's first page, so a missing page would give silently wrong logits. Host check (one device->host
     copy of the page table); the serving engine grows its pages itself and skips it in decode."""
     table = getattr(cache, "page_table", None)
     if table is None:

@@ -15,15 +15,17 @@ Layout (see models/README.md for the contiguous one):
 - every page holding a position a call writes or reads (sequence b: positions [0, kv_len[b]), i.e.
   page_table[b, :pages_for(kv_len[b])]) must be allocated, in [0, num_pages). prefill / decode_step / forward check
   this on the host and raise a ValueError naming the sequence and position: a write to a -1 page is dropped, and
-  the Pallas kernels clamp -1 to page 0 (another sequence's rows) where the reference reads zeros, so a missing page
-  would otherwise give silently wrong logits. The serving engine grows its pages itself (and skips the check in its
-  own jitted decode step).
+  the Pallas kernels read a -1 entry as the sequence's first page where the reference reads zeros, so a missing
+  page would otherwise give silently wrong logits. The serving engine grows its pages itself (and skips the check
+  in its own jitted decode step).
 The transformer sees `page_table` on the cache and writes through it (`write_paged`), and hands it to the
 strategy in `AttentionInputs.page_table`, with `k_cache` / `v_cache` then being this layer's pools. Writes to an
 unallocated page (-1) are dropped by the scatter (mode="drop"), so a slot whose page-table row is all -1 (a free
-slot of the serving engine) can ride along in a batched decode step without touching anyone's pages. Pages are
-reused dirty (never zeroed): rows past kv_len may hold a previous owner's values, inf/NaN included; the kernels
-and references zero K/V there, so they never reach an output.
+slot of the serving engine) can ride along in a batched decode step without touching anyone's pages.
+The paged decode kernels read the rows of a sequence's pages past its kv_len as they are (with probability 0, and
+0 x inf = NaN), so those rows must be finite: a page handed to a new owner is zeroed first (`zero_pages`; the
+engine does it whenever it allocates), and a page table built by hand must point at pages holding finite values
+(fresh pools are zeros). The references zero those rows themselves.
 
 `PageAllocator` is the host-side free list: pages are handed out as sequences grow and returned when a slot is
 released; asking for more than are free raises `OutOfPagesError` (a ValueError naming the numbers), never hands out
@@ -36,6 +38,7 @@ Deliberately not here: page sharing between sequences (prefix caching, copy-on-w
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +170,21 @@ class PageAllocator:
                 raise ValueError(f"page {p} is not allocated (double free or foreign page)")
             self._used.remove(p)
             self._free.append(p)
+
+
+def zero_pages(cache: PagedKVCache, pages) -> PagedKVCache:
+    """`cache` with `pages` (page ids) zeroed in every layer's K and V pool, for their new owner (module docstring).
+    The pools are donated; the ids are padded to a power of two (>= 8) so that a few shapes compile."""
+    pages = [int(p) for p in pages]
+    if not pages:
+        return cache
+    ids = np.full(max(8, 1 << (len(pages) - 1).bit_length()), cache.num_pages, np.int32)  # padding: dropped
+    ids[:len(pages)] = pages
+    k, v = _zero_pages(cache.k, cache.v, jnp.asarray(ids))
+    return dataclasses.replace(cache, k=k, v=v)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _zero_pages(k, v, ids):
+    zero = lambda pool: pool.at[ids].set(jnp.zeros((), pool.dtype), mode="drop")  # noqa: E731
+    return tuple(map(zero, k)), tuple(map(zero, v))

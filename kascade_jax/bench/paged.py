@@ -60,9 +60,11 @@ def _same_sets(a, c):
     return float(np.mean([set(x[x >= 0].tolist()) == set(y[y >= 0].tolist()) for x, y in zip(a, c)]))
 
 
-def check(b, s, page_size, shape: BenchShape, frac=0.1, min_k=128, seed=0, interpret=False, anchor0=True, log=print):
-    """Paged kernels vs their contiguous twins on the same ragged batch: [{name, rel[, same_sets]}]; raises on a
-    relative error above 2e-2 or fewer than 99% identical index sets. anchor0=False skips A0 (CPU tests)."""
+def check(b, s, page_size, shape: BenchShape, frac=0.1, min_k=128, seed=0, interpret=False, anchor0=True, log=print,
+          mask="none"):
+    """Paged kernels (DecodeTuning.paged_mask=mask) vs their contiguous twins on the same ragged batch: [{name, rel[,
+    same_sets]}]; raises on a relative error above 2e-2 or fewer than 99% identical index sets. anchor0=False skips
+    A0 (CPU tests)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -76,17 +78,18 @@ def check(b, s, page_size, shape: BenchShape, frac=0.1, min_k=128, seed=0, inter
     vp, _ = paged_copy(v, page_size, seed)  # same seed: the same permutation
     impl = dict(impl="pallas", interpret=interpret)
     kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(s, frac, min_k), **impl)
+    tuning = dec.DecodeTuning(paged_mask=mask)
     rel = lambda a, r: float(jnp.linalg.norm((a.astype(jnp.float32) - r.astype(jnp.float32)).ravel())  # noqa: E731
                              / jnp.linalg.norm(r.astype(jnp.float32).ravel()))
     out = []
     want = ref.attention_reference(q, k, v, kv_len - 1, kv_len)
-    out.append(dict(name="dense", rel=rel(pg.dense_decode(q, kp, vp, table, kv_len, **impl), want)))
+    out.append(dict(name="dense", rel=rel(pg.dense_decode(q, kp, vp, table, kv_len, tuning=tuning, **impl), want)))
     for name, dense in (("A0", True), ("A", False))[0 if anchor0 else 1:]:
-        o, idx, cnt = pg.anchor_decode(q, kp, vp, table, kv_len, dense_out=dense, **kw)
+        o, idx, cnt = pg.anchor_decode(q, kp, vp, table, kv_len, dense_out=dense, tuning=tuning, **kw)
         oc, idx_c, cnt_c = dec.anchor_decode(q, k, v, kv_len, dense_out=dense, **kw)
         out.append(dict(name=name, rel=rel(o, oc), same_sets=_same_sets(idx, idx_c)))
     hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
-    o = pg.reuse_decode(q, kp, vp, table, kv_len, idx, cnt, hm, **impl)
+    o = pg.reuse_decode(q, kp, vp, table, kv_len, idx, cnt, hm, tuning=tuning, **impl)
     out.append(dict(name="R", rel=rel(o, dec.reuse_decode(q, k, v, kv_len, idx, cnt, hm, **impl))))
     for c in out:
         log(f"check b={b} s={s} page {page_size}: {c}")
@@ -96,11 +99,12 @@ def check(b, s, page_size, shape: BenchShape, frac=0.1, min_k=128, seed=0, inter
 
 
 def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print, stream_block=128, *,
-              interpret=False, dense_impl="cudnn", timer=cupti_time, mask_k=True):
+              interpret=False, dense_impl="cudnn", timer=cupti_time, mask="none"):
     """One row: dense, A0, A, R and the weighted Kascade time on both caches (<name>_contig, <name>_paged), and
     their ratios paged / contiguous (<name>_ratio). The layouts are measured one after the other: the contiguous K
     is freed once its pool is built, then V, so at most one layout's K/V plus one pool is held (1.5x one cache: 52 GB
-    at 128K, batch 64, 8 KV heads, d 128). `timer`, `interpret` and `dense_impl` let a CPU test run it."""
+    at 128K, batch 64, 8 KV heads, d 128). `mask`: the paged kernels' DecodeTuning.paged_mask. `timer`, `interpret`
+    and `dense_impl` let a CPU test run it."""
     import jax
     import jax.numpy as jnp
 
@@ -112,12 +116,12 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print,
     kv_len = jnp.full((b,), s, jnp.int32)
     impl = dict(impl="pallas", interpret=interpret)
     kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(s, frac, min_k), **impl)
-    tuning = dec.DecodeTuning(stream_block=stream_block, paged_mask_k=mask_k)
+    tuning = dec.DecodeTuning(stream_block=stream_block, paged_mask=mask)
     hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
     an = jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, **kw))
     _, idx, counts = an(q, k, v, kv_len)
     row = dict(batch=b, context=s, page_size=page_size, stream_block=stream_block, topk_frac=frac, k=int(counts[0]),
-               paged_mask_k=mask_k, **shape.record())
+               paged_mask=mask, **shape.record())
     names = ("dense", "A0", "A", "R")
 
     def time_layout(tag, fns, cache_args):  # cache_args lives only in this call: the caller can free the cache after
@@ -156,23 +160,25 @@ def bench_one(b, s, page_size, frac, min_k, iters, shape: BenchShape, log=print,
 
 
 def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=100.0, shape: BenchShape | None = None, stream_block=128, log=print, mask_k=True):
+        max_cache_gb=100.0, shape: BenchShape | None = None, stream_block=128, log=print, mask="none"):
     """Time every (batch, context, page size) on the GPU, after the checks (do_check); every shape asked for ends as
     a row or a not_measured entry with its reason (too large, or failed). Writes the kernels section of
     <out_dir>/paged.json / paged.md (`update`) and returns the rows."""
     import jax
 
+    from kernels_pallas.decode import DecodeTuning
     from models.paged import check_page_size
 
     shape = shape or BenchShape()
     for ps in page_sizes:
         check_page_size(ps)
+    DecodeTuning(paged_mask=mask)  # a bad setting raises here, not as a failed row of every shape
     if jax.default_backend() != "gpu":
         raise ValueError(f"bench_paged needs a GPU, found backend {jax.default_backend()!r}")
     checks = []
     if do_check:
         for ps in page_sizes:
-            checks += check(8, 32768, ps, shape, frac, min_k, log=log)
+            checks += check(8, 32768, ps, shape, frac, min_k, log=log, mask=mask)
     rows, not_measured = [], []  # every shape asked for is a row or a not_measured entry (with its reason)
     for b in batches:
         for s in contexts:
@@ -181,22 +187,22 @@ def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_chec
                 reason = (f"skipped: peak K/V {gb:.0f} GB (one layout + one pool) > "
                           f"--paged_max_cache_gb={max_cache_gb:g}")
                 log(f"skip b={b} s={s}: {reason}")
-                not_measured += [dict(batch=b, context=s, page_size=ps, stream_block=stream_block, paged_mask_k=mask_k,
+                not_measured += [dict(batch=b, context=s, page_size=ps, stream_block=stream_block, paged_mask=mask,
                                       reason=reason) for ps in page_sizes]
                 continue
             for ps in page_sizes:
                 try:
-                    rows.append(bench_one(b, s, ps, frac, min_k, iters, shape, log, stream_block, mask_k=mask_k))
+                    rows.append(bench_one(b, s, ps, frac, min_k, iters, shape, log, stream_block, mask=mask))
                 except Exception as e:  # keep the sweep going; the failure is reported and recorded
                     reason = f"failed: {type(e).__name__}: {str(e)[:300]}"
                     log(f"FAILED b={b} s={s} page {ps}: {reason}")
                     not_measured.append(dict(batch=b, context=s, page_size=ps, stream_block=stream_block,
-                                             paged_mask_k=mask_k, reason=reason))
+                                             paged_mask=mask, reason=reason))
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), iterations=iters,
                 heads=shape.heads_text(), formula=f"{shape.formula()} ({shape.mix_text()})",
                 page_size=",".join(map(str, page_sizes)), stream_block=stream_block, shape=shape.record(),
-                paged_mask_k=mask_k)
+                paged_mask=mask)
     log("wrote " + update(out_dir, "kernels", dict(meta=meta, checks=checks, rows=rows, not_measured=not_measured)))
     return rows
 

@@ -103,13 +103,19 @@ def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str, plot=No
             log(f"plot failed: {type(e).__name__}: {e}")
 
 
+def paged_mask(r: dict) -> str:
+    """A paged row's DecodeTuning.paged_mask; rows written before it have paged_mask_k (True or missing: "kv",
+    False: "v")."""
+    return r.get("paged_mask") or ("kv" if r.get("paged_mask_k", True) else "v")
+
+
 def _paged_key(r: dict) -> tuple:
-    return (r["batch"], r["context"], r["page_size"], r.get("stream_block"), int(r.get("paged_mask_k", True)))
+    return (r["batch"], r["context"], r["page_size"], r.get("stream_block"), paged_mask(r))
 
 
 def merge_paged_kernels(old: dict | None, new: dict) -> dict:
     """The paged file's kernels section after run `new`: rows and not_measured entries keyed by (batch, context,
-    page_size, stream_block, paged_mask_k); for a shape the new run measured or failed, only its latest result
+    page_size, stream_block, paged_mask); for a shape the new run measured or failed, only its latest result
     stays (a row or a not_measured entry); the other shapes of earlier runs stay; meta and checks are the new run's."""
     if not old:
         return new

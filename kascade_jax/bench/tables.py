@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from kascade_jax.bench.store import order
+from kascade_jax.bench.store import order, paged_mask
 from kascade_jax.bench.timing import BenchShape
 
 _DEFAULT = BenchShape()
@@ -304,14 +304,15 @@ def _paged_kernels_md(sec: dict) -> list[str]:
         "Contiguous dense = cuDNN; paged dense = the paged Pallas flash-decode (kernels_pallas/paged.py). "
         "A0 / A / R = Kascade anchor-0, anchor, reuse (kernels_pallas/decode.py vs paged.py). "
         f"Weighted = {m['formula']}.", "",
-        "K mask = the paged K rows loaded through the zero mask (off: `--nopaged_mask_k`, V masked only).", "",
-        "| batch | context | page | stream block | K mask | top-k | dense contig | dense paged | ratio | A0 contig | "
+        "mask = the paged rows loaded through a zero mask (`--paged_mask`): none (the cache keeps them finite), v, or "
+        "k and v.", "",
+        "| batch | context | page | stream block | mask | top-k | dense contig | dense paged | ratio | A0 contig | "
         "A0 paged | ratio | A contig | A paged | ratio | R contig | R paged | ratio | weighted contig | weighted paged "
         "| ratio |",
         "|" + "---|" * 21]
     for r in sec["rows"]:
         cells = [str(r["batch"]), str(r["context"]), str(r["page_size"]), str(r.get("stream_block", "-")),
-                 "on" if r.get("paged_mask_k", True) else "off", f"{r['topk_frac']:.0%}"]
+                 paged_mask(r), f"{r['topk_frac']:.0%}"]
         for n in ("dense", "A0", "A", "R", "weighted"):
             cells += [f"{r[n + '_contig']:.4f}", f"{r[n + '_paged']:.4f}", f"**{r[n + '_ratio']:.3f}**"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -323,7 +324,7 @@ def _paged_kernels_md(sec: dict) -> list[str]:
     if sec.get("not_measured"):
         lines += ["", "Not measured:", ""] + [f"- batch {x['batch']}, context {x['context']}, page {x['page_size']}"
                                               + (f", stream block {x['stream_block']}" if "stream_block" in x else "")
-                                              + (", K mask off" if not x.get("paged_mask_k", True) else "")
+                                              + f", mask {paged_mask(x)}"
                                               + f": {x['reason']}" for x in sec["not_measured"]]
     return lines
 

@@ -4,13 +4,14 @@ mode, tiny shape), the replay loop of serve_replay.py on a tiny random model, an
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from experiments import bench_paged, paged_report  # the front ends: flag parsing, the replay's report writer
 from experiments.timing import BenchShape
-from kascade_jax.bench import paged
+from kascade_jax.bench import paged, store, tables
 from kascade_jax.bench import replay as serve_replay  # the replay's library (the front end's flags are shared ones)
 from tests import cli_fork  # the CLI probes: forked from a server that has imported the libraries
 
@@ -40,8 +41,8 @@ def test_bench_paged_row_holds_one_layout_at_a_time():
         return 1.0 + len(seen) / 10, {}  # the n-th call "takes" 1 + n/10 ms
 
     row = paged.bench_one(b, s, 16, 0.2, 16, 1, shape, log=lambda *_: None, interpret=True, dense_impl=None,
-                          timer=timer, mask_k=False)
-    assert row["paged_mask_k"] is False
+                          timer=timer, mask="v")
+    assert row["paged_mask"] == "v"
     assert [n for n, _ in seen] == [4, 4, 4, 6, 5, 5, 5, 7]  # contiguous dense, A0, A, R; then paged
     assert all(alive >= 2 for _, alive in seen[:4]) and all(alive == 0 for _, alive in seen[4:]), seen
     assert row["A_contig"] == 1.3 and row["A_paged"] == 1.7 and abs(row["A_ratio"] - 1.7 / 1.3) < 1e-12
@@ -83,7 +84,7 @@ def test_replay_and_report(tmp_path):
     miss = [dict(batch=64, context=131072, page_size=64, reason="failed: JaxRuntimeError: RESOURCE_EXHAUSTED")]
     paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=checks, rows=[krow], not_measured=miss))
     text = open(md).read()
-    assert "Not measured:" in text and "batch 64, context 131072, page 64: failed: JaxRuntimeError" in text
+    assert "Not measured:" in text and "batch 64, context 131072, page 64, mask kv: failed: JaxRuntimeError" in text
     with pytest.raises(ValueError, match="section must be"):
         paged_report.update(str(tmp_path), "other", {})
 
@@ -111,19 +112,38 @@ def test_kernels_section_merges_rows_by_shape_and_refuses_an_unreadable_json(tmp
                 and r["batch"] == 8)["dense_contig"] == 2.0  # the new row replaced the old one of its key
     assert sec["not_measured"] == []
     text = open(md).read()
-    assert "| page | stream block | K mask |" in text and "| 8 | 32768 | 16 | 128 | on | 10% |" in text
+    assert "| page | stream block | mask |" in text and "| 8 | 32768 | 16 | 128 | kv | 10% |" in text  # no field: kv
     assert "Not measured" not in text
-    # the K-mask A/B (--nopaged_mask_k) of a shape already measured sits beside it, never over it
-    off = dict(_krow(8, 32768, 16, 128, base=3.0), paged_mask_k=False)
-    paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=[], not_measured=[], rows=[off]))
+    # the mask A/B (--paged_mask) of a shape already measured sits beside it, never over it; an old row's
+    # paged_mask_k=False is "v"
+    none, v = dict(_krow(8, 32768, 16, 128, base=3.0), paged_mask="none"), dict(_krow(8, 32768, 16, 128, base=4.0),
+                                                                                 paged_mask_k=False)
+    paged_report.update(str(tmp_path), "kernels", dict(meta=kmeta, checks=[], not_measured=[], rows=[none, v]))
     sec = json.load(open(tmp_path / "paged.json"))["kernels"]
     same = [r for r in sec["rows"] if (r["batch"], r["page_size"], r["stream_block"]) == (8, 16, 128)]
-    assert sorted((r.get("paged_mask_k", True), r["dense_contig"]) for r in same) == [(False, 3.0), (True, 1.0)]
-    assert "| 8 | 32768 | 16 | 128 | off | 10% |" in open(md).read()
+    assert sorted((store.paged_mask(r), r["dense_contig"]) for r in same) == [("kv", 1.0), ("none", 3.0), ("v", 4.0)]
+    assert "| 8 | 32768 | 16 | 128 | none | 10% |" in open(md).read()
     (tmp_path / "paged.json").write_text("{truncated")
     with pytest.raises(ValueError, match=r"paged\.json exists but cannot be read"):
         paged_report.update(str(tmp_path), "replay", dict(meta={}, rows=[]))
     assert (tmp_path / "paged.json").read_text() == "{truncated"
+
+
+def test_committed_rows_of_paged_mask_k_key_as_kv_and_v():
+    """Rows written before DecodeTuning.paged_mask carry paged_mask_k (True: "kv", False: "v"; missing: "kv"): the
+    committed session-21 A/B reads as its 4 shapes under "kv" and "v", renders, and a "none" run of one of its shapes
+    merges beside them; the committed benchmarks/paged.json (no field) still renders."""
+    root = Path(__file__).resolve().parents[2]
+    sec = json.load(open(root / "results/accuracy/h200_2026-12-04_i21s21/paged5/paged.json"))["kernels"]
+    shapes = {(b, s, 64, 128) for b in (8, 64) for s in (32768, 131072)}
+    assert sorted(store._paged_key(r) for r in sec["rows"]) == sorted(x + (m,) for x in shapes for m in ("kv", "v"))
+    text = tables.paged_markdown(dict(kernels=sec))
+    assert "| 8 | 32768 | 64 | 128 | kv | 10% |" in text and "| 8 | 32768 | 64 | 128 | v | 10% |" in text
+    new = dict(sec["rows"][0], paged_mask="none")
+    merged = store.merge_paged_kernels(sec, dict(sec, rows=[new], not_measured=[]))
+    assert len(merged["rows"]) == 9 and sum(store.paged_mask(r) == "none" for r in merged["rows"]) == 1
+    bench = json.load(open(root / "benchmarks/paged.json"))
+    assert "| 8 | 32768 | 64 | 128 | kv |" in tables.paged_markdown(bench)
 
 
 def test_bench_paged_int_flags_name_the_flag():

@@ -6,6 +6,8 @@ ones on the same K/V laid out contiguously (not the gather path of paged.py), so
 Outputs: every (sequence, head) row's RMS error within a few times the measured noise of the output's RMS (bf16
 1e-2, measured <= 4.6e-3; fp32 1e-5, measured <= 9.4e-7), fixed seeds; dense and reuse decode on Gaussian inputs
 (no dominant keys), where a 3% softmax-scale error or one dropped index shows (checked by planting each).
+Dirty rows: the default `DecodeTuning.paged_mask="none"` reads unattended rows as they are (the cache keeps them
+finite, models/paged.py); "v" / "kv" mask them, so inf/NaN there must not leak.
 GPU tier (`-m gpu`): 32 q heads, 8 kv heads, d 128, 32K, batch 8, page sizes 16 and 64.
 """
 
@@ -123,10 +125,10 @@ def test_non_power_of_two_length_interpret():
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
-@pytest.mark.parametrize("impl,mask_k", [("interpret", True), ("interpret", False), ("reference", True)])
-def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl, mask_k):
-    """Pages are reused dirty: a previous owner's inf/NaN past kv_len (in the last page of each sequence, and in
-    every unused page, page 0 included, which is where a -1 entry is clamped) must not reach the output."""
+@pytest.mark.parametrize("impl,mask", [("interpret", "kv"), ("interpret", "v"), ("reference", "kv")])
+def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl, mask):
+    """Masked loads on dirty pages: a previous owner's inf/NaN past kv_len (in the last page of each sequence, and
+    in every unused page, page 0 included) must not reach the output."""
     rng = np.random.default_rng(SEED + 5)
     b, s, kvh, d, ps = 3, 128, 2, 64, 16
     q = rng.standard_normal((b, 1, 4, d)).astype(np.float32)
@@ -152,17 +154,17 @@ def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl, mask_k):
     kw = dict(impl="pallas", interpret=True) if impl == "interpret" else dict(impl="reference")
     args = (jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tb), kv_len)
     for block in (16, 64):  # within a page (one load) and over four pages (gathered rows)
-        out = paged.dense_decode(*args, tuning=dec.DecodeTuning(stream_block=block, paged_mask_k=mask_k), **kw)
+        out = paged.dense_decode(*args, tuning=dec.DecodeTuning(stream_block=block, paged_mask=mask), **kw)
         assert _row_err(out, ref.attention_reference(q, k, v, kv_len - 1, kv_len)) < 1e-5
     akw = dict(topk_frac=0.25, min_k=8, k_max=ref.max_budget(128, 0.25, 8))
-    out, _, _ = paged.anchor_decode(*args, **akw, **kw, tuning=dec.DecodeTuning(paged_mask_k=mask_k))
+    out, _, _ = paged.anchor_decode(*args, **akw, **kw, tuning=dec.DecodeTuning(paged_mask=mask))
     want, _, _ = dec.anchor_decode(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_len, impl="reference", **akw)
     assert _row_err(out, want) < 1e-5
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
-@pytest.mark.parametrize("mask_k", [True, False])
-def test_reuse_decode_masked_slots_on_poison(poison, mask_k):
+@pytest.mark.parametrize("mask", ["kv", "v"])
+def test_reuse_decode_masked_slots_on_poison(poison, mask):
     """Reuse decode reads its masked slots (past counts, ids >= kv_len) at position 0: for a sequence with kv_len 0
     and no page (-1, clamped to page 0) that row is a previous owner's inf/NaN, and V must read as 0 there (p = 0,
     but 0 x inf = NaN). The other sequence's real rows sit on two pages of the same poisoned pool."""
@@ -182,9 +184,73 @@ def test_reuse_decode_masked_slots_on_poison(poison, mask_k):
     idx[0, :, :5] = [[0, 3, 17, 19, 25], [19, 1, 16, 2, 40]]  # 25 and 40 are past kv_len: masked
     idx = jnp.asarray(idx)
     out = paged.reuse_decode(q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tb), kv_len, idx, counts, hm,
-                             interpret=True, tuning=dec.DecodeTuning(paged_mask_k=mask_k))
+                             interpret=True, tuning=dec.DecodeTuning(paged_mask=mask))
     want = ref.sparse_decode_reference(q, jnp.asarray(k), jnp.asarray(v), kv_len, idx, hm)
     assert _row_err(out, want) < 1e-5  # the empty sequence's output is zeros, as the reference's
+
+
+def _clean_and_poisoned(rng, poison=(np.nan, np.inf)):
+    """Sequence 0 owns page 0 and holds poison in all its rows; sequences 1 and 2 own clean pages (their rows, zeros
+    past kv_len, as a page zeroed when handed out); every other page of the pool is poison (NaN and inf in turn)."""
+    b, s, kvh, d, ps = 3, 128, 2, 64, 16
+    q = rng.standard_normal((b, 1, 4, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, kvh, d)).astype(np.float32)
+    kv_len = np.array([20, 37, 70], np.int32)  # the clean two end inside a page, -1 entries after it
+    n = 2 + 3 + 5 + 4
+    kp = np.resize(np.asarray(poison, np.float32), n)[:, None, None, None] * np.ones((ps, kvh, d), np.float32)
+    vp = kp.copy()
+    tb = np.full((b, s // ps), -1, np.int32)
+    tb[0, :2] = [0, 9]
+    tb[1, :3] = [7, 2, 11]
+    tb[2, :5] = [4, 13, 1, 5, 8]
+    for bi in (1, 2):
+        m = int(kv_len[bi])
+        k[bi, m:], v[bi, m:] = 0.0, 0.0
+        for j in range(-(-m // ps)):
+            kp[tb[bi, j]], vp[tb[bi, j]] = k[bi, j * ps:(j + 1) * ps], v[bi, j * ps:(j + 1) * ps]
+    to = jnp.asarray
+    return to(q), to(k), to(v), to(kp), to(vp), to(tb), to(kv_len)
+
+
+def test_unmasked_reads_only_the_sequences_own_pages():
+    """paged_mask="none" (no masked loads): a -1 entry reads the sequence's own first page, so inf/NaN in another
+    sequence's pages (page 0 included) and in free pages never reaches a sequence whose own pages are finite (the
+    invariant models/paged.py keeps). Dense decode (blocks within a page and over four pages: the kernel the anchor
+    layers share) and reuse decode (its masked slots)."""
+    rng = np.random.default_rng(SEED + 7)
+    q, k, v, kp, vp, tb, kv_len = _clean_and_poisoned(rng)
+    args, kw = (q, kp, vp, tb, kv_len), dict(impl="pallas", interpret=True)
+    clean = slice(1, 3)
+    for block in (16, 64):
+        out = paged.dense_decode(*args, tuning=dec.DecodeTuning(stream_block=block), **kw)
+        assert _row_err(out[clean], ref.attention_reference(q, k, v, kv_len - 1, kv_len)[clean]) < 1e-5
+    idx = np.full((3, 2, 16), -1, np.int32)  # 10 slots counted, -1 past them
+    for bi in range(3):
+        for h in range(2):
+            idx[bi, h, :8] = rng.choice(int(kv_len[bi]), 8, replace=False)
+    idx[:, :, 8:10] = [100, 120]  # ids past kv_len (on -1 entries): masked
+    counts, hm = jnp.full((3,), 10, jnp.int32), jnp.asarray([1, 0])
+    out = paged.reuse_decode(*args, jnp.asarray(idx), counts, hm, **kw)
+    want = ref.sparse_decode_reference(q, k, v, kv_len, jnp.asarray(idx), hm)
+    assert _row_err(out[clean], want[clean]) < 1e-5
+
+
+def test_unmasked_needs_finite_rows_past_kv_len():
+    """Documents the contract of paged_mask="none": a NaN in the sequence's own last page past kv_len reaches its
+    output (0 x NaN in P.V), which is why the engine zeroes every page it hands out (models/paged.py zero_pages)
+    and "v" / "kv" exist for dirty pages."""
+    q, k, v, kp, vp, tb, kv_len = _clean_and_poisoned(np.random.default_rng(SEED + 7), poison=(0.0,))
+    vp = vp.at[tb[1, 2], int(kv_len[1]) % 16:].set(jnp.nan)  # sequence 1's last page, past kv_len
+    args, kw = (q, kp, vp, tb, kv_len), dict(impl="pallas", interpret=True, tuning=dec.DecodeTuning(stream_block=16))
+    assert np.isnan(np.asarray(paged.dense_decode(*args, **kw)[1])).all()
+    masked = paged.dense_decode(*args, **kw | dict(tuning=dec.DecodeTuning(stream_block=16, paged_mask="v")))
+    assert _row_err(masked[1:], ref.attention_reference(q, k, v, kv_len - 1, kv_len)[1:]) < 1e-5
+
+
+def test_paged_mask_setting_is_checked():
+    with pytest.raises(ValueError, match="paged_mask must be one of none, v, kv, got 'k'"):
+        dec.DecodeTuning(paged_mask="k")
 
 
 def test_gather_pages_and_errors():
@@ -204,13 +270,13 @@ def test_gather_pages_and_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ps,mask_k", [(16, True), (64, True), (64, False)])
-def test_paged_kernels_gpu(ps, mask_k):
+@pytest.mark.parametrize("ps,mask", [(16, "none"), (64, "none"), (64, "v"), (64, "kv")])
+def test_paged_kernels_gpu(ps, mask):
     """Realistic shapes on the GPU: 32/8 heads, d 128, 32K, batch 8, bf16, Triton lowering (no interpret); inputs
     made on the device (peaky keys planted), pages a random permutation of the pool, ragged kv_len."""
     import jax
 
-    tuning = dec.DecodeTuning(paged_mask_k=mask_k)
+    tuning = dec.DecodeTuning(paged_mask=mask)
     s, b, hq, kvh, d = 32768, 8, 32, 8, 128
     kq, kk, kv, kp_, kt = jax.random.split(jax.random.PRNGKey(SEED), 5)
     q = jax.random.normal(kq, (b, 1, hq, d), jnp.bfloat16)
@@ -257,18 +323,14 @@ def test_triton_modules_verify_for_sm90(triton_sm90_modules):
     kv = jax.ShapeDtypeStruct((b,), jnp.int32)
     idx = jax.ShapeDtypeStruct((b, kvh, 100), jnp.int32)
     lower = lambda fn, *a: jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",))  # noqa: E731
-    lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas"), q, pool, pool, pt, kv)
-    lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas",
-                                                   tuning=dec.DecodeTuning(stream_block=16)), q, pool, pool, pt, kv)
-    lower(lambda q, k, v, t, l, i, c: paged.reuse_decode(q, k, v, t, l, i, c, jnp.arange(kvh), impl="pallas"),
-          q, pool, pool, pt, kv, idx, kv)
-    lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
-                                                    impl="pallas"), q, pool, pool, pt, kv)
-    nk = dec.DecodeTuning(paged_mask_k=False)  # K loaded without its mask: the same kernels, one load unmasked
-    lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas", tuning=nk), q, pool, pool, pt, kv)
-    lower(lambda q, k, v, t, l, i, c: paged.reuse_decode(q, k, v, t, l, i, c, jnp.arange(kvh), impl="pallas",
-                                                         tuning=nk), q, pool, pool, pt, kv, idx, kv)
-    lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
-                                                    impl="pallas", tuning=nk), q, pool, pool, pt, kv)
-    # dense (gather, in-page); reuse; anchor = stream + 4 select kernels + reuse; then K unmasked: dense, reuse, anchor
-    assert len(verified) == (2 + 1 + 6) + (1 + 1 + 6)
+    for mask in dec.PAGED_MASKS:  # none (the default), v, kv: the same kernels, K / V loads masked or not
+        tu, tu16 = dec.DecodeTuning(paged_mask=mask), dec.DecodeTuning(stream_block=16, paged_mask=mask)
+        lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas", tuning=tu), q, pool, pool, pt, kv)
+        lower(lambda q, k, v, t, l: paged.dense_decode(q, k, v, t, l, impl="pallas", tuning=tu16),
+              q, pool, pool, pt, kv)
+        lower(lambda q, k, v, t, l, i, c: paged.reuse_decode(q, k, v, t, l, i, c, jnp.arange(kvh), impl="pallas",
+                                                             tuning=tu), q, pool, pool, pt, kv, idx, kv)
+        lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
+                                                        impl="pallas", tuning=tu), q, pool, pool, pt, kv)
+    # per setting: dense (gather, in-page); reuse; anchor = stream + 4 select kernels + reuse
+    assert len(verified) == 3 * (2 + 1 + 6)

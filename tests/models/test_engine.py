@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas import paged as pg
 from models import generate as gen
 from models.attention import DenseStrategy
 from models.cache import KVCache
 from models.engine import Engine, SamplingParams
-from models.paged import OutOfPagesError, PageAllocator, PagedKVCache, check_page_size
+from models.paged import OutOfPagesError, PageAllocator, PagedKVCache, check_page_size, zero_pages
 from models.params import random_model
 from tests.conftest import CharTokenizer as Tok, tiny_config
 
@@ -274,8 +275,7 @@ def test_unfinished_handle_of_idle_engine_raises(model):
 
 
 def test_poisoned_free_pages_do_not_leak(model, rng):
-    """Every page of the pool starts as inf/NaN (a previous owner's garbage; pages are reused dirty): the tokens
-    equal a clean engine's."""
+    """Every page of the pool starts as inf/NaN (a previous owner's garbage): the tokens equal a clean engine's."""
     p = rng.integers(5, 128, 37).tolist()
     want = Engine(model, Tok(), S, max_batch=2, page_size=16, max_len=256).submit(
         p, SamplingParams(max_new_tokens=20)).result()
@@ -283,6 +283,50 @@ def test_poisoned_free_pages_do_not_leak(model, rng):
     poison = lambda x: jnp.full_like(x, jnp.nan).at[::2].set(jnp.inf)  # noqa: E731
     eng.cache = dataclasses.replace(eng.cache, k=tuple(map(poison, eng.cache.k)), v=tuple(map(poison, eng.cache.v)))
     assert eng.submit(p, SamplingParams(max_new_tokens=20)).result() == want
+
+
+def test_zero_pages_zeroes_those_pages_only(model):
+    cache = PagedKVCache.init(model.config, 1, 10, 16, 64, dtype=jnp.float32)
+    ones = lambda pools: tuple(jnp.ones_like(x) for x in pools)  # noqa: E731
+    out = zero_pages(dataclasses.replace(cache, k=ones(cache.k), v=ones(cache.v)), [3, 9])  # padded with 10: dropped
+    for pool in out.k + out.v:
+        assert np.asarray(pool).reshape(10, -1).any(axis=1).tolist() == [p not in (3, 9) for p in range(10)]
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasPagedDecode:
+    """Dense attention whose paged decode is the Pallas kernel (interpret mode, no masked loads: what a GPU runs; on
+    the CPU DenseStrategy's paged decode is the gather reference, which zeroes rows past kv_len itself)."""
+
+    supports_paged = True
+    name: str = "pallas_paged_decode"
+
+    def attend(self, layer, inputs, state):
+        if inputs.page_table is None or inputs.phase != "decode":
+            return S.attend(layer, inputs, state)
+        return pg.dense_decode(inputs.q, inputs.k_cache, inputs.v_cache, inputs.page_table, inputs.kv_len,
+                               impl="pallas", interpret=True), state
+
+    def post_attention(self, layer, x, attn_out, state):
+        return state
+
+
+@pytest.mark.parametrize("ps,prompt,new", [(16, 30, 5), (128, 20, 3)])
+def test_dirty_pages_are_zeroed_when_handed_out(rng, ps, prompt, new):
+    """Pages poisoned with NaN after their request left are handed to the next one, whose tokens equal generate()'s:
+    the engine zeroes a page when it hands it out, since the Pallas decode reads rows past kv_len unmasked.
+    Page 16: a decode step's new page (the prompt's two are written whole by the padded prefill); page 128: the
+    prompt's page, of which the prefill writes 64 rows."""
+    m = random_model(tiny_config(num_hidden_layers=2, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=512), seed=3)
+    strat = PallasPagedDecode()
+    eng = Engine(m, Tok(), strat, max_batch=1, page_size=ps, max_len=256, num_pages=256 // ps)
+    eng.submit(rng.integers(5, 128, 40).tolist(), SamplingParams(max_new_tokens=2)).result()
+    nan = lambda x: jnp.full_like(x, jnp.nan)  # noqa: E731  (every page: the freed ones are handed out next)
+    eng.cache = dataclasses.replace(eng.cache, k=tuple(map(nan, eng.cache.k)), v=tuple(map(nan, eng.cache.v)))
+    p = rng.integers(5, 128, prompt).tolist()
+    (want,) = gen.generate(m, Tok(), [p], strat, max_new_tokens=new, max_len=eng.max_len)
+    assert eng.submit(p, SamplingParams(max_new_tokens=new)).result() == want.token_ids
 
 
 def test_engine_argument_checks(model):
