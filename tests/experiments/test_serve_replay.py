@@ -132,7 +132,8 @@ def test_kernels_section_merges_rows_by_shape_and_refuses_an_unreadable_json(tmp
 def test_committed_rows_of_paged_mask_k_key_as_kv_and_v():
     """Rows written before DecodeTuning.paged_mask carry paged_mask_k (True: "kv", False: "v"; missing: "kv"): the
     committed session-21 A/B reads as its 4 shapes under "kv" and "v", renders, and a "none" run of one of its shapes
-    merges beside them; the committed benchmarks/paged.json (no field) still renders."""
+    merges beside them; the committed benchmarks/paged.json (measured before any masked load, marked "none") renders
+    as such."""
     root = Path(__file__).resolve().parents[2]
     sec = json.load(open(root / "results/accuracy/h200_2026-12-04_i21s21/paged5/paged.json"))["kernels"]
     shapes = {(b, s, 64, 128) for b in (8, 64) for s in (32768, 131072)}
@@ -143,7 +144,7 @@ def test_committed_rows_of_paged_mask_k_key_as_kv_and_v():
     merged = store.merge_paged_kernels(sec, dict(sec, rows=[new], not_measured=[]))
     assert len(merged["rows"]) == 9 and sum(store.paged_mask(r) == "none" for r in merged["rows"]) == 1
     bench = json.load(open(root / "benchmarks/paged.json"))
-    assert "| 8 | 32768 | 64 | 128 | kv |" in tables.paged_markdown(bench)
+    assert "| 8 | 32768 | 64 | 128 | none |" in tables.paged_markdown(bench)
 
 
 def test_bench_paged_int_flags_name_the_flag():
