@@ -306,3 +306,12 @@ def test_watchdog_reports_a_quiet_main_thread_and_ends_it_past_the_hard_deadline
         time.sleep(0.8)
     assert exits == [3] and "TIME LIMIT" in lines[-1] and "stuck" in lines[-1]
 
+
+def test_serve_replay_time_limit_stops_writes_and_exits_3():
+    """--replay_time_limit: the command stops at the limit (in the warm-up or the timed replay, whichever it
+    reaches on this machine), says so, skips the strategies after it and exits with status 3."""
+    res = cli_fork.run(["-m", "experiments.serve_replay", "--model=random:tiny", "--replay_layers=1",
+                        "--num_requests=100", "--arrival_rate=10", "--min_prompt=64", "--max_prompt=128",
+                        "--min_new=2", "--max_new=4", "--replay_time_limit=3", "--replay_progress_s=1"], cli_fork.ENV)
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert "STOPPED by --replay_time_limit: dense:" in res.stdout and "not run: kascade" in res.stdout, res.stdout
