@@ -12,6 +12,17 @@ slot at the longest request), a warm-up pass (one short request per power-of-two
 shapes and the decode step are compiled before timing), then the timed replay in wall-clock time: a request is
 submitted once its arrival time has passed, and `Engine.step()` runs whenever anything is queued or active.
 
+Watching it (issue 23): the warm-up logs each bucket before and after (time, compilations); the replay logs a
+progress line every `--replay_progress_s` seconds (arrived / finished / running / queued requests, tokens, decode
+steps, compilations) and any compilation during the timed replay (there should be none); a watchdog thread logs a
+status line whenever the log has been quiet that long (e.g. "compiling jit(_prefill_chunk) for 95 s"), even while the
+main thread is inside one compilation or device call. `--replay_time_limit=S` bounds the whole command: at the
+first step (or warm-up bucket) past S seconds from its start the replay stops, the rows so far are written (the
+stopped one with its `stopped` note; later strategies are skipped) and the command exits with status 3; if the
+main thread is still stuck 120 s later, the watchdog ends the process (status 3) so that a plan's next job runs.
+Each row records its warm-up time and compilations and `replay_compilations` (programs built during the timed
+replay).
+
 Reports generated tokens/s over the makespan (first arrival to last token), TTFT p50/p99 (from the scheduled
 arrival, so queueing counts), time per output token (TPOT: per request, mean gap between its tokens after the
 first) p50/p99, decode steps and the mean number of active slots. `--replay_out=DIR` writes the "replay" section of
@@ -39,7 +50,8 @@ import time
 from absl import flags
 
 from experiments import cli, common, recipe_flags
-from kascade_jax.bench.replay import CPU_MAX_GB, RANDOM_SHAPES, build_model, make_trace, random_model_gb, replay, warm_up
+from kascade_jax.bench.replay import (CPU_MAX_GB, RANDOM_SHAPES, Compiles, TimeLimit, Watchdog, build_model, make_trace,
+                                      random_model_gb, replay, warm_up)
 
 REPLAY_LAYERS = flags.DEFINE_integer("replay_layers", 8, "Layers of a random:* model.", lower_bound=1)
 STRATEGIES = flags.DEFINE_list("replay_strategies", ["dense", "kascade"], "Strategies to replay (dense, kascade).")
@@ -62,6 +74,13 @@ for _old, _new in (("replay_model", "model"), ("replay_anchors", "anchors"), ("r
                    ("replay_chunk_size", "chunk_size")):
     cli.deprecated_alias(_old, _new)
 DEFAULT_MODEL = "random:llama3-8b"
+TIME_LIMIT = flags.DEFINE_float("replay_time_limit", 0.0, "Seconds from the start after which the replay stops, writes "
+                                "what it has (the stopped row marked) and exits with status 3; 0 = no limit.",
+                                lower_bound=0.0)
+PROGRESS_S = flags.DEFINE_float("replay_progress_s", 30.0, "Seconds between progress lines (and the watchdog's "
+                                "status line when the log is quiet that long).", lower_bound=1.0)
+HARD_GRACE_S = 120.0  # past the time limit, the watchdog ends a process whose main thread is stuck this long
+EXIT_STOPPED = 3
 PREFILL_BUDGET = flags.DEFINE_integer("max_prefill_tokens_per_step", None, "Engine: prefill tokens per step between "
                                       "decode steps (multiple of 64; default: each admission's prefill runs whole)")
 
@@ -97,6 +116,7 @@ def build_strategy(name: str, model, tok, spec: str):
 
 def main(argv):
     del argv
+    t_start = time.perf_counter()
     import jax
 
     from models.engine import Engine
@@ -132,48 +152,105 @@ def main(argv):
             raise ValueError(f"serve_replay on a CPU: --model={spec} with {REPLAY_LAYERS.value} layers and "
                              f"{num_pages} KV pages of {ps} needs about {gb:.0f} GB; run it on a GPU, or check the "
                              "loop on CPU with --model=random:tiny")
-    model, tok, desc = build_model(spec, REPLAY_LAYERS.value, dtype)
-    cfg = model.config
-    if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"--max_prompt + --max_new = {max_len} exceeds the model's context {cfg.max_position_embeddings}")
-    max_len = pages_for(max_len, ps) * ps
-    trace = make_trace(NUM_REQUESTS.value, ARRIVAL_RATE.value, MIN_PROMPT.value, MAX_PROMPT.value, MIN_NEW.value,
-                       MAX_NEW.value, cfg.vocab, REPLAY_SEED.value)
-    print(f"{desc}; {len(trace)} requests over {trace[-1][0]:.1f} s, prompts {MIN_PROMPT.value}-{MAX_PROMPT.value}, "
-          f"max_batch {MAX_BATCH.value}, {num_pages} pages of {ps}", flush=True)
-    rows = []
-    for name in STRATEGIES.value:
-        strategy = build_strategy(name, model, tok, spec)
-        engine = Engine(model, tok, strategy, max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages,
-                        max_len=max_len, chunk_size=common.CHUNK.value,
-                        max_prefill_tokens_per_step=PREFILL_BUDGET.value)
-        t = time.perf_counter()
-        warm_up(engine, MIN_PROMPT.value, MAX_PROMPT.value, cfg.vocab, log=lambda m: print(m, flush=True))
-        print(f"{name}: warm-up (compilation) {time.perf_counter() - t:.1f} s", flush=True)
-        steps0 = engine.decode_steps
-        row = dict(strategy=name, max_prefill_tokens_per_step=PREFILL_BUDGET.value, **replay(engine, trace))
-        row["decode_steps"] -= steps0
-        rows.append(row)
-        print(f"{name}: {row['tokens_per_s']:.1f} generated tok/s, makespan {row['makespan_s']:.2f} s, TTFT p50 "
-              f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, TPOT p50 {row['tpot_p50_ms']:.2f} ms p99 "
-              f"{row['tpot_p99_ms']:.2f} ms, {row['decode_steps']} decode steps, mean active {row['mean_active']:.2f}, "
-              f"decode compilations {row['decode_compilations']}" +
-              (f", FAILED requests {row['failed_requests']} ({row['first_error']})" if row["failed_requests"] else ""),
-              flush=True)
-        del engine
-        gc.collect()
-    if REPLAY_OUT.value:
-        from experiments import paged_report
+    limit = TIME_LIMIT.value or None
+    deadline = None if limit is None else t_start + limit
+    phase = ["building the model"]
+    engine = None
+    compiles = Compiles()
 
-        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                    gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), model=desc,
-                    num_requests=NUM_REQUESTS.value, arrival_rate=ARRIVAL_RATE.value, min_prompt=MIN_PROMPT.value,
-                    max_prompt=MAX_PROMPT.value, min_new=MIN_NEW.value, max_new=MAX_NEW.value,
-                    max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages, seed=REPLAY_SEED.value,
-                    topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value, anchors=recipe_flags.ANCHORS.value,
-                    recipe=recipe_flags.RECIPE.value,
-                    max_prefill_tokens_per_step=PREFILL_BUDGET.value)
-        print("wrote", paged_report.update(REPLAY_OUT.value, "replay", dict(meta=meta, rows=rows)))
+    def status() -> str:
+        parts = [f"{time.perf_counter() - t_start:.0f} s: {phase[0]}"]
+        if compiles.compiling():
+            parts.append(compiles.compiling())
+        if engine is not None:
+            parts.append(f"{engine.active} running ({engine.prefilling} prefilling), {engine.queued} queued, "
+                         f"{engine.decode_steps} decode steps")
+        return "; ".join(parts) + f"; {compiles.count()} compilations so far"
+
+    watchdog = Watchdog(status, PROGRESS_S.value, log=lambda m: print(m, flush=True),
+                        hard_deadline=None if deadline is None else deadline + HARD_GRACE_S, code=EXIT_STOPPED)
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+        watchdog.touch()
+
+    def on_compile(name: str, seconds: float, ph: str) -> None:
+        if ph == "replay":  # after a complete warm-up there is none: each one stalls every running request
+            say(f"  compiled {name} in {seconds:.1f} s during the timed replay")
+
+    compiles.on_compile = on_compile
+    rows, stopped, skipped = [], None, []
+    with watchdog, compiles:
+        model, tok, desc = build_model(spec, REPLAY_LAYERS.value, dtype)
+        cfg = model.config
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"--max_prompt + --max_new = {max_len} exceeds the model's context "
+                             f"{cfg.max_position_embeddings}")
+        max_len = pages_for(max_len, ps) * ps
+        trace = make_trace(NUM_REQUESTS.value, ARRIVAL_RATE.value, MIN_PROMPT.value, MAX_PROMPT.value, MIN_NEW.value,
+                           MAX_NEW.value, cfg.vocab, REPLAY_SEED.value)
+        say(f"{desc}; {len(trace)} requests over {trace[-1][0]:.1f} s, prompts {MIN_PROMPT.value}-{MAX_PROMPT.value}, "
+            f"max_batch {MAX_BATCH.value}, {num_pages} pages of {ps}; {sum(len(t[1]) for t in trace)} prompt tokens, "
+            f"{sum(t[2] for t in trace)} new tokens" + (f"; time limit {limit:.0f} s" if limit else ""))
+        for name in STRATEGIES.value:
+            phase[0] = f"{name}: building the engine"
+            strategy = build_strategy(name, model, tok, spec)
+            engine = Engine(model, tok, strategy, max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages,
+                            max_len=max_len, chunk_size=common.CHUNK.value,
+                            max_prefill_tokens_per_step=PREFILL_BUDGET.value)
+            phase[0] = f"{name}: warm-up"
+            t, c0 = time.perf_counter(), compiles.count()
+            try:
+                warm_up(engine, MIN_PROMPT.value, MAX_PROMPT.value, cfg.vocab, log=say, deadline=deadline,
+                        compiles=compiles)
+            except TimeLimit as e:
+                stopped = f"{name}: {e} ({limit:.0f} s); nothing of {name} measured"
+                skipped = STRATEGIES.value[STRATEGIES.value.index(name) + 1:]
+                break
+            warm = dict(warmup_s=time.perf_counter() - t, warmup_compilations=compiles.count() - c0,
+                        warmup_compile_s=sum(s for _, s, _ in compiles.events[c0:]))
+            say(f"{name}: warm-up (compilation) {warm['warmup_s']:.1f} s, {warm['warmup_compilations']} programs "
+                f"built in {warm['warmup_compile_s']:.1f} s")
+            phase[0] = f"{name}: timed replay"
+            steps0 = engine.decode_steps
+            row = dict(strategy=name, max_prefill_tokens_per_step=PREFILL_BUDGET.value, **warm,
+                       **replay(engine, trace, log=say, progress_s=PROGRESS_S.value, deadline=deadline,
+                                compiles=compiles))
+            row["decode_steps"] -= steps0
+            rows.append(row)
+            say(f"{name}: {row['tokens_per_s']:.1f} generated tok/s, makespan {row['makespan_s']:.2f} s, TTFT p50 "
+                f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, TPOT p50 {row['tpot_p50_ms']:.2f} ms p99 "
+                f"{row['tpot_p99_ms']:.2f} ms, {row['decode_steps']} decode steps, mean active "
+                f"{row['mean_active']:.2f}, decode compilations {row['decode_compilations']}, compilations during the "
+                f"replay {row['replay_compilations']}" +
+                (f", FAILED requests {row['failed_requests']} ({row.get('first_error')})"
+                 if row["failed_requests"] else ""))
+            engine = None
+            gc.collect()
+            if "stopped" in row:
+                stopped = f"{name}: replay {row['stopped']} (time limit {limit:.0f} s)"
+                skipped = STRATEGIES.value[STRATEGIES.value.index(name) + 1:]
+                break
+        phase[0] = "writing the report"
+        if REPLAY_OUT.value and rows:
+            from experiments import paged_report
+
+            meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                        gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), model=desc,
+                        num_requests=NUM_REQUESTS.value, arrival_rate=ARRIVAL_RATE.value, min_prompt=MIN_PROMPT.value,
+                        max_prompt=MAX_PROMPT.value, min_new=MIN_NEW.value, max_new=MAX_NEW.value,
+                        max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages, seed=REPLAY_SEED.value,
+                        topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value, anchors=recipe_flags.ANCHORS.value,
+                        recipe=recipe_flags.RECIPE.value, max_prefill_tokens_per_step=PREFILL_BUDGET.value,
+                        time_limit_s=limit)
+            if stopped:
+                meta["stopped"] = stopped
+            say(f"wrote {paged_report.update(REPLAY_OUT.value, 'replay', dict(meta=meta, rows=rows))}")
+    if stopped:
+        print(f"STOPPED by --replay_time_limit: {stopped}" + (f"; not run: {', '.join(skipped)}" if skipped else ""),
+              flush=True)
+        return EXIT_STOPPED
+    return 0
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ from flax import nnx
 
 from models.attention import check_no_cache_state, check_supports_paged
 from models.generate import (CHUNK_MULTIPLE, _check_pages as check_pages, _check_room as check_room,
-                             _first_stop, _meta, check_sampling, prefill_chunk,
+                             _first_stop, _meta, _prefill_chunk as prefill_chunk_jit, check_sampling,
                              prefill_plan, trace_prefill_chunks)
 from models.paged import PageAllocator, PagedKVCache, check_page_size, pages_for, zero_pages
 
@@ -288,6 +288,7 @@ class Engine:
         tok_eos = getattr(tokenizer, "eos_token_ids", None)
         self.eos = tuple(sorted(set(cfg.eos_token_ids if tok_eos is None else tok_eos)))
         self._graphdef, self._params = nnx.split(model)
+        self._traced_widths: set[int] = set()  # later-chunk widths whose prefill program traced without refusal
         # One jit object per engine, so its compilation count is this engine's (donates the cache).
         self._decode = jax.jit(functools.partial(_decode_step, self._graphdef, strategy), donate_argnums=(1,))
         self.decode_steps = 0
@@ -413,7 +414,12 @@ class Engine:
             try:  # trace-time refusals of a later chunk surface now, before any pool is donated
                 check_room(view, plen, "the prompt", self.model.config.max_position_embeddings)
                 check_pages(view, np.array([plen]), "prefill")
-                trace_prefill_chunks(self.model, 1, h._plan, view, np.array([plen], np.int32), self.strategy)
+                # each later chunk width once per engine (its program is the same for every request)
+                later = [c for c in h._plan[1:] if c[1] not in self._traced_widths]
+                if later:
+                    trace_prefill_chunks(self.model, 1, h._plan[:1] + later, view, np.array([plen], np.int32),
+                                         self.strategy)
+                    self._traced_widths.update(w for _, w in later)
                 self.cache = zero_pages(self.cache, h._pages)  # after the refusals: the first call to donate
             except Exception as err:
                 h._fail(err)
@@ -445,8 +451,12 @@ class Engine:
         plen = len(h.prompt_ids)
         view = self.cache.with_table(self._table[slot:slot + 1], np.zeros(1, np.int32))
         try:
-            logits, view = prefill_chunk(self.model, h._toks[:, offset:offset + width], np.array([plen], np.int32),
-                                         view, self.strategy, offset)
+            # `generate.prefill_chunk`'s program, with the engine's split of the model (splitting it again for
+            # every chunk costs ~1 ms of host time per layer)
+            toks = jnp.asarray(h._toks[:, offset:offset + width])
+            plens = jnp.asarray([plen], jnp.int32)
+            logits, view, _ = prefill_chunk_jit(self._graphdef, self._params, toks, view, plens, offset, self.strategy,
+                                                offset == 0, False)
         except Exception as err:  # e.g. a kernel bundle without paged decode: leave the engine consistent
             h._fail(err)
             self._release(slot)

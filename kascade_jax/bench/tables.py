@@ -348,8 +348,12 @@ def _replay_md(sec: dict) -> list[str]:
               for r in sec["rows"] if r.get("failed_requests")]
     if failed:
         lines += ["", "Failed requests (no token; left out of the metrics above): " + "; ".join(failed)]
+    stopped = [f"{r['strategy']}: {r['stopped']}" for r in sec["rows"] if r.get("stopped")]
+    if stopped or m.get("stopped"):  # serve_replay --replay_time_limit: a partial replay, not a measurement
+        lines += ["", "**Stopped by the time limit** (metrics over what was generated until then; not comparable): "
+                  + "; ".join(stopped or [m["stopped"]])]
     by = {r["strategy"]: r for r in sec["rows"]}
-    if "dense" in by and "kascade" in by:
+    if "dense" in by and "kascade" in by and not stopped:
         lines += ["", f"Kascade / dense generated tokens/s: **{by['kascade']['tokens_per_s'] / by['dense']['tokens_per_s']:.2f}x**; "
                       f"TPOT p50 {by['kascade']['tpot_p50_ms'] / by['dense']['tpot_p50_ms']:.2f}x of dense."]
     return lines

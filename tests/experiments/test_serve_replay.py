@@ -219,3 +219,99 @@ def test_replay_with_its_gpu_defaults_is_refused_on_a_cpu():
     res = cli_fork.run(["-m", "experiments.serve_replay"], cli_fork.ENV)
     assert res.returncode != 0 and "serve_replay on a CPU" in res.stderr and "about 20 GB" in res.stderr, res.stderr
     assert serve_replay.random_model_gb("tiny", 2, "float32", 100, 16) < 0.01
+
+
+def test_replay_builds_no_program_after_its_warm_up():
+    """The replay's compile count (issue 23: a compilation inside the timed replay stalls every running request;
+    at the 8B shape one costs tens of seconds). After `warm_up` the replay builds no XLA program: not with chunked
+    prefill over several prompt buckets (chunks at 0 and after it), and not when more than 8 slots cross a page
+    boundary in one decode step (`zero_pages` pads 9-16 new pages to 16: the warm-up's one-request buckets never
+    ran that size)."""
+    from models.attention import DenseStrategy
+    from models.engine import Engine
+
+    model, tok, _ = serve_replay.build_model("random:tiny", 2, "float32")
+    vocab = model.config.vocab
+    chunked = Engine(model, tok, DenseStrategy(), max_batch=4, page_size=64, max_len=1088,
+                     max_prefill_tokens_per_step=256)  # the planned H200 run scaled down: 2-4 chunks a prompt
+    with serve_replay.Compiles() as c:
+        serve_replay.warm_up(chunked, 512, 1024, vocab, compiles=c)
+        trace = serve_replay.make_trace(6, 200.0, 512, 1024, 2, 6, vocab, seed=2)
+        row = serve_replay.replay(chunked, trace, compiles=c, progress_s=None)
+    assert row["replay_compilations"] == 0 and c.count("replay") == 0, c.events
+    assert row["generated_tokens"] == sum(t[2] for t in trace) and c.count("warm-up") <= 20
+    # 12 requests of one length, admitted together: their decode crosses each page boundary in the same step
+    wide = Engine(model, tok, DenseStrategy(), max_batch=16, page_size=16, max_len=128)
+    with serve_replay.Compiles() as c:
+        serve_replay.warm_up(wide, 40, 40, vocab, compiles=c)
+        row = serve_replay.replay(wide, [(0.0, list(range(40)), 30)] * 12, compiles=c, progress_s=None)
+    assert row["replay_compilations"] == 0, [e for e in c.events if e[2] == "replay"]
+    assert row["generated_tokens"] == 12 * 30
+
+
+def test_compiles_counts_programs_by_phase_until_exit():
+    import jax
+
+    with serve_replay.Compiles() as c:
+        c.phase = "a"
+        jax.jit(lambda x: x * 3 + 1)(np.ones(5))
+        c.phase = "b"
+        jax.jit(lambda x: x * 5 - 2)(np.ones(6))
+        assert c.compiling() is None
+    jax.jit(lambda x: x * 7)(np.ones(7))  # after exit: not counted
+    assert c.count("a") == 1 and c.count("b") == 1 and c.count() == 2 and c.seconds() > 0
+    assert all("lambda" in name for name, _, _ in c.events)
+
+
+def test_replay_logs_progress_and_stops_at_its_deadline():
+    """A replay that would run 10 s stops at its deadline (1 s) at a step boundary: the row says what was left,
+    its metrics cover what was generated; progress lines came on the way."""
+    import time
+
+    from models.attention import DenseStrategy
+    from models.engine import Engine
+
+    model, tok, _ = serve_replay.build_model("random:tiny", 1, "float32")
+    eng = Engine(model, tok, DenseStrategy(), max_batch=2, page_size=16, max_len=256)
+    serve_replay.warm_up(eng, 40, 80, model.config.vocab)
+    trace = [(0.05 * i, list(range(40 + i % 40)), 4) for i in range(200)]
+    logs = []
+    t = time.perf_counter()
+    row = serve_replay.replay(eng, trace, log=logs.append, progress_s=0.2, deadline=t + 1.0)
+    assert time.perf_counter() - t < 5
+    assert "not yet arrived" in row["stopped"] and row["requests"] < 200 and row["generated_tokens"] > 0
+    assert row["failed_requests"] == 0 and row["tokens_per_s"] > 0
+    assert any(line.startswith("  replay ") and "arrived" in line and "decode steps" in line for line in logs), logs
+    meta = dict(gpu="cpu", date="d", jax="j", command="c", model="m", num_requests=200, arrival_rate=20.0,
+                min_prompt=40, max_prompt=80, min_new=4, max_new=4, max_batch=2, page_size=16, num_pages=32, seed=0)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        text = open(paged_report.update(d, "replay", dict(meta=meta, rows=[dict(strategy="dense", **row)]))).read()
+    assert "Stopped by the time limit" in text and "not yet arrived" in text
+
+
+def test_watchdog_reports_a_quiet_main_thread_and_ends_it_past_the_hard_deadline():
+    import time
+
+    lines, exits = [], []
+    with serve_replay.Watchdog(lambda: "compiling jit(f) for 9 s", 0.2, log=lines.append):
+        time.sleep(0.7)  # the main thread inside one long call: the log is quiet
+    assert len(lines) >= 2 and all("[watchdog] compiling jit(f)" in x for x in lines), lines
+    n = len(lines)
+    time.sleep(0.3)
+    assert len(lines) == n  # stopped with its context
+    with serve_replay.Watchdog(lambda: "stuck", 0.2, hard_deadline=time.perf_counter() + 0.3, log=lines.append,
+                               exit=exits.append):
+        time.sleep(0.8)
+    assert exits == [3] and "TIME LIMIT" in lines[-1] and "stuck" in lines[-1]
+
+
+def test_serve_replay_time_limit_stops_writes_and_exits_3():
+    """--replay_time_limit: the command stops at the limit (in the warm-up or the timed replay, whichever it
+    reaches on this machine), says so, skips the strategies after it and exits with status 3."""
+    res = cli_fork.run(["-m", "experiments.serve_replay", "--model=random:tiny", "--replay_layers=1",
+                        "--num_requests=100", "--arrival_rate=10", "--min_prompt=64", "--max_prompt=128",
+                        "--min_new=2", "--max_new=4", "--replay_time_limit=3", "--replay_progress_s=1"], cli_fork.ENV)
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert "STOPPED by --replay_time_limit: dense:" in res.stdout and "not run: kascade" in res.stdout, res.stdout
