@@ -400,3 +400,83 @@ def row_pad(keys: int, target_programs: int, rows: int, count_block: int = 2048)
     return chunks, chunks * count_block
 
 
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Short rows (decode caches up to DecodeTuning.short_select_max keys): one program per row, from registers.
+
+SHORT_DIGIT = 1  # bits per pass of `select_topk_short` (DecodeTuning.short_select_digit's default)
+
+
+def _short_passes(digit: int) -> tuple[int, tuple[int, ...]]:
+    """(width of the first pass, shifts of the passes after it, `digit` bits each) over the 31 bits of x + 1."""
+    first = 31 % digit or digit
+    return first, tuple(range(31 - first - digit, -1, -digit))
+
+
+def _short_kernel(cnt_ref, bits_ref, out_ref, *, s_len: int, k_max: int, digit: int):
+    """The row's Top-count ids, selected from registers: `_emit`'s order and tie rule, -1 at ranks count..k_max.
+
+    The search runs on x + 1 (>= 0, so a -1 key is a value like any other: a count above the eligible keys takes
+    -1 keys lowest id first, as `select_topk_bits` does). Per pass, 2**digit - 1 counts #(x + 1 >= c) as sign bits of
+    x - (c - 1) (no overflow: -1 <= x <= _MAX_FINITE, 0 <= c - 1 < 2**31 - 1) and one reduction each; `upper` holds
+    the count of the smallest candidate rejected so far, which after the last pass is V + 1: it counts x > V.
+    """
+    s_pad = 1 << (s_len - 1).bit_length()
+    lanes = jnp.arange(s_pad, dtype=jnp.int32)
+    if s_pad == s_len:
+        x = bits_ref[...]
+    else:  # no pad in XLA: clamped in-bounds addresses, the lanes past the row read as -1
+        x = plgpu.load(bits_ref.at[jnp.minimum(lanes, s_len - 1)], mask=lanes < s_len, other=-1)
+    k = cnt_ref[pl.program_id(0)]
+
+    def one_pass(shift, width, prefix, upper):
+        cnts = [s_pad - jnp.sum(lax.shift_right_logical(x - (prefix + (j << shift) - 1), 31))
+                for j in range(1, 1 << width)]  # #(x + 1 >= candidate j), non-increasing in j
+        jstar = sum((c >= k).astype(jnp.int32) for c in cnts)
+        for j in reversed(range(len(cnts))):
+            upper = jnp.where(jstar == j, cnts[j], upper)
+        return prefix + (jstar << shift), upper
+
+    first, shifts = _short_passes(digit)
+    prefix, upper = one_pass(31 - first, first, jnp.int32(0), jnp.int32(0))  # nothing lies at or above 2**31
+    prefix, upper = lax.fori_loop(0, len(shifts), lambda p, c: one_pass(shifts[0] - digit * p, digit, *c),
+                                  (prefix, upper))  # a loop, not unrolled: one pass's code stays in the icache
+    thr, n_gt = prefix - 1, upper
+    gt = lax.shift_right_logical(thr - x, 31)  # x > thr
+    eq = (x == thr).astype(jnp.int32)
+    both = (gt << 16) + eq  # ranks below 2**16 in each half; the int32 sum may wrap, the difference does not
+    before = jnp.cumsum(both) - both
+    gt_before, eq_before = lax.shift_right_logical(before, 16), before & 0xFFFF
+    take = k - n_gt  # ids with x == thr taken, lowest first
+    rank = gt_before + jnp.minimum(eq_before, take)
+    keep = ((gt > 0) | ((eq > 0) & (eq_before < take))) & (rank < k)
+    ranks = jnp.arange(1 << (k_max - 1).bit_length(), dtype=jnp.int32)
+    plgpu.store(out_ref.at[ranks], jnp.full(ranks.shape, -1, jnp.int32), mask=(ranks >= k) & (ranks < k_max))
+    # Idle lanes point past k_max (slack in interpret mode, whose masked scatter rewrites every addressed slot;
+    # never touched on the GPU).
+    plgpu.store(out_ref.at[jnp.where(keep, rank, k_max + lanes)], lanes, mask=keep)
+
+
+def select_topk_short(bits, counts, k_max: int, *, digit: int = SHORT_DIGIT, warps: int = 0, interpret=False):
+    """`select_topk_bits` for rows that fit one program's registers: bits [batch, heads, keys] int32 (-1 =
+    ineligible, keys unpadded), counts [batch] (<= k_max <= keys) -> idx [batch, heads, k_max] int32, -1 past
+    counts. One launch, grid (batch, heads); warps 0: a 64-key-per-thread row (keys padded to a power of two / 2048,
+    in [4, 16]), so that the row, its ranks and the scan's temporaries stay within ~200 registers a thread."""
+    b, ih, s_len = bits.shape
+    s_pad = 1 << (s_len - 1).bit_length()
+    if not 1 <= k_max <= s_len:
+        raise ValueError(f"k_max must be in [1, keys={s_len}], got {k_max}")
+    warps = warps or min(16, max(4, s_pad // 2048))
+    width = k_max + s_pad if interpret else k_max  # interpret mode: slack slots for the idle lanes
+    row = lambda n: pl.BlockSpec((None, None, n), lambda i, j: (i, j, 0))
+    out = pl.pallas_call(
+        functools.partial(_short_kernel, s_len=s_len, k_max=k_max, digit=digit),
+        grid=(b, ih),
+        in_specs=[pl.BlockSpec((b,), lambda *_: (0,)), row(s_len)],
+        out_specs=row(width),
+        out_shape=jax.ShapeDtypeStruct((b, ih, width), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+        interpret=interpret, name="kascade_topk_short",
+    )(counts, bits)
+    return out[..., :k_max] if interpret else out
