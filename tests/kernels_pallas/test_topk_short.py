@@ -84,16 +84,20 @@ def test_short_select_exact(rng, s, kind, digit):
                 assert mine[h] == theirs[h], (bi, h)
 
 
-def test_short_select_bits_directly(rng):
-    """All -1 rows, all-equal rows, the largest finite score, budgets 0 / 1 / the row, a row a power of two long."""
+@pytest.mark.parametrize("digit", [1, 2, 3])
+def test_short_select_bits_directly(rng, digit):
+    """All -1 rows, all-equal rows, the largest finite score, neighbours one ulp apart (every bit decides), budgets
+    0 / 1 / the row, a row a power of two long."""
     s = 256
     bits = rng.integers(0, 1 << 20, size=(3, 2, s)).astype(np.int32)
     bits[0, 0] = -1
     bits[0, 1] = topk._MAX_FINITE
     bits[1, 0, ::3] = topk._MAX_FINITE
+    bits[1, 1] = 0x3F000000 + rng.integers(0, 24, size=s)
     bits[2, 1] = 7
-    for counts in ([0, 1, s], [s, s // 2, 1]):
-        out = topk.select_topk_short(jnp.asarray(bits), jnp.asarray(counts, jnp.int32), s, interpret=True)
+    for counts in ([0, 1, s], [s, s // 2, 1], [1, 100, 37]):
+        out = topk.select_topk_short(jnp.asarray(bits), jnp.asarray(counts, jnp.int32), s, digit=digit,
+                                     interpret=True)
         np.testing.assert_array_equal(np.asarray(out), _model(bits, counts, s))
     with pytest.raises(ValueError, match="k_max must be in"):
         topk.select_topk_short(jnp.asarray(bits), jnp.asarray([1, 1, 1], jnp.int32), s + 1)
