@@ -78,6 +78,16 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
             rows, [(p, f"pool{p}") for p in pools], ["A0", "A", "R"], "pool", True,
             "**The selection pool** through the strategy's path (gqa: one Top-k per KV head, Kascade; all: one set "
             "pooled over every query head and shared, all_heads_pooled), same run and dense:")
+    shorts = list(dict.fromkeys(m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(ss\w+)", key))))
+    if shorts:
+        lines += _lever_table(
+            rows, [(t[2:].replace("_", ", "), t) for t in shorts], ["A0", "A"], "short select, pool", False,
+            "**The short-row select** (`DecodeTuning.short_select_max` N[wW][dD]: rows of <= N keys select from "
+            "registers in one launch; 0: the four-launch pipeline), A0 and A re-timed, R the row's, same run and "
+            "dense:")
+        lines += _kernel_lines("Per-kernel breakdown of A with each short select setting (ms):", [
+            (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%} {t[2:]}", r[f"A_{t}_kernels"])
+            for r in rows for t in shorts if f"A_{t}_kernels" in r], 4)
     if reranks:
         lines += _lever_table(
             rows, [(str(c), f"rr{c}") for c in reranks], ["A0", "A", "R"], "C", True,

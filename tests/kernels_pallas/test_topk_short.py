@@ -72,7 +72,8 @@ def test_short_select_exact(rng, s, kind, digit):
     counts = jnp.asarray(counts)
     k_max = int(max(counts.max(), 1))
     bits = dec._scores_to_bits(sc, kv_len, 1)
-    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=_short(s, short_select_digit=digit)))
+    tuning = _short(s, short_select_digit=digit)
+    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=tuning))
     np.testing.assert_array_equal(idx, _model(bits, counts, k_max))
     four = dec.select_topk(sc, kv_len, counts, k_max, interpret=True)  # the four-launch pipeline
     assert _sets(idx) == _sets(four)
@@ -135,8 +136,10 @@ def test_anchor_decode_short_on_off(rng, pool, sinks, window, dense_out):
 
 def test_short_select_tuning_is_checked():
     for bad, match in ((dict(short_select_max=3000), "short_select_max must be 0 or a power of two <= 65536"),
-                       (dict(short_select_max=131072), "short_select_max"), (dict(short_select_max=-4), "short_select_max"),
-                       (dict(short_select_warps=3), "short_select_warps"), (dict(short_select_digit=4), "short_select_digit")):
+                       (dict(short_select_max=131072), "short_select_max"),
+                       (dict(short_select_max=-4), "short_select_max"),
+                       (dict(short_select_warps=3), "short_select_warps must be 0"),
+                       (dict(short_select_digit=4), "short_select_digit must be 1, 2 or 3")):
         with pytest.raises(ValueError, match=match):
             dec.DecodeTuning(**bad)
     assert dec.DecodeTuning(short_select_max=32768, short_select_warps=16, short_select_digit=2)
@@ -151,14 +154,16 @@ def test_short_select_lowers_for_sm90(triton_sm90_modules):
         q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
         kc = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((b,), jnp.int32)
-        fn = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=128, k_max=ref.max_budget(s, 0.1, 128),  # noqa: E731
-                                                  impl="pallas", pool="all", tuning=_short(s))
+        fn = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=128,  # noqa: E731
+                                                  k_max=ref.max_budget(s, 0.1, 128), impl="pallas", pool="all",
+                                                  tuning=_short(s))
         before = len(verified)
         lowered = jax.jit(fn).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
         assert len(verified) - before == n_kernels
         assert "kascade_topk_short" in lowered.as_text() and "kascade_topk_sample" not in lowered.as_text()
-    fn0 = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=128, k_max=600, impl="pallas",  # noqa: E731
-                                               dense_out=True, tuning=_short(5000, short_select_digit=2))
+    fn0 = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=128, k_max=600,  # noqa: E731
+                                               impl="pallas", dense_out=True,
+                                               tuning=_short(5000, short_select_digit=2))
     before = len(verified)
     jax.jit(fn0).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
     assert len(verified) - before == 2
