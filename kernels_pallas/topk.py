@@ -22,6 +22,10 @@ read twice in full by wide grids and nothing serial touches more than ~1-2K elem
    free when not taken).
 Counts #(x < e) are summed as the sign bit of x - e: 2 int instructions per edge and key, where `acc + (x >= e)`
 compiles to 3. Timings and the earlier versions (dropped: slower, same results): benchmarks/notes_decode.md.
+
+Short rows (`select_topk_short`, decode caches up to `DecodeTuning.short_select_max` keys): one launch, one program
+per row holding the whole row in registers; bisection over its bits with no memory access inside the loop, then one
+scan for the ranks. Same index sets as the four launches (the order within a row may differ).
 """
 
 from __future__ import annotations
@@ -405,7 +409,7 @@ def row_pad(keys: int, target_programs: int, rows: int, count_block: int = 2048)
 # ----------------------------------------------------------------------------------------------------------
 # Short rows (decode caches up to DecodeTuning.short_select_max keys): one program per row, from registers.
 
-SHORT_DIGIT = 1  # bits per pass of `select_topk_short` (DecodeTuning.short_select_digit's default)
+SHORT_DIGIT = 1  # bits decided per pass of `select_topk_short` (DecodeTuning.short_select_digit's default)
 
 
 def _short_passes(digit: int) -> tuple[int, tuple[int, ...]]:
@@ -414,13 +418,19 @@ def _short_passes(digit: int) -> tuple[int, tuple[int, ...]]:
     return first, tuple(range(31 - first - digit, -1, -digit))
 
 
-def _short_kernel(cnt_ref, bits_ref, out_ref, *, s_len: int, k_max: int, digit: int):
-    """The row's Top-count ids, selected from registers: `_emit`'s order and tie rule, -1 at ranks count..k_max.
+def _short_kernel(cnt_ref, bits_ref, out_ref, *, s_len: int, k_max: int, digit: int, interpret: bool):
+    """The row's top-`count` ids from registers, in id order, with `_emit`'s tie rule (the ids of x > V, then the
+    lowest ids of x == V); -1 at ranks count..k_max written here, so no XLA mask follows.
 
-    The search runs on x + 1 (>= 0, so a -1 key is a value like any other: a count above the eligible keys takes
-    -1 keys lowest id first, as `select_topk_bits` does). Per pass, 2**digit - 1 counts #(x + 1 >= c) as sign bits of
-    x - (c - 1) (no overflow: -1 <= x <= _MAX_FINITE, 0 <= c - 1 < 2**31 - 1) and one reduction each; `upper` holds
-    the count of the smallest candidate rejected so far, which after the last pass is V + 1: it counts x > V.
+    The threshold V: bisection (digit 1) over bits 30..0 of x + 1, which is >= 0, so a -1 key is a value like any
+    other (a count over the eligible keys takes -1 keys lowest id first, as `select_topk_bits` does). A pass counts
+    #(x + 1 >= c) for its 2**digit - 1 candidates as sign bits of x - (c - 1) (no overflow: -1 <= x <=
+    _MAX_FINITE, 0 <= c - 1 <= 2**31 - 2), one block reduction each; `upper` keeps the count of the smallest
+    candidate rejected so far, after the last pass V + 1's: #(x > V). Why bisection: in the SASS (triton 3.9 ptxas
+    for sm_90, 16K keys over 8 warps) a count is 171 instructions a warp (a sub and a shift or lea.hi per key, an
+    in-thread tree, REDUX.SUM) and two barriers, and a pass's reductions run one after another, so 2-bit digits (16
+    passes of 3 counts: 508 instructions, 6 barriers each) issue 46 counts where bisection issues 31. The ranks: one
+    scan of both flags packed in 16-bit halves (exclusive, so exact up to 2**16 keys).
     """
     s_pad = 1 << (s_len - 1).bit_length()
     lanes = jnp.arange(s_pad, dtype=jnp.int32)
@@ -450,19 +460,24 @@ def _short_kernel(cnt_ref, bits_ref, out_ref, *, s_len: int, k_max: int, digit: 
     gt_before, eq_before = lax.shift_right_logical(before, 16), before & 0xFFFF
     take = k - n_gt  # ids with x == thr taken, lowest first
     rank = gt_before + jnp.minimum(eq_before, take)
-    keep = ((gt > 0) | ((eq > 0) & (eq_before < take))) & (rank < k)
+    keep = (gt > 0) | ((eq > 0) & (eq_before < take))  # (ranks of kept ids are < k: no guard needed)
     ranks = jnp.arange(1 << (k_max - 1).bit_length(), dtype=jnp.int32)
     plgpu.store(out_ref.at[ranks], jnp.full(ranks.shape, -1, jnp.int32), mask=(ranks >= k) & (ranks < k_max))
-    # Idle lanes point past k_max (slack in interpret mode, whose masked scatter rewrites every addressed slot;
-    # never touched on the GPU).
-    plgpu.store(out_ref.at[jnp.where(keep, rank, k_max + lanes)], lanes, mask=keep)
+    if interpret:  # its masked scatter rewrites every addressed slot: idle lanes get their own slack slots
+        rank = jnp.where(keep, rank, k_max + lanes)  # (on the GPU they store nothing: no select, fewer registers)
+    plgpu.store(out_ref.at[rank], lanes, mask=keep)
 
 
 def select_topk_short(bits, counts, k_max: int, *, digit: int = SHORT_DIGIT, warps: int = 0, interpret=False):
     """`select_topk_bits` for rows that fit one program's registers: bits [batch, heads, keys] int32 (-1 =
-    ineligible, keys unpadded), counts [batch] (<= k_max <= keys) -> idx [batch, heads, k_max] int32, -1 past
-    counts. One launch, grid (batch, heads); warps 0: a 64-key-per-thread row (keys padded to a power of two / 2048,
-    in [4, 16]), so that the row, its ranks and the scan's temporaries stay within ~200 registers a thread."""
+    ineligible; keys unpadded: a row that is not a power of two long is read masked), counts [batch] (<= k_max <=
+    keys) -> idx [batch, heads, k_max] int32, -1 past counts. One launch, grid (batch, heads).
+
+    warps 0: 64 keys a thread (the padded row / 2048, in [4, 16]). Registers (triton 3.9 ptxas for sm_90, read on
+    the CPU): 16K keys over 8 warps take 255 a thread, 32K over 16 warps 128 (the cap at 512 threads); the search
+    loop spills nothing at either, the scan spills a little (~30 / ~250 local loads and stores a thread). 64K keys
+    spill inside the loop at 16 or 32 warps.
+    """
     b, ih, s_len = bits.shape
     s_pad = 1 << (s_len - 1).bit_length()
     if not 1 <= k_max <= s_len:
@@ -471,7 +486,7 @@ def select_topk_short(bits, counts, k_max: int, *, digit: int = SHORT_DIGIT, war
     width = k_max + s_pad if interpret else k_max  # interpret mode: slack slots for the idle lanes
     row = lambda n: pl.BlockSpec((None, None, n), lambda i, j: (i, j, 0))
     out = pl.pallas_call(
-        functools.partial(_short_kernel, s_len=s_len, k_max=k_max, digit=digit),
+        functools.partial(_short_kernel, s_len=s_len, k_max=k_max, digit=digit, interpret=bool(interpret)),
         grid=(b, ih),
         in_specs=[pl.BlockSpec((b,), lambda *_: (0,)), row(s_len)],
         out_specs=row(width),
