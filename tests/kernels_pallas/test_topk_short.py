@@ -1,12 +1,12 @@
 """The short-row select (`topk.select_topk_short`, `DecodeTuning.short_select_max`) against the reference, the
 four-launch pipeline and a numpy model of the bits.
 
-CPU tier only (interpret mode, rows of 64..2048 keys; `-m gpu` timing is the benchmark's): exact index arrays
-against the model (the count largest bit patterns, ties lowest id first, listed in id order, -1 after), the same
-sets as `reference.select_topk_reference` wherever the budget fits the eligible keys and as the four-launch path
-always (a budget over the eligible keys takes -1 keys lowest id first, in both); anchor decode end to end with the
-short path on and off; the sm_90 lowering of a 16K row. Planting a wrong tie order (highest id first) in the kernel
-fails the first test.
+CPU tier: interpret mode, rows of 64..2048 keys. GPU tier (`-m gpu`): batch 32 x 16K and batch 8 x 32K, pool all.
+Exact index arrays against the model (the count largest bit patterns, ties lowest id first, listed in id order, -1
+after), the same sets as `reference.select_topk_reference` wherever the budget fits the eligible keys and as the
+four-launch path always (a budget over the eligible keys takes -1 keys lowest id first, in both); anchor decode end
+to end with the short path on and off; the sm_90 lowering of a 16K row. Planting a wrong tie order (highest id
+first) in the kernel fails the exact tests; dropping the last rank fails the end-to-end ones.
 """
 
 from __future__ import annotations
@@ -167,3 +167,21 @@ def test_short_select_lowers_for_sm90(triton_sm90_modules):
     before = len(verified)
     jax.jit(fn0).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
     assert len(verified) - before == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, s", [(32, 16384), (8, 32768)])
+def test_gpu_realistic(rng, b, s):
+    """On the GPU at the decode shapes it is built for (pool all: one row per sequence): exact against the model,
+    the four-launch sets, forced keys and ties included."""
+    sc = rng.exponential(size=(b, 1, s)).astype(np.float32)
+    sc[1::2] = np.round(sc[1::2] * 64.0) / 64.0  # ties
+    kv_len = jnp.asarray(np.concatenate([[s], rng.integers(s // 2, s + 1, size=b - 1)]).astype(np.int32))
+    sc = dec._force(jnp.asarray(sc), kv_len, 4, 64)
+    sc = jnp.where(jnp.arange(s)[None, None] < kv_len[:, None, None], sc, -jnp.inf)
+    counts = ref.decode_counts(kv_len, 0.1, 128)
+    k_max = ref.max_budget(s, 0.1, 128)
+    idx = jax.jit(lambda *a: dec.select_topk(*a, k_max, tuning=_short(s)))(sc, kv_len, counts)
+    np.testing.assert_array_equal(np.asarray(idx), _model(dec._scores_to_bits(sc, kv_len, 1), counts, k_max))
+    four = jax.jit(lambda *a: dec.select_topk(*a, k_max))(sc, kv_len, counts)
+    assert _sets(idx) == _sets(four)
