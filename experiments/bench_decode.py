@@ -32,6 +32,11 @@ WORST = flags.DEFINE_integer("decode_rerank_worst", 0, "With --decode_reranks: a
 POOLS = flags.DEFINE_list("decode_pools", [], "Also time these selection pools through the strategy (gqa: Kascade's "
                           "per-KV-head selection, all: all_heads_pooled's one set for every head), e.g. gqa,all: "
                           "A0/A/R and the weighted speedup of each, like for like.")
+SHORT = flags.DEFINE_list("decode_short_select", [], "Also time the anchors (A0, A) with each of these "
+                          "DecodeTuning.short_select_max N (rows of <= N keys, padded to a power of two, take the "
+                          "one-launch short select; 0: the four-launch pipeline), e.g. 0,32768, each at every "
+                          "--decode_pools pool (else gqa), rows keyed ss<value>_<pool>. A value may add wW "
+                          "(short_select_warps) and dD (short_select_digit), e.g. 16384w16d2.")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
@@ -47,6 +52,21 @@ def _check_pools(values):
     return all(v in POOLS for v in values)
 
 
+@flags.validator("decode_short_select", message="--decode_short_select takes N[wW][dD] with N 0 or a power of "
+                 "two <= 65536, W a power of two <= 32, D 1-3, e.g. 0,32768,16384w16d2")
+def _check_short_select(values):
+    if not values:
+        return True
+    from kascade_jax.bench.decode import short_select_tuning  # noqa: PLC0415  (imports jax: only when given)
+
+    try:
+        for v in values:
+            short_select_tuning(v)
+    except ValueError:
+        return False
+    return True
+
+
 def main(argv):
     del argv
     if WORST.value and not RERANKS.value:
@@ -58,7 +78,7 @@ def main(argv):
                DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
                max_cache_gb=MAX_GB.value, tuning=dec.DEFAULT_TUNING,
                shape=shape_from_flags(), tag=BENCH_TAG.value, reranks=[int(c) for c in RERANKS.value],
-               rerank_worst=WORST.value, pools=list(POOLS.value))
+               rerank_worst=WORST.value, pools=list(POOLS.value), short_selects=list(SHORT.value))
 
 
 if __name__ == "__main__":

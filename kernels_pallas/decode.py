@@ -34,6 +34,7 @@ _DTYPES = (jnp.bfloat16, jnp.float16)
 _HEAD_DIMS = (64, 128)
 _POOLS = ("gqa", "all", "pre_softmax")
 PAGED_MASKS = ("none", "v", "kv")  # DecodeTuning.paged_mask
+SHORT_SELECT_LIMIT = 65536  # DecodeTuning.short_select_max (past 32K keys the row no longer fits the registers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +54,25 @@ class DecodeTuning:
     # finite: pages are zeroed when handed out); "v" loads V through a zero mask (K needs none: a NaN logit is
     # replaced by -inf before the softmax); "kv" masks both (safe on dirty pages). The A/B of the paged gap.
     paged_mask: str = "none"
+    # The anchors' Top-k: rows whose keys, padded to a power of two, are at most short_select_max take
+    # topk.select_topk_short (one launch, the row in one program's registers) instead of the four-launch pipeline
+    # built for 128K rows; 0: never (the default until the H200 has timed it). short_select_warps 0: from the row
+    # (64 keys a thread); short_select_digit: bits decided per pass (1: bisection, one count per pass).
+    short_select_max: int = 0
+    short_select_warps: int = 0
+    short_select_digit: int = topk.SHORT_DIGIT
 
     def __post_init__(self):
         if self.paged_mask not in PAGED_MASKS:
             raise ValueError(f"paged_mask must be one of {', '.join(PAGED_MASKS)}, got {self.paged_mask!r}")
+        v = self.short_select_max
+        if not isinstance(v, int) or v < 0 or v > SHORT_SELECT_LIMIT or v & (v - 1):
+            raise ValueError(f"short_select_max must be 0 or a power of two <= {SHORT_SELECT_LIMIT}, got {v!r}")
+        if self.short_select_warps not in (0, 1, 2, 4, 8, 16, 32):
+            raise ValueError(f"short_select_warps must be 0 (automatic) or a power of two <= 32, "
+                             f"got {self.short_select_warps!r}")
+        if self.short_select_digit not in (1, 2, 3):
+            raise ValueError(f"short_select_digit must be 1, 2 or 3, got {self.short_select_digit!r}")
         blocks = {"stream_block": self.stream_block}
         if self.reuse_block:  # 0 = automatic
             blocks["reuse_block"] = self.reuse_block
@@ -499,6 +515,8 @@ def _scores_to_bits(scores, kv_len, pad_to: int):
     valid = (jnp.arange(s_len)[None, None, :] < kv_len[:, None, None]) & (scores >= 0) & jnp.isfinite(scores)
     bits = jnp.where(valid, lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32), -1)
     s_pad = pl.cdiv(s_len, pad_to) * pad_to
+    if s_pad == s_len:
+        return bits
     return jnp.pad(bits, ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1)
 
 
@@ -507,7 +525,11 @@ def _scores_to_bits(scores, kv_len, pad_to: int):
 
 
 def _select(bits_fn, kv_len, counts, k_max: int, rows: int, keys: int, interpret, tuning: DecodeTuning):
-    """bits_fn(pad_unit) -> bits [batch, heads, keys padded to pad_unit]; returns idx [batch, heads, k_max]."""
+    """bits_fn(pad_unit) -> bits [batch, heads, keys padded to pad_unit]; returns idx [batch, heads, k_max].
+    Rows of at most `tuning.short_select_max` keys (padded to a power of two) take the one-launch select, unpadded."""
+    if _pow2_at_least(keys) <= tuning.short_select_max:
+        return topk.select_topk_short(bits_fn(1), counts, k_max, digit=tuning.short_select_digit,
+                                      warps=tuning.short_select_warps, interpret=interpret)
     chunks, unit = topk.row_pad(keys, tuning.target_programs, rows)
     return topk.select_topk_bits(bits_fn(unit), kv_len, counts, k_max, chunks=chunks, interpret=interpret)
 

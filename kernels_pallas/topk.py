@@ -22,6 +22,10 @@ read twice in full by wide grids and nothing serial touches more than ~1-2K elem
    free when not taken).
 Counts #(x < e) are summed as the sign bit of x - e: 2 int instructions per edge and key, where `acc + (x >= e)`
 compiles to 3. Timings and the earlier versions (dropped: slower, same results): benchmarks/notes_decode.md.
+
+Short rows (`select_topk_short`, decode caches up to `DecodeTuning.short_select_max` keys): one launch, one program
+per row holding the whole row in registers; bisection over its bits with no memory access inside the loop, then one
+scan for the ranks. Same index sets as the four launches (the order within a row may differ).
 """
 
 from __future__ import annotations
@@ -400,3 +404,94 @@ def row_pad(keys: int, target_programs: int, rows: int, count_block: int = 2048)
     return chunks, chunks * count_block
 
 
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Short rows (decode caches up to DecodeTuning.short_select_max keys): one program per row, from registers.
+
+SHORT_DIGIT = 1  # bits decided per pass of `select_topk_short` (DecodeTuning.short_select_digit's default)
+
+
+def _short_passes(digit: int) -> tuple[int, tuple[int, ...]]:
+    """(width of the first pass, shifts of the passes after it, `digit` bits each) over the 31 bits of x + 1."""
+    first = 31 % digit or digit
+    return first, tuple(range(31 - first - digit, -1, -digit))
+
+
+def _short_kernel(cnt_ref, bits_ref, out_ref, *, s_len: int, k_max: int, digit: int, interpret: bool):
+    """The row's top-`count` ids from registers, in id order, with `_emit`'s tie rule (the ids of x > V, then the
+    lowest ids of x == V); -1 at ranks count..k_max written here, so no XLA mask follows.
+
+    The threshold V: bisection (digit 1) over bits 30..0 of x + 1, which is >= 0, so a -1 key is a value like any
+    other (a count over the eligible keys takes -1 keys lowest id first, as `select_topk_bits` does). A pass counts
+    #(x + 1 >= c) for its 2**digit - 1 candidates as sign bits of x - (c - 1) (no overflow: -1 <= x <=
+    _MAX_FINITE, 0 <= c - 1 <= 2**31 - 2), one block reduction each; `upper` keeps the count of the smallest
+    candidate rejected so far, after the last pass V + 1's: #(x > V). Why bisection: in the SASS (triton 3.9 ptxas
+    for sm_90, 16K keys over 8 warps) a count is 171 instructions a warp (a sub and a shift or lea.hi per key, an
+    in-thread tree, REDUX.SUM) and two barriers, and a pass's reductions run one after another, so 2-bit digits (16
+    passes of 3 counts: 508 instructions, 6 barriers each) issue 46 counts where bisection issues 31. The ranks: one
+    scan of both flags packed in 16-bit halves (exclusive, so exact up to 2**16 keys).
+    """
+    s_pad = 1 << (s_len - 1).bit_length()
+    lanes = jnp.arange(s_pad, dtype=jnp.int32)
+    if s_pad == s_len:
+        x = bits_ref[...]
+    else:  # no pad in XLA: clamped in-bounds addresses, the lanes past the row read as -1
+        x = plgpu.load(bits_ref.at[jnp.minimum(lanes, s_len - 1)], mask=lanes < s_len, other=-1)
+    k = cnt_ref[pl.program_id(0)]
+
+    def one_pass(shift, width, prefix, upper):
+        cnts = [s_pad - jnp.sum(lax.shift_right_logical(x - (prefix + (j << shift) - 1), 31))
+                for j in range(1, 1 << width)]  # #(x + 1 >= candidate j), non-increasing in j
+        jstar = sum((c >= k).astype(jnp.int32) for c in cnts)
+        for j in reversed(range(len(cnts))):
+            upper = jnp.where(jstar == j, cnts[j], upper)
+        return prefix + (jstar << shift), upper
+
+    first, shifts = _short_passes(digit)
+    prefix, upper = one_pass(31 - first, first, jnp.int32(0), jnp.int32(0))  # nothing lies at or above 2**31
+    prefix, upper = lax.fori_loop(0, len(shifts), lambda p, c: one_pass(shifts[0] - digit * p, digit, *c),
+                                  (prefix, upper))  # a loop, not unrolled: one pass's code stays in the icache
+    thr, n_gt = prefix - 1, upper
+    gt = lax.shift_right_logical(thr - x, 31)  # x > thr
+    eq = (x == thr).astype(jnp.int32)
+    both = (gt << 16) + eq  # ranks below 2**16 in each half; the int32 sum may wrap, the difference does not
+    before = jnp.cumsum(both) - both
+    gt_before, eq_before = lax.shift_right_logical(before, 16), before & 0xFFFF
+    take = k - n_gt  # ids with x == thr taken, lowest first
+    rank = gt_before + jnp.minimum(eq_before, take)
+    keep = (gt > 0) | ((eq > 0) & (eq_before < take))  # (ranks of kept ids are < k: no guard needed)
+    ranks = jnp.arange(1 << (k_max - 1).bit_length(), dtype=jnp.int32)
+    plgpu.store(out_ref.at[ranks], jnp.full(ranks.shape, -1, jnp.int32), mask=(ranks >= k) & (ranks < k_max))
+    if interpret:  # its masked scatter rewrites every addressed slot: idle lanes get their own slack slots
+        rank = jnp.where(keep, rank, k_max + lanes)  # (on the GPU they store nothing: no select, fewer registers)
+    plgpu.store(out_ref.at[rank], lanes, mask=keep)
+
+
+def select_topk_short(bits, counts, k_max: int, *, digit: int = SHORT_DIGIT, warps: int = 0, interpret=False):
+    """`select_topk_bits` for rows that fit one program's registers: bits [batch, heads, keys] int32 (-1 =
+    ineligible; keys unpadded: a row that is not a power of two long is read masked), counts [batch] (<= k_max <=
+    keys) -> idx [batch, heads, k_max] int32, -1 past counts. One launch, grid (batch, heads).
+
+    warps 0: 64 keys a thread (the padded row / 2048, in [4, 16]). Registers (triton 3.9 ptxas for sm_90, read on
+    the CPU): 16K keys over 8 warps take 255 a thread, 32K over 16 warps 128 (the cap at 512 threads); the search
+    loop spills nothing at either, the scan spills a little (~30 / ~250 local loads and stores a thread). 64K keys
+    spill inside the loop at 16 or 32 warps.
+    """
+    b, ih, s_len = bits.shape
+    s_pad = 1 << (s_len - 1).bit_length()
+    if not 1 <= k_max <= s_len:
+        raise ValueError(f"k_max must be in [1, keys={s_len}], got {k_max}")
+    warps = warps or min(16, max(4, s_pad // 2048))
+    width = k_max + s_pad if interpret else k_max  # interpret mode: slack slots for the idle lanes
+    row = lambda n: pl.BlockSpec((None, None, n), lambda i, j: (i, j, 0))
+    out = pl.pallas_call(
+        functools.partial(_short_kernel, s_len=s_len, k_max=k_max, digit=digit, interpret=bool(interpret)),
+        grid=(b, ih),
+        in_specs=[pl.BlockSpec((b,), lambda *_: (0,)), row(s_len)],
+        out_specs=row(width),
+        out_shape=jax.ShapeDtypeStruct((b, ih, width), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+        interpret=interpret, name="kascade_topk_short",
+    )(counts, bits)
+    return out[..., :k_max] if interpret else out

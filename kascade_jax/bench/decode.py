@@ -8,7 +8,9 @@ it refuses to run without a GPU: CPU timings would mean nothing (`check` runs an
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import re
 import sys
 import time
 
@@ -175,17 +177,63 @@ def pool_row(row: dict, dense, q, k, v, kv_len, frac, min_k, pools, iters, shape
     return row
 
 
+_SHORT_SPEC = re.compile(r"(\d+)(?:w(\d+))?(?:d(\d+))?")
+
+
+def short_select_tuning(spec: str, base=None):
+    """A --decode_short_select value N[wW][dD] -> `base` (default tuning) with short_select_max N and, if given,
+    short_select_warps W and short_select_digit D. ValueError if malformed or out of range (DecodeTuning's check)."""
+    from kernels_pallas import decode as dec
+
+    m = _SHORT_SPEC.fullmatch(str(spec).strip())
+    if not m:
+        raise ValueError(f"a short select value is N[wW][dD] (e.g. 32768, 16384w16d2), got {spec!r}")
+    over = dict(short_select_max=int(m.group(1)))
+    if m.group(2):
+        over["short_select_warps"] = int(m.group(2))
+    if m.group(3):
+        over["short_select_digit"] = int(m.group(3))
+    return dataclasses.replace(base or dec.DEFAULT_TUNING, **over)
+
+
+def short_select_row(row: dict, dense, q, k, v, kv_len, frac, min_k, specs, pools, iters, shape, tuning,
+                     log=print) -> dict:
+    """row[f"{piece}_ss{spec}_{pool}"] for pieces A0 and A (the anchors, which run the select) with the tuning of
+    each --decode_short_select spec (`short_select_tuning`) and each pool, through the kernels' entry point like the
+    row's own A0 and A; R is the row's (the select does not touch it) in the weighted time and speedup."""
+    import jax
+
+    from kernels_pallas import decode as dec
+    from kernels_pallas import reference as ref
+
+    k_max = ref.max_budget(k.shape[1], frac, min_k)
+    for spec in specs:
+        t = short_select_tuning(spec, tuning)
+        for p in pools:
+            tag = f"ss{spec}_{p}"
+            kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", pool=p, tuning=t)
+            for name, dense_out in (("A0", True), ("A", False)):
+                fn = jax.jit(lambda q, k, v, l, d=dense_out: dec.anchor_decode(q, k, v, l, dense_out=d, **kw))
+                row[f"{name}_{tag}"], row[f"{name}_{tag}_kernels"] = cupti_time(fn, (q, k, v, kv_len), iters)
+            row[f"weighted_{tag}"] = shape.weighted(row[f"A0_{tag}"], row[f"A_{tag}"], row["R"])
+            row[f"speedup_{tag}"] = dense / row[f"weighted_{tag}"]
+            log(f"   short select {spec}, pool={p}: A0 {row[f'A0_{tag}']:.4f}  A {row[f'A_{tag}']:.4f}  "
+                f"weighted {row[f'weighted_{tag}']:.4f}  speedup {row[f'speedup_{tag}']:.2f}x")
+    return row
+
+
 def cache_bytes(b, s, shape, itemsize):
     """Bytes of the K and V caches of b sequences of s tokens."""
     return 2 * b * s * shape.kv_heads * shape.head_dim * itemsize
 
 
 def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT, reranks=(), rerank_worst=0,
-              pools=()):
+              pools=(), short_selects=()):
     """One row: dense (cuDNN), A0, A and R at batch b and context s (every sequence full), their ratios to dense,
     the weighted Kascade time and its speedup, and each piece's kernels; with `reranks`, the same through the
     strategy with decode_rerank C (`rerank_row`); with `pools`, through the strategy with each selection pool
-    (`pool_row`)."""
+    (`pool_row`); with `short_selects`, the anchors at each short select setting (`short_select_row`, each of
+    `pools`, else gqa)."""
     import jax
     import jax.numpy as jnp
 
@@ -217,15 +265,19 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
         rerank_row(row, row["dense"], q, k, v, kv_len, frac, min_k, reranks, iters, shape, log, worst=rerank_worst)
     if pools:
         pool_row(row, row["dense"], q, k, v, kv_len, frac, min_k, pools, iters, shape, log)
+    if short_selects:
+        short_select_row(row, row["dense"], q, k, v, kv_len, frac, min_k, short_selects, pools or ("gqa",), iters,
+                         shape, tuning, log)
     del q, k, v
     return row
 
 
 def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
-        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), rerank_worst=0, pools=(), log=print):
-    """Time every (dtype, batch, context, top-k) on the GPU, after the checks (do_check); writes
-    <out_dir>/decode[_<tag>].json/md/png and returns the rows. Shapes whose caches exceed max_cache_gb are skipped,
-    a failing one is logged and the sweep goes on."""
+        max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), rerank_worst=0, pools=(),
+        short_selects=(), log=print):
+    """Time every (dtype, batch, context, top-k) on the GPU, after the checks (do_check; also one per short select
+    setting, at 32K); writes <out_dir>/decode[_<tag>].json/md/png and returns the rows. Shapes whose caches exceed
+    max_cache_gb are skipped, a failing one is logged and the sweep goes on."""
     import jax
 
     stem = output_stem("decode", tag, shape)  # refuses before any timing: untagged files hold the default shape
@@ -242,6 +294,11 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
                                 peaky=peaky, tuning=tuning, log=log))
         checks.append(check(seed=3, b=3, s=20000, hq=12, kvh=4, d=64, dtype="float16", frac=0.2, min_k=16, peaky=True,
                             tuning=tuning, log=log))
+        for spec in short_selects:  # once per setting that takes the short path at the check's 32K rows
+            t = short_select_tuning(spec, tuning)
+            if t.short_select_max >= 32768:
+                checks.append(check(seed=4, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim, peaky=True,
+                                    tuning=t, log=log))
     rows = []
     from tqdm import tqdm
 
@@ -252,7 +309,7 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
             continue
         try:
             rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape, reranks=reranks,
-                                  rerank_worst=rerank_worst, pools=pools))
+                                  rerank_worst=rerank_worst, pools=pools, short_selects=short_selects))
         except Exception as e:  # keep the sweep going; the failure is reported
             log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
     write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), tables.decode_markdown(rows, meta, shape),

@@ -68,8 +68,7 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
         lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['topk_frac']:.0%} | {r['k']} | {r['dense']:.4f} | "
                      f"{r['A0']:.4f} | {r['A']:.4f} | {r['R']:.4f} | {r['A0/dense']:.3f} | {r['A/dense']:.3f} | "
                      f"{r['R/dense']:.3f} | {r['weighted']:.4f} | **{r['speedup']:.2f}x** |")
-    lines += _kernel_lines("Per-kernel breakdown of A (ms):", [
-        (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%}", r["A_kernels"]) for r in rows], 4)
+    lines += _kernel_lines("Per-kernel breakdown of A (ms):", [(_decode_label(r), r["A_kernels"]) for r in rows], 4)
     reranks = sorted({int(m.group(1)) for r in rows for key in r if (m := re.fullmatch(r"speedup_rr(\d+)", key))})
     worst = sorted({m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(rr\d+w\d+)", key))})
     pools = sorted({m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_pool(\w+)", key))})
@@ -78,6 +77,15 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
             rows, [(p, f"pool{p}") for p in pools], ["A0", "A", "R"], "pool", True,
             "**The selection pool** through the strategy's path (gqa: one Top-k per KV head, Kascade; all: one set "
             "pooled over every query head and shared, all_heads_pooled), same run and dense:")
+    shorts = list(dict.fromkeys(m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(ss\w+)", key))))
+    if shorts:
+        lines += _lever_table(
+            rows, [(t[2:].replace("_", ", "), t) for t in shorts], ["A0", "A"], "short select, pool", False,
+            "**The short-row select** (`DecodeTuning.short_select_max` N[wW][dD]: rows of <= N keys select from "
+            "registers in one launch; 0: the four-launch pipeline), A0 and A re-timed, R the row's, same run and "
+            "dense:")
+        lines += _lever_kernels("Per-kernel breakdown of A with each short select setting (ms):", rows, "A",
+                                [(t[2:], t) for t in shorts])
     if reranks:
         lines += _lever_table(
             rows, [(str(c), f"rr{c}") for c in reranks], ["A0", "A", "R"], "C", True,
@@ -89,10 +97,19 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
                 "**Only the worst reuse layers rerank** (`decode_rerank_worst`: rrCwN = C candidates per key, N "
                 "reranking layers): A includes the anchor's ordering of its candidates, F is a reuse layer that "
                 "attends the anchor's own Top-k among them; weighted (A0 + (M-1) A + N R + (L-M-N) F) / L:")
-        lines += _kernel_lines("Per-kernel breakdown of R with the rerank (ms):", [
-            (f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%} C={c}", r[f"R_rr{c}_kernels"])
-            for r in rows for c in reranks if f"R_rr{c}_kernels" in r], 4)
+        lines += _lever_kernels("Per-kernel breakdown of R with the rerank (ms):", rows, "R",
+                                [(f"C={c}", f"rr{c}") for c in reranks])
     return "\n".join(lines) + "\n"
+
+
+def _decode_label(r) -> str:
+    return f"{r['dtype']} b{r['batch']} {r['context']} {r['topk_frac']:.0%}"
+
+
+def _lever_kernels(title: str, rows, piece: str, levers) -> list[str]:
+    """`_kernel_lines` of `piece` under each lever of each row; levers: [(shown name, key suffix)]."""
+    return _kernel_lines(title, [(f"{_decode_label(r)} {name}", r[f"{piece}_{t}_kernels"]) for r in rows
+                                 for name, t in levers if f"{piece}_{t}_kernels" in r], 4)
 
 
 def _lever_table(rows, levers, pieces, label: str, r_ratio: bool, title: str) -> list[str]:

@@ -11,6 +11,9 @@
 # its plain rows at 0.2 and 0.3 are then measured, not scaled from 10%). `bench_shapes.sh OUTDIR mgpu [CONTEXTS]`
 # A/Bs the anchor layers on the Mosaic GPU passes (`--prefill_sweep=anchor_backend=mgpu`, both checked at 8K first)
 # against Triton at the three shapes, 32K and 128K, batch 1, into OUTDIR/prefill_sweep_{qwen05,qwen15,llama8b}_mgpu.*.
+# `bench_shapes.sh OUTDIR short [SETTINGS]` times the anchors with the short-row select (`--decode_short_select`,
+# default 0,32768: the four-launch select and the short one up to 32K keys) at both Qwen shapes, 16K/32K, batch 8/32,
+# pool all, into OUTDIR/decode_qwen*_short.* (checked on the GPU first: --decode_check).
 set -u
 OUTDIR=${1:?output dir}
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
@@ -32,6 +35,16 @@ if [ "${2:-}" = pool ]; then  # Kascade's per-KV-head selection vs all_heads_poo
       --bench_tag=$tag --decode_contexts=16384,32768 --decode_batches=32 --decode_topk_fracs=$fracs \
       --decode_pools=gqa,all --decode_iterations=5 --decode_check=false \
       --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 16
+  done
+  exit 0
+fi
+if [ "${2:-}" = short ]; then  # issue 22 item 3: the short-row select vs the four-launch one, same run (pool all)
+  for shape in "qwen05_short 14,2,64 24" "qwen15_short 12,2,128 28"; do
+    read -r tag heads layers <<< "$shape"
+    python3 -m experiments.bench --phase=decode --heads=$heads --num_layers=$layers --num_anchors=5 \
+      --bench_tag=$tag --decode_contexts=16384,32768 --decode_batches=8,32 --decode_topk_fracs=0.1 \
+      --decode_pools=all --decode_short_select=${3:-0,32768} --decode_iterations=5 \
+      --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 30
   done
   exit 0
 fi

@@ -223,6 +223,16 @@ def test_bench_markdown_labels_shape():
     wa = (1.1 + 4 * 0.4 + 19 * 0.2) / 24
     assert "The selection pool" in md and "decode_rerank" not in md
     assert f"| all | 1.1000 | 0.4000 | 0.2000 | 0.200 | {wa:.4f} | **{1 / wa:.2f}x** | {w / wa:.2f} |" in md
+    ss = _fake_rows(qwen, True)  # with the short select pieces (--decode_short_select=0,16384w16 --decode_pools=all)
+    for t, a in (("ss0_all", 0.5), ("ss16384w16_all", 0.4)):
+        ss[0].update({f"A0_{t}": 1.2, f"A_{t}": a, f"A_{t}_kernels": {"kascade_topk_short": 0.01},
+                      f"weighted_{t}": qwen.weighted(1.2, a, 0.2)})
+        ss[0][f"speedup_{t}"] = 1 / ss[0][f"weighted_{t}"]
+    md = tables.decode_markdown(ss, meta, qwen)
+    ws = (1.2 + 4 * 0.4 + 19 * 0.2) / 24
+    assert "The short-row select" in md and f"| 0, all | 1.2000 | 0.5000 | {w:.4f} |" in md
+    assert f"| 16384w16, all | 1.2000 | 0.4000 | {ws:.4f} | **{1 / ws:.2f}x** | {w / ws:.2f} |" in md
+    assert "16384w16_all: `kascade_topk_short` 0.0100" in md
     rr = _fake_rows(qwen, True)  # with the rerank pieces (--decode_reranks=4): their own table, against plain
     rr[0].update(A0_rr4=1.3, A_rr4=0.6, R_rr4=0.5, R_rr4_kernels={"gather": 0.3})
     rr[0].update(weighted_rr4=qwen.weighted(1.3, 0.6, 0.5))

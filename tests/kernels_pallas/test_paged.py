@@ -124,6 +124,21 @@ def test_non_power_of_two_length_interpret():
     assert _row_err(out, want) < 1e-5
 
 
+def test_anchor_decode_short_select_interpret():
+    """The short-row select (`DecodeTuning.short_select_max`) through the page table: the index sets and output of
+    the four-launch select (80 keys in a 128-key block, pool all, forced keys)."""
+    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 5, 3, 80, 4, 2, 64, 16, jnp.float32)
+    kw = dict(topk_frac=0.25, min_k=8, k_max=ref.max_budget(80, 0.25, 8), pool="all", sinks=1, window=2,
+              interpret=True)
+    out, idx, counts = paged.anchor_decode(q, kp, vp, table, kv_len, tuning=dec.DecodeTuning(short_select_max=128),
+                                           **kw)
+    out4, idx4, counts4 = paged.anchor_decode(q, kp, vp, table, kv_len, **kw)
+    np.testing.assert_array_equal(counts, counts4)
+    for a, b in zip(np.asarray(idx)[:, 0], np.asarray(idx4)[:, 0]):
+        assert set(a[a >= 0].tolist()) == set(b[b >= 0].tolist())
+    assert _row_err(out, out4) < 1e-5
+
+
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
 @pytest.mark.parametrize("impl,mask", [("interpret", "kv"), ("interpret", "v"), ("reference", "kv")])
 def test_stale_inf_nan_in_dirty_pages_never_leak(poison, impl, mask):
