@@ -42,12 +42,12 @@ def load_examples(run_dirs) -> list[dict]:
     """Every example record of the runs (examples.jsonl, or .gz), with the run's model and split attached. A run with
     another sample seed than 0 (`--seed`) draws other prompts under the same indices: its split is labelled
     `<split>-seed<N>`, so it pairs with its own dense cell and never with seed 0's (a replicate)."""
-    from kascade_jax.eval.report import examples_path, iter_examples, read_json  # noqa: PLC0415
+    from kascade_jax.eval.report import examples_path, iter_examples, read_results_file  # noqa: PLC0415
 
     out = []
     for d in run_dirs:
         d = Path(d)
-        res = read_json(d / "results.json")
+        res = read_results_file(d / "results.json")
         env = res.get("environment", {})
         split = "dev" if "--split=dev" in env.get("command", "") else "test"
         seed = (res.get("spec") or {}).get("seed")

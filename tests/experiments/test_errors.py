@@ -270,6 +270,12 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
     (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 8)
     (tmp_path / "agree.json").write_text("{}")
     (tmp_path / "pinned.json").write_text('{"num_anchors": 4, "anchors": [0, 2, 8, 18, 21]}')
+    listed = tmp_path / "listed"  # a results.json that is valid JSON but not an object
+    listed.mkdir()
+    (listed / "results.json").write_text("[]")
+    (listed / "examples.jsonl").write_text("")
+    a_file = tmp_path / "a_file"  # an output path under an ordinary file cannot be written
+    a_file.write_text("x")
     nomodel = "--model=/nonexistent/model"
     cases = [
         (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={out}"],
@@ -280,6 +286,16 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
          [f"{corrupt / 'results.json'} is not valid JSON"]),
         (["-m", "experiments.accuracy", "--mode=choose", f"--inputs={eval_dir}", "--model=m", "--num_layers=2",
           f"--out={tmp_path / 'bad.json'}"], ["--out would replace", "bad.json"]),
+        (["-m", "experiments.accuracy", f"--inputs={listed}", f"--out_dir={tmp_path / 'a6'}"],
+         [f"{listed / 'results.json'} is not an experiments.eval results file (it holds a JSON list"]),
+        (["-m", "experiments.eval", nomodel, "--resume", f"--output_dir={listed}"],
+         [f"{listed / 'results.json'} is not an experiments.eval results file"]),
+        (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={a_file / 'acc'}"],
+         ["--out_dir: the folder", "cannot be written: Not a directory"]),
+        (["-m", "experiments.speed", nomodel, f"--out={a_file / 'speed.json'}"],
+         ["--out: the folder", "a_file' is a file, not a folder"]),
+        (["-m", "experiments.kascade_agreement", nomodel, f"--out={a_file / 'sub' / 'agree'}"],
+         ["--out: the folder", "cannot be written: Not a directory"]),
         (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={tmp_path / 'a4'}",
           "--speed_bench=qwen2.5-coder-1.5b:/nonexistent.json"], ["--speed_bench entries are MODEL:DECODE_JSON:PREFILL"]),
         (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={tmp_path / 'a5'}",

@@ -276,6 +276,17 @@ def test_merge_replaces_only_an_earlier_merge_and_stays_partial(tmp_path):
         assert _json(merged)["environment"]["partial"] and _csv_status(merged) == {"partial"}
         assert not (merged / "fidelity_mass_by_layer.png").exists()  # no stale plot beside the new numbers
         merge_eval.main([])  # an earlier merge is rebuilt
+    before = (merged / "results.json").read_text()
+    for name, text, message in (("bad", "{bad", r"bad/results.json is not valid JSON \(line 1"),
+                                ("lst", "[]", r"lst/results.json is not an experiments.eval results file \(it holds "
+                                              r"a JSON list"),
+                                ("norows", "{}", r"norows/results.json holds no rows")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(text)
+        with flagsaver.flagsaver(inputs=[str(a), str(tmp_path / name)], merged_dir=str(merged), overwrite=True):
+            with pytest.raises(ValueError, match=message):  # named, and the earlier merge is left whole
+                merge_eval.main([])
+        assert (merged / "results.json").read_text() == before and (merged / "summary.md").exists()
     with flagsaver.flagsaver(inputs=[str(a)], merged_dir=str(b), overwrite=True):
         with pytest.raises(ValueError, match=r"--merged_dir '.*b' holds the results of an eval run"):
             merge_eval.main([])
