@@ -129,21 +129,6 @@ def _check_topk_fracs(values):
         return False
 
 
-def check_levers_fit(recipes, context_lengths, explicit=()) -> None:
-    """A dense suffix or local window that covers the whole prompt makes Kascade run dense: refused by name when the
-    lever is an explicit flag (`explicit`), a warning when it comes from the recipe."""
-    shortest = min(context_lengths)
-    for r in recipes:
-        for lever in ("dense_suffix", "local_window"):
-            n = getattr(r, lever)
-            if not n or n < shortest:
-                continue
-            what = f"{r.name}: {lever}={n} covers the whole prompt at --context_lengths={shortest}"
-            if lever in explicit:
-                raise ValueError(f"--{lever}: {what}: Kascade would run dense; use a smaller value")
-            print(f"warning: {what} (from the recipe): Kascade runs dense on these prompts", file=sys.stderr)
-
-
 def main(argv):
     del argv
     from kascade_jax.eval import report, suite  # noqa: PLC0415
@@ -160,8 +145,8 @@ def main(argv):
     report.check_output_dir(out, overwrite=FLAGS.overwrite, resume=FLAGS.resume)
     mesh = devices.setup()
     recipes = resolve_recipes()
-    check_levers_fit(recipes, [int(x) for x in FLAGS.context_lengths],
-                     explicit=[f for f in ("dense_suffix", "local_window") if FLAGS[f].present])
+    shortest = min(int(x) for x in FLAGS.context_lengths)
+    recipe_flags.check_levers_fit(recipes, shortest, f"at --context_lengths={shortest}")
     recipe = recipes[0]
     kw = recipe_kwargs(recipe)
     if len({r.describe() for r in recipes}) != len(recipes):
