@@ -10,8 +10,8 @@ included with score 0). Cells are (model, context length, split, strategy, confi
 A cell without its dense twin (same model, length, split, task and prompt indices) gets no difference.
 
 Also here: the recipe choice on the development split (`choose_recipe`): the fastest candidate within
-`within_dense` points of dense (issue 21's rule), or issue 17's rule (the best dev score within `max_slowdown` of the
-paper recipe's speed). The speed model is `attention_cost`: per-layer kernel ratios to cuDNN, the constants below or
+`within_dense` points of dense, or without `within_dense` the best dev score within `max_slowdown` of the paper
+recipe's speed. The speed model is `attention_cost`: per-layer kernel ratios to cuDNN, the constants below or
 those measured at the model's own shape (`bench_ratios`).
 
 Deliberately not here: running evaluations (`suite`), plotting beyond the two report figures.
