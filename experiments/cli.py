@@ -46,6 +46,19 @@ def check_output(paths, flag: str) -> None:
         check_writable(folder, f"{flag}: the folder")
 
 
+def number_list(name: str, kind: str, example: str) -> None:
+    """Validate the list flag --name at parsing: every item a positive integer (kind "int") or a number in (0, 1]
+    (kind "frac"); otherwise one line naming the flag, before any work."""
+    def ok(values):
+        try:
+            return all(int(v) > 0 if kind == "int" else 0 < float(v) <= 1 for v in values)
+        except ValueError:
+            return False
+
+    what = {"int": "positive integers", "frac": "numbers in (0, 1]"}[kind]
+    flags.register_validator(name, ok, message=f"--{name} takes {what}, e.g. {example}")
+
+
 def read_text_file(path: str, flag: str) -> str:
     """A UTF-8 text file given by `flag`, with one clear line for a missing, unreadable or binary file."""
     try:

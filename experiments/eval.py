@@ -116,17 +116,8 @@ def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int, recip
                                 recalibrate=recipe_flags.RECALIBRATE.value, model=model, tokenizer=tokenizer)
 
 
-@flags.validator("context_lengths", message="--context_lengths takes positive integers, e.g. 4096,16384")
-def _check_context_lengths(values):
-    return all(str(v).strip().isdigit() and int(v) > 0 for v in values)
-
-
-@flags.validator("topk_frac", message="--topk_frac takes numbers in (0, 1], e.g. 0.1,0.2")
-def _check_topk_fracs(values):
-    try:
-        return all(0 < float(v) <= 1 for v in values)
-    except ValueError:
-        return False
+cli.number_list("context_lengths", "int", "4096,16384")
+cli.number_list("topk_frac", "frac", "0.1,0.2")
 
 
 def main(argv):
