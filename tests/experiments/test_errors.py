@@ -320,6 +320,7 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
          ["--out_dir would replace", "summary.json", "--overwrite"]),
         (["-m", "experiments.accuracy", f"--inputs={synthetic}", f"--out_dir={tmp_path / 'a2'}"],
          ["no real-RULER results"]),
+        (["-m", "experiments.accuracy", f"--out_dir={tmp_path / 'a7'}"], ["--inputs: give the experiments.eval"]),
         (["-m", "experiments.accuracy", f"--inputs={corrupt}", f"--out_dir={tmp_path / 'a3'}"],
          [f"{corrupt / 'results.json'} is not valid JSON"]),
         (["-m", "experiments.accuracy", "--mode=choose", f"--inputs={eval_dir}", "--model=m", "--num_layers=2",
