@@ -65,14 +65,15 @@ flags.DEFINE_string("out_dir", "runs/accuracy", "--mode=report: where summary.js
                     "that holds a summary needs --overwrite)")
 
 
-@flags.validator("also_contexts", message="--also_contexts takes positive integers (dev context lengths), e.g. 8192")
-def _check_also_contexts(values):
-    return all(v.strip().isdigit() and int(v) > 0 for v in values)
+cli.number_list("also_contexts", "int", "8192 (dev context lengths)")
 
 
 def _dirs(patterns):
     from kascade_jax.eval import report  # noqa: PLC0415
 
+    if not patterns:
+        raise app.UsageError("--inputs: give the experiments.eval output folders to report on (globs allowed), e.g. "
+                             "--inputs='runs/*'")
     out = []
     for p in patterns:
         out += sorted(glob.glob(os.path.expanduser(p))) or [p]

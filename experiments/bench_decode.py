@@ -40,6 +40,11 @@ SHORT = flags.DEFINE_list("decode_short_select", [], "Also time the anchors (A0,
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
+cli.number_list("decode_contexts", "int", "8192,32768")
+cli.number_list("decode_batches", "int", "8,64")
+cli.number_list("decode_topk_fracs", "frac", "0.1,0.2")
+
+
 @flags.validator("decode_reranks", message="--decode_reranks takes integers >= 2 (the candidates per key), e.g. 2,4")
 def _check_reranks(values):
     return all(str(v).strip().isdigit() and int(v) >= 2 for v in values)

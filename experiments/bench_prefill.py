@@ -36,6 +36,10 @@ SWEEP = flags.DEFINE_string("prefill_sweep", "", "Tuning variants to A/B, ';'-se
                             "kernels a variant touches are re-timed.")
 SWEEP_CONTEXTS = flags.DEFINE_list("prefill_sweep_contexts", ["32768"], "Contexts of the --prefill_sweep.")
 
+for _name, _kind, _example in (("prefill_contexts", "int", "8192,32768"), ("prefill_long_contexts", "int", "262144"),
+                               ("prefill_topk_fracs", "frac", "0.1,0.2"), ("prefill_sweep_contexts", "int", "32768")):
+    cli.number_list(_name, _kind, _example)
+
 
 def main(argv):
     del argv

@@ -31,14 +31,32 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def check_output(paths, flag: str) -> None:
-    """Refuse, before any work, to write over result files that exist unless --overwrite: no result is ever
-    replaced silently (default outputs live under the git-ignored runs/)."""
+    """Refuse, before any work, to write over result files that exist unless --overwrite (no result is ever
+    replaced silently; default outputs live under the git-ignored runs/), and a folder the files cannot be written
+    into (created now if missing), so a run does not fail at its end."""
     import os  # noqa: PLC0415
+
+    from kascade_jax.eval.report import check_writable  # noqa: PLC0415
 
     held = [str(p) for p in paths if os.path.exists(p)]
     if held and not OVERWRITE.value:
         raise ValueError(f"{flag} would replace {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}: pass "
                          f"--overwrite to replace them, or choose another {flag}")
+    for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths):
+        check_writable(folder, f"{flag}: the folder")
+
+
+def number_list(name: str, kind: str, example: str) -> None:
+    """Validate the list flag --name at parsing: every item a positive integer (kind "int") or a number in (0, 1]
+    (kind "frac"); otherwise one line naming the flag, before any work."""
+    def ok(values):
+        try:
+            return all(int(v) > 0 if kind == "int" else 0 < float(v) <= 1 for v in values)
+        except ValueError:
+            return False
+
+    what = {"int": "positive integers", "frac": "numbers in (0, 1]"}[kind]
+    flags.register_validator(name, ok, message=f"--{name} takes {what}, e.g. {example}")
 
 
 def read_text_file(path: str, flag: str) -> str:

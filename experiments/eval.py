@@ -116,32 +116,8 @@ def resolve_anchor_flags(model, tokenizer, num_layers: int, kv_heads: int, recip
                                 recalibrate=recipe_flags.RECALIBRATE.value, model=model, tokenizer=tokenizer)
 
 
-@flags.validator("context_lengths", message="--context_lengths takes positive integers, e.g. 4096,16384")
-def _check_context_lengths(values):
-    return all(str(v).strip().isdigit() and int(v) > 0 for v in values)
-
-
-@flags.validator("topk_frac", message="--topk_frac takes numbers in (0, 1], e.g. 0.1,0.2")
-def _check_topk_fracs(values):
-    try:
-        return all(0 < float(v) <= 1 for v in values)
-    except ValueError:
-        return False
-
-
-def check_levers_fit(recipes, context_lengths, explicit=()) -> None:
-    """A dense suffix or local window that covers the whole prompt makes Kascade run dense: refused by name when the
-    lever is an explicit flag (`explicit`), a warning when it comes from the recipe."""
-    shortest = min(context_lengths)
-    for r in recipes:
-        for lever in ("dense_suffix", "local_window"):
-            n = getattr(r, lever)
-            if not n or n < shortest:
-                continue
-            what = f"{r.name}: {lever}={n} covers the whole prompt at --context_lengths={shortest}"
-            if lever in explicit:
-                raise ValueError(f"--{lever}: {what}: Kascade would run dense; use a smaller value")
-            print(f"warning: {what} (from the recipe): Kascade runs dense on these prompts", file=sys.stderr)
+cli.number_list("context_lengths", "int", "4096,16384")
+cli.number_list("topk_frac", "frac", "0.1,0.2")
 
 
 def main(argv):
@@ -160,8 +136,8 @@ def main(argv):
     report.check_output_dir(out, overwrite=FLAGS.overwrite, resume=FLAGS.resume)
     mesh = devices.setup()
     recipes = resolve_recipes()
-    check_levers_fit(recipes, [int(x) for x in FLAGS.context_lengths],
-                     explicit=[f for f in ("dense_suffix", "local_window") if FLAGS[f].present])
+    shortest = min(int(x) for x in FLAGS.context_lengths)
+    recipe_flags.check_levers_fit(recipes, shortest, f"at --context_lengths={shortest}")
     recipe = recipes[0]
     kw = recipe_kwargs(recipe)
     if len({r.describe() for r in recipes}) != len(recipes):

@@ -9,7 +9,7 @@ import time
 
 from absl import app, flags
 
-from experiments import cli, common, devices
+from experiments import cli, common, devices, recipe_flags
 
 PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (chat template applied unless --nochat).")
 PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Read the prompt from this file instead.")
@@ -34,6 +34,7 @@ def _read_prompt(path: str) -> str:
 
 def main(argv):
     del argv
+    from kascade_jax.registry import KASCADE_FAMILY
     from models import load_model
     from models.generate import check_sampling, generate
 
@@ -45,11 +46,14 @@ def main(argv):
     text = PROMPT.value if PROMPT.value is not None else _read_prompt(PROMPT_FILE.value)
     common.check_strategy_flags(STRATEGY.value)
     model, tok = load_model(common.MODEL.value, common.DTYPE.value)
+    ids = tok.encode_chat([{"role": "user", "content": text}]) if CHAT.value else tok.encode(text)
+    if STRATEGY.value in KASCADE_FAMILY:  # before build_strategy, which may calibrate
+        recipe_flags.check_levers_fit([common.recipe()], len(ids), f"of {len(ids)} tokens")
     strategy = common.build_strategy(STRATEGY.value, model, tok)
     model = devices.place(model, mesh)
     common.print_strategy(strategy)  # what `auto` chose, and which kernels run
     t0 = time.perf_counter()
-    (res,) = generate(model, tok, [text], strategy, max_new_tokens=MAX_NEW.value, temperature=TEMPERATURE.value,
+    (res,) = generate(model, tok, [ids], strategy, max_new_tokens=MAX_NEW.value, temperature=TEMPERATURE.value,
                       top_p=TOP_P.value, top_k=TOP_K.value, seed=SEED.value, stop=tuple(STOP.value), chat=CHAT.value,
                       chunk_size=common.CHUNK.value)
     dt = time.perf_counter() - t0

@@ -160,6 +160,11 @@ def main(argv):
 
         text = " ".join(prose_sentences())
     model, tok = load_model(MODEL.value, "float32")
+    doc_ids = tok.encode(text)[: DOC_TOKENS.value]
+    question = "\n\nSummarize the document above in a few sentences."
+    prompt = tok.encode_chat([{"role": "user", "content": tok.decode(doc_ids) + question}])
+    if _auto():  # (explicit anchors run without levers)
+        recipe_flags.check_levers_fit([recipe()], len(prompt), f"of {len(prompt)} tokens")
     # built before the dense pass, so a calibration error does not come minutes in; the first one prints the recipe
     runs = [(n, f, kascade_strategy(n, model, tok, f, verbose=not i))
             for i, (n, f) in enumerate((n, f) for n in STRATEGIES.value for f in fracs)]
@@ -168,9 +173,6 @@ def main(argv):
              f"--anchors={ANCHORS.value}, no recipe levers")
     hm_flag = "auto" if _auto() else HEAD_MAP.value or "identity"
     print(f"kascade: {kdesc}; anchors {list(kcfg.anchors)}, head_map {hm_flag}, kernels {KERNELS.value}", flush=True)
-    doc_ids = tok.encode(text)[: DOC_TOKENS.value]
-    question = "\n\nSummarize the document above in a few sentences."
-    prompt = tok.encode_chat([{"role": "user", "content": tok.decode(doc_ids) + question}])
     print(f"prompt: {len(prompt)} tokens", flush=True)
 
     t0 = time.perf_counter()

@@ -8,7 +8,6 @@ strategy of every row that came from input b (e.g. the evenly spaced anchors abl
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import flags
@@ -31,8 +30,9 @@ def merge(inputs, labels: dict[str, str]):
         path = os.path.join(d, "results.json")
         if not os.path.isfile(path):
             raise ValueError(f"{d!r} holds no results.json")
-        with open(path) as f:
-            res = json.load(f)
+        res = report.read_results_file(path)
+        if "rows" not in res:
+            raise ValueError(f"{path} holds no rows: not an experiments.eval results file")
         rename = labels.get(d) or labels.get(os.path.basename(os.path.normpath(d)))
         for r in res["rows"]:
             rows.append(dict(r, strategy=rename or r["strategy"]))
@@ -46,8 +46,9 @@ def merge(inputs, labels: dict[str, str]):
 
 
 def check_merged_dir(merged_dir: str, inputs) -> None:
-    """An earlier merge in `merged_dir` is replaced only with --overwrite (its result files go first, so no stale
-    plot stays); eval results there, or a file, are refused always: they could not be rebuilt."""
+    """An earlier merge in `merged_dir` is replaced only with --overwrite (`main` removes its result files once the
+    inputs have been read, so no stale plot stays and a bad input leaves it whole); eval results there, or a file,
+    are refused always: they could not be rebuilt."""
     from kascade_jax.eval import report  # noqa: PLC0415
 
     if os.path.normpath(merged_dir) in {os.path.normpath(d) for d in inputs}:
@@ -62,7 +63,7 @@ def check_merged_dir(merged_dir: str, inputs) -> None:
         held = sorted(os.listdir(merged_dir))
         raise ValueError(f"--merged_dir {merged_dir!r} is not empty (it holds {', '.join(held[:5])}): pass --overwrite "
                          f"to replace an earlier merge there, or choose another --merged_dir")
-    report.check_output_dir(merged_dir, overwrite=True)
+    report.check_writable(merged_dir, "--merged_dir")
 
 
 def main(argv):
@@ -80,6 +81,7 @@ def main(argv):
         labels[d] = label
     check_merged_dir(FLAGS.merged_dir, FLAGS.inputs)
     rows, records, fid, envs = merge(FLAGS.inputs, labels)
+    report.check_output_dir(FLAGS.merged_dir, overwrite=True)  # the earlier merge's files, now that the inputs read
     partial = [e["source"] for e in envs if e.get("partial")]
     env = dict(envs[0], command="merged: " + ", ".join(e.get("command", "") for e in envs),
                total_wall_s=sum(float(e.get("total_wall_s", 0)) for e in envs))

@@ -151,6 +151,22 @@ def resolve_recipes(model_name: str) -> list:
     return [_apply_flags(load_recipe(model_name, n)) for n in _recipe_names()]
 
 
+def check_levers_fit(recipes, prompt_tokens: int, where: str) -> None:
+    """A dense suffix or local window that covers the whole prompt (`prompt_tokens`, described by `where`) leaves
+    nothing of the prefill sparse: refused by name when the lever is an explicit flag, a warning when it comes from
+    the recipe. Run before the model's work (calibration, a dense pass) starts."""
+    for r in recipes:
+        for holder in (SUFFIX, LOCAL):
+            n = getattr(r, holder.name)
+            if not n or n < prompt_tokens:
+                continue
+            what = f"{r.name}: {holder.name}={n} covers the whole prompt {where}"
+            if flags.FLAGS[holder.name].present:
+                raise ValueError(f"--{holder.name}: {what}: Kascade's prefill would be dense; use a smaller value")
+            print(f"warning: {what} (from the recipe): Kascade's prefill is dense on these prompts", file=sys.stderr,
+                  flush=True)
+
+
 _NOTIFIED: set[str] = set()
 
 

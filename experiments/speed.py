@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from absl import flags
 
-from experiments import cli, common, devices
+from experiments import cli, common, devices, recipe_flags
+from kascade_jax.registry import KASCADE_FAMILY
 
 BATCH = flags.DEFINE_integer("batch", 1, "Sequences per batch.", lower_bound=1)
 PROMPT_LEN = flags.DEFINE_integer("prompt_len", 1024, "Prompt tokens per sequence (random ids).", lower_bound=1)
@@ -40,6 +41,8 @@ def main(argv):
     mesh = devices.setup()
     devices.check_batch(BATCH.value, mesh)
     common.check_strategy_flags(STRATEGY.value)
+    if STRATEGY.value in KASCADE_FAMILY:
+        recipe_flags.check_levers_fit([common.recipe()], PROMPT_LEN.value, f"at --prompt_len={PROMPT_LEN.value}")
     model, tok = load_model(common.MODEL.value, common.DTYPE.value)
     strategy = common.build_strategy(STRATEGY.value, model, tok)
     model = devices.place(model, mesh)

@@ -1,7 +1,7 @@
 """The comparison strategies of the paper, as exact boolean masks over `attention_reference`.
 
 Each baseline is a frozen dataclass implementing the models' attention interface. Defaults are the paper's
-settings (docs/reference-notes.md §5); budgets use the same exact integer rule as Kascade,
+settings; budgets use the same exact integer rule as Kascade,
 `topk_budget(L, frac, min) = min(max(floor(frac * L), min), L)`:
 - `dense`: `models.attention.DenseStrategy` (re-exported).
 - `StreamingLLMStrategy`: 4 sink tokens + a causal window of the most recent keys; the window (sinks

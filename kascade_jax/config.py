@@ -13,66 +13,37 @@ Variants (the paper's ablations) are fields rather than subclasses, so one strat
   layer shared by every head; the head map is then all zeros), "pre_softmax" (rank keys by the logits of the
   mean query of the group / tile);
 - `oracle_topk`: every layer is an anchor and selects its own keys (no reuse);
-- `decode_only`: dense prefill, Kascade decode;
+- `decode_only`: dense prefill, Kascade decode (also a recipe lever);
 - no head remapping is simply `head_map=None` (identity).
 
-Recipe levers (all off by default, i.e. the paper's method; see results/accuracy/NOTES.md for what each measured):
-- `sink_tokens` / `recent_window`: every anchor's selection always contains the first `sink_tokens` keys and the
-  `recent_window` keys just before the query (decode) or the query tile (prefill). They are forced into the
-  Top-k, so they count against the same budget k (no extra keys, no extra kernel work); reuse layers inherit
-  them through the head map. Their sum must not exceed `min_k`, so they always fit.
-- `dense_suffix`: in prefill, the last `dense_suffix` prompt tokens of every sequence (in the usual long-context
-  layout: the question after the document) attend densely in every layer; the rest of the prompt stays sparse.
-  Cost: about dense_suffix / L of a dense prefill's attention.
-- `local_window` (prefill only): the `local_window` keys just before every query tile are forced into each anchor's
-  selection *on top of* the Top-k budget (the tile's count grows by `local_window`), so every reuse layer attends
-  a dense local neighbourhood plus the anchor's Top-k. Cost: local_window extra keys per tile in every layer.
-- `prefill_topk_frac`: the prefill budget fraction (None = `topk_frac`); decode keeps `topk_frac`, so prefill
-  quality can be bought without slowing decode.
-- `decode_topk_frac`: the decode budget fraction (None = `topk_frac`), the converse: decode quality bought without
-  slowing prefill. With both set, `topk_frac` is only the run's nominal budget.
-- `prefill_dense_anchors`: in prefill, every anchor layer outputs dense causal attention (as layer 0 does) and still
-  selects its Top-k for the reuse layers. The paper's anchors attend sparsely over their own selection; they
-  compute the full softmax anyway, so the dense output costs one P.V product (or comes with cuDNN's LSE).
-- `decode_only` doubles as a lever: dense prefill, Kascade decode (a recipe may set it).
-- `decode_rerank` (C, 1 = off): in decode every anchor selects C times the budget (fraction and floor, capped at
-  every key) as candidates, and every reuse layer ranks its anchor's candidates by its own pooled post-softmax
-  scores (softmax over the candidates) and attends its own Top-k of them, the anchor's forced keys kept. A reuse
-  layer then reads C k keys' K rows and k V rows instead of k of each. Why: a reuse layer's own Top-k keeps about
-  0.93 of its decode mass where its anchor's keeps 0.84, and the best of the anchor's top 4k keeps 0.91
-  (results/accuracy/cpu_2026-12-03_shift_probe).
-- `decode_rerank_layers` (None = every reuse layer): only these reuse layers rerank; the others attend their
-  anchor's Top-k, the first k of its candidates, which each anchor orders by its own pooled scores over them (a
-  rerank of its own: its Top-k but for near ties, since the softmax is over the candidates). Recipes choose them as
-  the reuse layers least similar to their anchor in the calibration (`Recipe.decode_rerank_worst`), where most of
-  the gain lies (the probe: layers 13 and 20-23 of the 0.5B), at a fraction of the cost.
-- `decode_tail_stride` (S, 0 = off): in decode every sparse layer (anchors past layer 0 and reuse layers) also
-  estimates the attention of the keys it did not select from a uniform sample: the keys at positions 0, S, 2S, ...
-  that are not in its selection, each weighted by S (a softmax term plus log S), so the softmax numerator and
-  denominator get a ratio estimate of the unselected keys' share (as vAttention / MagicPIG sample the tail). Cost:
-  1/S of the keys more per sparse layer. Why: on the 0.5B at 16K (results/accuracy/h200_2026-12-04_i21s19/tail05s)
-  each layer's own Top-10% lost 0.48 nats of the fwe answer's log-probability, Top-10% + this tail at S = 20 lost
-  0.003, and the same keys unweighted 0.46: the loss is the unselected mass, not which keys are selected. Over a
-  reuse layer's anchor selection it lost (dev 16K / 8K: -4.0 / -7.5 where dps_all was +0.1 / -2.0): keys this
-  layer needs and its anchor missed got S times their weight.
-- `decode_tail_cap` (with `decode_tail_stride`): a sampled key whose logit reaches the row's lightest selected key
-  counts once instead of S times; over a row's own Top-k it changes nothing, over an anchor's selection it keeps
-  the missed keys from being multiplied.
-- `decode_dense_layers` (None = off): in decode these layers output dense attention over all their keys; a listed
-  anchor still selects (the same indices for the layers after it), a listed reuse layer hands its anchor's state on
-  unchanged; neither reranks nor takes the sampled tail. Negative entries count from the end (-1: the last layer),
-  so one recipe fits any depth; layer 0 is `layer0_dense`'s. Cost: a listed reuse layer costs a dense decode
-  instead of a sparse one, a listed anchor one P.V product more. Why: on the 0.5B at 16K the last reuse layers keep
-  the least of their own decode mass with their anchor's selection (results/accuracy/NOTES.md, session 9's probe05:
-  L21-23 0.61-0.70 against 0.85-0.95 with their own Top-k).
-- `decode_prefill_keys` (s, 0 = off; needs `decode_only`): at the end of the dense prefill every reuse layer pools
-  the post-softmax attention of the prompt's last `tile_size` queries (as the anchors pool: `pool` "gqa" per KV
-  head, "all" one set) and keeps its own Top-s' keys, s' = min(max(floor(s L), 32), L) of the prompt's L, for the
-  whole decode (in the KV cache, `KVCache.strategy_state`); in decode each reuse layer attends the union of its
-  anchor's Top-k and that set (duplicates once), the keys written in decode left to `recent_window`. Anchors keep
-  their own selection only. Cost: s L keys more per reuse layer and step, no extra pass. Why: on the 0.5B each
-  layer's own decode Top-10% is at dense accuracy, its anchor's loses about 2 points, and the prompt's last tile
-  holds the question (results/accuracy/NOTES.md, "A lever for a later session").
+Recipe levers, all off by default (the paper's method). What each measured, and why it exists:
+results/accuracy/NOTES.md.
+- `sink_tokens` / `recent_window`: every anchor's selection always holds the first `sink_tokens` keys and the
+  `recent_window` keys just before the query (decode) or the query tile (prefill), forced into the Top-k: they
+  count against the budget k (no extra keys), reuse layers inherit them through the head map, and their sum must
+  not exceed `min_k`, so they always fit.
+- `dense_suffix`: in prefill the last `dense_suffix` prompt tokens of every sequence attend densely in every layer
+  (cost: about dense_suffix / L of a dense prefill's attention).
+- `local_window` (prefill): the `local_window` keys just before every query tile are forced into each anchor's
+  selection *on top of* the budget, so every reuse layer attends a dense neighbourhood plus the anchor's Top-k.
+- `prefill_topk_frac` / `decode_topk_frac`: the budget fraction of one phase (None = `topk_frac`), so one phase's
+  quality can be bought without slowing the other.
+- `prefill_dense_anchors`: in prefill every anchor outputs dense causal attention (as layer 0) and still selects
+  its Top-k for the reuse layers (one P.V product more; the full softmax is computed anyway).
+- `decode_rerank` (C, 1 = off): in decode each anchor selects C x the budget as candidates, and each reuse layer
+  attends its own Top-k of them by its own pooled scores (the anchor's forced keys kept): C k K rows and k V rows
+  read. `decode_rerank_layers` (None = every reuse layer) limits it to those layers; the others read the first k
+  of the candidates, which the anchor orders by its own scores.
+- `decode_tail_stride` (S, 0 = off): in decode every sparse layer also attends the keys at multiples of S that it
+  did not select, each weighted by S (a softmax term plus log S), an estimate of the unselected mass (1/S of the
+  keys more). `decode_tail_cap`: a sampled key whose logit reaches the row's lightest selected key counts once.
+- `decode_dense_layers` (None = off): these layers output dense attention in decode (negative entries count from
+  the end); a listed anchor still selects for the layers after it, a listed reuse layer hands its anchor's state
+  on; neither reranks nor takes the sampled tail.
+- `decode_prefill_keys` (s, 0 = off; needs `decode_only`): at the end of the dense prefill every reuse layer keeps
+  its own Top-s' of the keys the prompt's last `tile_size` queries attend (pooled as `pool` says; s' = min(max(
+  floor(s L), 32), L)) in the KV cache (`KVCache.strategy_state`), and in decode attends the union of its
+  anchor's Top-k and that set (s L keys more per reuse layer and step, no extra pass).
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """

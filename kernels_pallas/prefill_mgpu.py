@@ -13,7 +13,7 @@ Decisions: wgmma accumulators start at zero (`run_scoped` ACC) and the PV produc
 registers, and in interpret mode P goes to wgmma through shared memory: the Mosaic GPU interpreter of JAX 0.11.2
 handles neither `run_state` (pre-initialised accumulators) nor a wgmma operand held in registers. On a GPU P stays
 in registers (`p_in_regs`). Scope: batch 1, q_start 0, kv_len = q_len, q_len a multiple of the blocks; everything
-else raises ValueError so that callers keep the Triton path (`supported`). `supported` checks lengths on the host;
+else raises ValueError so that callers keep the Triton path (`supported`). `supported` checks q_start on the host;
 `prefill.anchor_prefill` calls these kernels for any chunk at position 0, whatever its kv_len (traced or not): the keys
 past the chunk are never visible from there, and padding rows get an infinite LSE, which takes them out of the
 pooled scores.
@@ -74,7 +74,7 @@ def _interpret_params(interpret):
     return interpret or None
 
 
-def unsupported_reason(q, k, tile_size=None, *, q_start=None, kv_len=None, tuning: MgpuTuning | None = None):
+def unsupported_reason(q, k, tile_size=None, *, q_start=None, tuning: MgpuTuning | None = None):
     """None if these operands are in scope, else a one-line reason naming the parameter."""
     tuning = tuning or DEFAULT_TUNING
     if q.ndim != 4 or k.ndim != 4:
@@ -97,20 +97,18 @@ def unsupported_reason(q, k, tile_size=None, *, q_start=None, kv_len=None, tunin
         return f"q_len must be a multiple of {blk}, got {t}"
     if tile_size is not None and tile_size not in _TILE_SIZES:
         return f"tile_size must be one of {_TILE_SIZES}, got {tile_size}"
-    for name, v, want in (("q_start", q_start, 0), ("kv_len", kv_len, t)):
-        if v is None:
-            continue
-        if isinstance(v, jax.core.Tracer):
-            return f"{name} must be concrete (host-checkable), got a tracer"
-        vv = np.asarray(v)  # host-side: under a jit trace a jnp op on a concrete array is staged (a tracer)
-        if vv.size != b or int(vv.reshape(-1)[0]) != want:
-            return f"{name} must be [{want}], got {v}"
+    if q_start is not None:  # (kv_len is no condition: see the module docstring)
+        if isinstance(q_start, jax.core.Tracer):
+            return "q_start must be concrete (host-checkable), got a tracer"
+        qs = np.asarray(q_start)  # host-side: under a jit trace a jnp op on a concrete array is staged (a tracer)
+        if qs.size != b or int(qs.reshape(-1)[0]) != 0:
+            return f"q_start must be [0], got {q_start}"
     return None
 
 
-def supported(q, k, tile_size=None, *, q_start=None, kv_len=None, tuning: MgpuTuning | None = None) -> bool:
+def supported(q, k, tile_size=None, *, q_start=None, tuning: MgpuTuning | None = None) -> bool:
     """Whether `flash_lse` / `pooled_scores` take these operands (else keep the Triton path)."""
-    return unsupported_reason(q, k, tile_size, q_start=q_start, kv_len=kv_len, tuning=tuning) is None
+    return unsupported_reason(q, k, tile_size, q_start=q_start, tuning=tuning) is None
 
 
 def _check(q, k, tile_size=None, tuning=None):

@@ -42,7 +42,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
                                      resources={"metadata": {"path": str(ROOT / "notebooks")}})
     client.execute()
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    assert "anchors chosen by the DP:" in text and "[kascade]" in text and "M=5: anchors [0," in text, text
+    assert "anchors of the recipe: (0, 2, 8, 18, 21, 24) decode budget: 0.3" in text and "[kascade]" in text and "M=5: anchors [0," in text, text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells if c.cell_type == "code" for o in c.outputs), "no S heatmap"
     assert "niah_single_2" in text and "kascade" in text.split("niah_single_2", 1)[1], text

@@ -1,1 +1,2 @@
-"""Benchmark machinery shared by the experiments/ front ends (issue 24: benchmarks as a library)."""
+"""Benchmark machinery (what is timed, how runs are stored and resumed, tables and plots) behind the experiments/
+benchmark front ends."""

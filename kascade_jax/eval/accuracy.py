@@ -10,8 +10,8 @@ included with score 0). Cells are (model, context length, split, strategy, confi
 A cell without its dense twin (same model, length, split, task and prompt indices) gets no difference.
 
 Also here: the recipe choice on the development split (`choose_recipe`): the fastest candidate within
-`within_dense` points of dense (issue 21's rule), or issue 17's rule (the best dev score within `max_slowdown` of the
-paper recipe's speed). The speed model is `attention_cost`: per-layer kernel ratios to cuDNN, the constants below or
+`within_dense` points of dense, or without `within_dense` the best dev score within `max_slowdown` of the paper
+recipe's speed. The speed model is `attention_cost`: per-layer kernel ratios to cuDNN, the constants below or
 those measured at the model's own shape (`bench_ratios`).
 
 Deliberately not here: running evaluations (`suite`), plotting beyond the two report figures.
@@ -42,12 +42,12 @@ def load_examples(run_dirs) -> list[dict]:
     """Every example record of the runs (examples.jsonl, or .gz), with the run's model and split attached. A run with
     another sample seed than 0 (`--seed`) draws other prompts under the same indices: its split is labelled
     `<split>-seed<N>`, so it pairs with its own dense cell and never with seed 0's (a replicate)."""
-    from kascade_jax.eval.report import examples_path, iter_examples, read_json  # noqa: PLC0415
+    from kascade_jax.eval.report import examples_path, iter_examples, read_results_file  # noqa: PLC0415
 
     out = []
     for d in run_dirs:
         d = Path(d)
-        res = read_json(d / "results.json")
+        res = read_results_file(d / "results.json")
         env = res.get("environment", {})
         split = "dev" if "--split=dev" in env.get("command", "") else "test"
         seed = (res.get("spec") or {}).get("seed")

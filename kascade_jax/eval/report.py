@@ -68,7 +68,7 @@ def check_output_dir(output_dir: str, *, overwrite: bool = False, resume: bool =
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is an existing file, not an output directory: choose another "
                          f"--output_dir (no flag deletes it)")
-    _check_writable(output_dir, "--output_dir")
+    check_writable(output_dir, "--output_dir")
     if not os.path.isdir(output_dir) or not os.listdir(output_dir):
         return
     if overwrite:
@@ -82,7 +82,7 @@ def check_output_dir(output_dir: str, *, overwrite: bool = False, resume: bool =
                          f"--output_dir")
 
 
-def _check_writable(path: str, flag: str) -> None:
+def check_writable(path: str, flag: str) -> None:
     """Create `path` (a folder) if needed and check that a file can be written there, so a run fails now, not after
     its first block."""
     try:
@@ -91,6 +91,8 @@ def _check_writable(path: str, flag: str) -> None:
         with open(probe, "w"):
             pass
         os.remove(probe)
+    except FileExistsError:
+        raise ValueError(f"{flag} {path!r} is a file, not a folder") from None
     except OSError as e:
         raise ValueError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
 
@@ -122,9 +124,19 @@ def read_results(output_dir: str) -> tuple[dict | None, list[dict]]:
     path = os.path.join(output_dir, "results.json")
     if not os.path.isfile(path):
         return None, []
-    data = read_json(path)
+    data = read_results_file(path)
     ex = examples_path(output_dir)
     return data, [r for _, r in iter_examples(ex)] if ex else []
+
+
+def read_results_file(path) -> dict:
+    """A results.json as written here (a JSON object, its `rows` a list), or one line naming the file."""
+    data = read_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("rows", []), list):
+        what = f"a JSON {type(data).__name__}" if not isinstance(data, dict) else "rows that are not a list"
+        raise ValueError(f"{path} is not an experiments.eval results file (it holds {what}, not an object with a "
+                         "list of rows)")
+    return data
 
 
 def read_json(path) -> Any:

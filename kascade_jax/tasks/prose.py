@@ -6,7 +6,7 @@ stdlib modules, split into sentences. The text is the same on every machine runn
 version (the project pins 3.12), so the prompts are reproducible.
 
 Sentences that look like code (doctest prompts, braces, `=`/`()` heavy lines) are dropped: SmolLM2 started
-writing Python when the filler was code-like (docs/smollm2.md §8). This module does not tokenize.
+writing Python when the filler was code-like. This module does not tokenize.
 """
 
 from __future__ import annotations

@@ -247,6 +247,44 @@ def test_eval_names_the_bad_flag_before_loading(tmp_path, flags, message):
     _one_line_error(res, message)
 
 
+# An entry point whose model "loads" at once: a stand-in tokenizer (one token a word, 5 of chat markup) and no model,
+# so a check that runs between the load and the model's first use is probed without loading SmolLM2.
+STUB_LOAD = """
+import runpy, sys
+import models
+class Tok:
+    def encode(self, text): return list(range(len(text.split())))
+    def decode(self, ids): return " ".join("w" for _ in ids)
+    def encode_chat(self, messages): return list(range(len(messages[0]["content"].split()) + 5))
+def load_model(*a, **kw):
+    print("model loaded", file=sys.stderr, flush=True)
+    return None, Tok()
+models.load_model = load_model
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("args,message", [
+    (["experiments.generate", "--prompt=a b c", "--strategy=kascade", "--dense_suffix=8"],
+     "--dense_suffix: default*: dense_suffix=8 covers the whole prompt of 8 tokens"),
+    (["experiments.generate", "--prompt=a b c", "--nochat", "--strategy=decode_only", "--recipe=paper",
+      "--local_window=3"], "--local_window: paper*: local_window=3 covers the whole prompt of 3 tokens"),
+    (["experiments.kascade_agreement", "--doc_tokens=20", "--dense_suffix=40", "--out=OUT"],
+     "--dense_suffix: default*: dense_suffix=40 covers the whole prompt of 33 tokens"),
+])
+def test_a_lever_that_covers_the_whole_prompt_is_refused_by_name(tmp_path, args, message):
+    """--dense_suffix / --local_window at least the prompt's length leave no sparse prefill: refused by name once the
+    prompt's tokens are known, before the strategy is built (a calibration) or a dense pass runs."""
+    args = [a.replace("OUT", str(tmp_path / "agree")) for a in args]
+    res = _run("-c", STUB_LOAD, *args, "--model=smollm2-135m")
+    assert res.returncode == 2 and res.stderr.splitlines()[0] == "model loaded", res.stderr[-2000:]
+    assert res.stderr.splitlines()[1:] == [res.stderr.splitlines()[-1]] and message in res.stderr, res.stderr[-2000:]
+    res = _run("-m", "experiments.speed", "--model=/nonexistent/model", "--strategy=kascade", "--prompt_len=64",
+               "--dense_suffix=64")  # speed knows its prompt length before the model loads
+    _one_line_error(res, "--dense_suffix: default*: dense_suffix=64 covers the whole prompt at --prompt_len=64")
+
+
 def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
     """Issue 24's probes: defaults write under runs/, existing results need --overwrite, damaged or wrong files are
     named, nonsense values are refused, all before any model loads (the model given here cannot load)."""
@@ -270,16 +308,33 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
     (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 8)
     (tmp_path / "agree.json").write_text("{}")
     (tmp_path / "pinned.json").write_text('{"num_anchors": 4, "anchors": [0, 2, 8, 18, 21]}')
+    listed = tmp_path / "listed"  # a results.json that is valid JSON but not an object
+    listed.mkdir()
+    (listed / "results.json").write_text("[]")
+    (listed / "examples.jsonl").write_text("")
+    a_file = tmp_path / "a_file"  # an output path under an ordinary file cannot be written
+    a_file.write_text("x")
     nomodel = "--model=/nonexistent/model"
     cases = [
         (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={out}"],
          ["--out_dir would replace", "summary.json", "--overwrite"]),
         (["-m", "experiments.accuracy", f"--inputs={synthetic}", f"--out_dir={tmp_path / 'a2'}"],
          ["no real-RULER results"]),
+        (["-m", "experiments.accuracy", f"--out_dir={tmp_path / 'a7'}"], ["--inputs: give the experiments.eval"]),
         (["-m", "experiments.accuracy", f"--inputs={corrupt}", f"--out_dir={tmp_path / 'a3'}"],
          [f"{corrupt / 'results.json'} is not valid JSON"]),
         (["-m", "experiments.accuracy", "--mode=choose", f"--inputs={eval_dir}", "--model=m", "--num_layers=2",
           f"--out={tmp_path / 'bad.json'}"], ["--out would replace", "bad.json"]),
+        (["-m", "experiments.accuracy", f"--inputs={listed}", f"--out_dir={tmp_path / 'a6'}"],
+         [f"{listed / 'results.json'} is not an experiments.eval results file (it holds a JSON list"]),
+        (["-m", "experiments.eval", nomodel, "--resume", f"--output_dir={listed}"],
+         [f"{listed / 'results.json'} is not an experiments.eval results file"]),
+        (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={a_file / 'acc'}"],
+         ["--out_dir: the folder", "cannot be written: Not a directory"]),
+        (["-m", "experiments.speed", nomodel, f"--out={a_file / 'speed.json'}"],
+         ["--out: the folder", "a_file' is a file, not a folder"]),
+        (["-m", "experiments.kascade_agreement", nomodel, f"--out={a_file / 'sub' / 'agree'}"],
+         ["--out: the folder", "cannot be written: Not a directory"]),
         (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={tmp_path / 'a4'}",
           "--speed_bench=qwen2.5-coder-1.5b:/nonexistent.json"], ["--speed_bench entries are MODEL:DECODE_JSON:PREFILL"]),
         (["-m", "experiments.accuracy", f"--inputs={eval_dir}", f"--out_dir={tmp_path / 'a5'}",
@@ -301,6 +356,12 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
          ["--decode_short_select takes N[wW][dD]"]),
         (["-m", "experiments.bench", "--phase=decode", "--decode_short_select=16384x"],
          ["--decode_short_select takes N[wW][dD]"]),
+        (["-m", "experiments.bench", "--phase=decode", "--decode_contexts=8192,abc"],
+         ["--decode_contexts takes positive integers"]),
+        (["-m", "experiments.bench", "--phase=decode", "--decode_topk_fracs=0.1,x"],
+         ["--decode_topk_fracs takes numbers in (0, 1]"]),
+        (["-m", "experiments.bench", "--phase=prefill", "--prefill_sweep_contexts=32k"],
+         ["--prefill_sweep_contexts takes positive integers"]),
         (["-m", "experiments.speed", nomodel, f"--out={tmp_path}"], ["is a directory"]),
         (["-m", "experiments.speed", nomodel, f"--out={tmp_path / 'agree.json'}"], ["--out would replace"]),
         (["-m", "experiments.kascade_agreement", nomodel, "--doc_tokens=0"], ["--doc_tokens"]),

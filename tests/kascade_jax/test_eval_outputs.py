@@ -276,6 +276,17 @@ def test_merge_replaces_only_an_earlier_merge_and_stays_partial(tmp_path):
         assert _json(merged)["environment"]["partial"] and _csv_status(merged) == {"partial"}
         assert not (merged / "fidelity_mass_by_layer.png").exists()  # no stale plot beside the new numbers
         merge_eval.main([])  # an earlier merge is rebuilt
+    before = (merged / "results.json").read_text()
+    for name, text, message in (("bad", "{bad", r"bad/results.json is not valid JSON \(line 1"),
+                                ("lst", "[]", r"lst/results.json is not an experiments.eval results file \(it holds "
+                                              r"a JSON list"),
+                                ("norows", "{}", r"norows/results.json holds no rows")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(text)
+        with flagsaver.flagsaver(inputs=[str(a), str(tmp_path / name)], merged_dir=str(merged), overwrite=True):
+            with pytest.raises(ValueError, match=message):  # named, and the earlier merge is left whole
+                merge_eval.main([])
+        assert (merged / "results.json").read_text() == before and (merged / "summary.md").exists()
     with flagsaver.flagsaver(inputs=[str(a)], merged_dir=str(b), overwrite=True):
         with pytest.raises(ValueError, match=r"--merged_dir '.*b' holds the results of an eval run"):
             merge_eval.main([])
@@ -316,3 +327,34 @@ def test_decode_rerank_worst_reaches_every_recipe_of_the_eval(monkeypatch, tmp_p
         spec = _json(tmp_path / recipes)["spec"]
         assert [v["strategy_kwargs"][-1] for v in spec["variants"]][-1] == ["decode_rerank_layers",
                                                                              list(api.decode_rerank_layers)]
+
+
+def test_eval_kascade_is_the_apis_for_every_shipped_model_and_recipe(monkeypatch, tmp_path):
+    """experiments.eval builds its Kascade through its own flags (anchors, head map, recipe levers, variants): for
+    every shipped model and recipe it is kascade_jax.strategy_for's (the reference kernels, eval's default), as
+    tests/kascade_jax/test_api.py shows for generate's / speed's."""
+    import kascade_jax
+    from tests.kascade_jax.kj_helpers import shipped_model, strategy_record
+    from tests.kascade_jax.test_api import RECIPES, SHIPPED
+
+    import models
+
+    seen = []
+
+    def generate(model, tokenizer, prompts, strategy, key, max_len, limits, **kw):
+        if strategy.name == "kascade":
+            seen.append(strategy_record(strategy))
+        return [types.SimpleNamespace(text="nope", prompt_tokens=len(p), new_tokens=3, finish_reason="eos")
+                for p in prompts]
+
+    monkeypatch.setattr(harness, "_generate", generate)
+    for m in SHIPPED:
+        model = shipped_model(m)
+        model.config.max_position_embeddings = 4096
+        monkeypatch.setattr(models, "load_model", lambda *a, model=model, **kw: (model, TOK))
+        for recipe in RECIPES:
+            seen.clear()
+            run_cli(tmp_path / f"{m}-{recipe}", f"--model={m}", "--anchors=auto", "--strategies=kascade",
+                    f"--recipe={recipe}")
+            api = kascade_jax.strategy_for(model, recipe=recipe, kernels="reference", calibrate=False, verbose=False)
+            assert seen and all(s == strategy_record(api) for s in seen), (m, recipe, seen[:1], strategy_record(api))

@@ -124,7 +124,7 @@ def test_two_pass_chain_races_and_triton_lse_layout():
 
 @pytest.mark.parametrize("case,needle", [
     (dict(b=2), "batch"), (dict(t=192), "q_len"), (dict(d=96), "head_dim"), (dict(dtype=jnp.float32), "dtype"),
-    (dict(kv_len=64), "kv_len"), (dict(q_start=128), "q_start"), (dict(tile=8), "tile_size"),
+    (dict(q_start=128), "q_start"), (dict(tile=8), "tile_size"),
     (dict(kv_t=256), "kv_len"), (dict(hq=3), "q_heads"),
 ])
 def test_unsupported_raises_one_line(case, needle):
@@ -133,10 +133,9 @@ def test_unsupported_raises_one_line(case, needle):
     q = jnp.zeros((b, t, hq, d), dtype)
     k = jnp.zeros((b, case.get("kv_t", t), 2, d), dtype)
     tile = case.get("tile", 16)
-    qs, kl = case.get("q_start", 0), case.get("kv_len", t)
-    assert not M.supported(q, k, tile, q_start=jnp.asarray([qs]), kv_len=jnp.asarray([kl]))
-    if "q_start" in case or "kv_len" in case and "kv_t" not in case:
-        return  # (the kernels take no q_start / kv_len: only the predicate sees them)
+    assert not M.supported(q, k, tile, q_start=jnp.asarray([case.get("q_start", 0)]))
+    if "q_start" in case:
+        return  # (the kernels take no q_start: only the predicate sees it)
     with pytest.raises(ValueError, match=needle) as e:
         M.pooled_scores(q, k, jnp.zeros((b, hq, t), jnp.float32), tile)
     assert "\n" not in str(e.value)
@@ -144,20 +143,20 @@ def test_unsupported_raises_one_line(case, needle):
 
 
 def test_supported_under_jit():
-    """Inside a jit trace, lengths closed over as concrete arrays are still host-checkable (a jnp op on them would be
-    staged: session 20's GPU run failed so), and traced lengths are out of the host check's scope instead of raising
-    (`anchor_prefill` then picks the backend at run time)."""
+    """Inside a jit trace, a q_start closed over as a concrete array is still host-checkable (a jnp op on it would be
+    staged: session 20's GPU run failed so), and a traced one is out of the host check's scope instead of raising
+    (`anchor_prefill` then takes the Triton path unless the call says chunk_at_zero)."""
     q, k = jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-    qs, kl, bad = jnp.zeros((1,), jnp.int32), jnp.full((1,), 128, jnp.int32), jnp.full((1,), 64, jnp.int32)
+    qs, bad = jnp.zeros((1,), jnp.int32), jnp.full((1,), 64, jnp.int32)
     seen = {}
 
     def f(x, traced):
-        seen["closed"] = M.supported(q, k, 16, q_start=qs, kv_len=kl)
-        seen["closed_bad"] = M.supported(q, k, 16, q_start=qs, kv_len=bad)
-        seen["traced"] = M.supported(q, k, 16, q_start=qs, kv_len=traced)
+        seen["closed"] = M.supported(q, k, 16, q_start=qs)
+        seen["closed_bad"] = M.supported(q, k, 16, q_start=bad)
+        seen["traced"] = M.supported(q, k, 16, q_start=traced)
         return x
 
-    jax.jit(f)(jnp.zeros(()), kl)
+    jax.jit(f)(jnp.zeros(()), qs)
     assert seen == {"closed": True, "closed_bad": False, "traced": False}, seen
 
 

@@ -97,11 +97,12 @@ def test_prefill_sinks_and_window_full_selection_interpret():
 
 
 def test_decode_pre_softmax_interpret():
-    """pool="pre_softmax" in the Pallas decode: reference logit scores of the group's mean query (shifted to >= 0),
-    the Pallas select and reuse kernels; anchor layer 0 (dense_out) through the Pallas whole-cache pass."""
-    b, s, hq, kvh, d, frac, min_k, sinks, window = 2, 200, 6, 2, 64, 0.1, 8, 2, 3
+    """pool="pre_softmax" in the Pallas decode: reference logit scores of the group's mean query (shifted to >= 0,
+    which a short sequence needs: its budget reaches keys of negative logit), the Pallas select and reuse kernels;
+    anchor layer 0 (dense_out) through the Pallas whole-cache pass."""
+    b, s, hq, kvh, d, frac, min_k, sinks, window = 3, 200, 6, 2, 64, 0.1, 8, 2, 3
     q, k, v = _qkv(SEED + 2, b, 1, hq, kvh, d, s)
-    kv_len = jnp.asarray([s, 131], jnp.int32)
+    kv_len = jnp.asarray([s, 131, 10], jnp.int32)  # 8 of 10 keys: KV head 1 needs its best negative logit
     k_max = R.max_budget(s, frac, min_k)
     kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, pool="pre_softmax", sinks=sinks, window=window,
               impl="pallas", interpret=True)
