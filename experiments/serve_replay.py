@@ -54,7 +54,7 @@ from kascade_jax.bench.replay import (CPU_MAX_GB, RANDOM_SHAPES, Compiles, TimeL
                                       random_model_gb, replay, warm_up)
 
 REPLAY_LAYERS = flags.DEFINE_integer("replay_layers", 8, "Layers of a random:* model.", lower_bound=1)
-STRATEGIES = flags.DEFINE_list("replay_strategies", ["dense", "kascade"], "Strategies to replay (dense, kascade).")
+STRATEGIES = flags.DEFINE_list("strategies", ["dense", "kascade"], "Strategies to replay (dense, kascade).")
 NUM_REQUESTS = flags.DEFINE_integer("num_requests", 24, "Requests in the trace.", lower_bound=1)
 ARRIVAL_RATE = flags.DEFINE_float("arrival_rate", 8.0, "Poisson arrival rate, requests per second.", lower_bound=1e-6)
 MIN_PROMPT = flags.DEFINE_integer("min_prompt", 4096, "Shortest prompt (tokens).", lower_bound=1)
@@ -68,8 +68,10 @@ REPLAY_SEED = flags.DEFINE_integer("replay_seed", 0, "Trace seed.")
 REPLAY_OUT = flags.DEFINE_string("replay_out", "", "Folder for paged.json/paged.md (replay section); '' = log only.")
 # The model and Kascade flags are the shared ones of every entry point (experiments.common, recipe_flags): --model
 # (default here: random:llama3-8b), --dtype (default here: bfloat16 on a GPU, float32 elsewhere), --anchors,
-# --recipe, --topk_frac, --min_k, --tile_size, --chunk_size. The --replay_* spellings of earlier versions warn.
-for _old, _new in (("replay_model", "model"), ("replay_anchors", "anchors"), ("replay_topk_frac", "topk_frac"),
+# --recipe, --topk_frac, --min_k, --tile_size, --chunk_size; --strategies as in experiments.eval. The --replay_*
+# spellings of earlier versions warn.
+for _old, _new in (("replay_strategies", "strategies"), ("replay_model", "model"), ("replay_anchors", "anchors"),
+                   ("replay_topk_frac", "topk_frac"),
                    ("replay_min_k", "min_k"), ("replay_tile_size", "tile_size"), ("replay_dtype", "dtype"),
                    ("replay_chunk_size", "chunk_size")):
     cli.deprecated_alias(_old, _new)
@@ -101,7 +103,7 @@ def build_strategy(name: str, model, tok, spec: str):
     if name == "dense":
         return DenseStrategy()
     if name != "kascade":
-        raise ValueError(f"--replay_strategies takes dense and kascade (the strategies with paged decode), got {name!r}")
+        raise ValueError(f"--strategies takes dense and kascade (the strategies with paged decode), got {name!r}")
     if not spec.startswith("random:"):
         st = common.build_strategy("kascade", model, tok)
         common.print_strategy(st)
@@ -125,24 +127,27 @@ def main(argv):
     check_page_size(PAGE_SIZE.value)
     if MIN_PROMPT.value > MAX_PROMPT.value or MIN_NEW.value > MAX_NEW.value:
         raise ValueError("--min_prompt/--min_new must not exceed --max_prompt/--max_new")
+    spec = model_spec()
     for s in STRATEGIES.value:
         if s not in ("dense", "kascade"):
-            raise ValueError(f"--replay_strategies takes dense and kascade, got {s!r}")
+            raise ValueError(f"--strategies takes dense and kascade, got {s!r}")
     on_gpu = jax.default_backend() == "gpu"
     if REPLAY_OUT.value and not on_gpu:
         raise ValueError("--replay_out writes benchmark files: run on a GPU (CPU timings would mean nothing)")
     dtype = common.DTYPE.value if flags.FLAGS["dtype"].present else ("bfloat16" if on_gpu else "float32")
-    spec = model_spec()
     if "kascade" in STRATEGIES.value:  # --anchors and --recipe, before any model is built
         from kascade_jax.calibration.resolve import parse_anchors
 
-        parse_anchors(recipe_flags.ANCHORS.value, 1 << 20)
+        # a random model's depth is --replay_layers: its anchors are checked against it here
+        parse_anchors(recipe_flags.ANCHORS.value, REPLAY_LAYERS.value if spec.startswith("random:") else 1 << 20)
         from kascade_jax.registry import make_strategy
 
         make_strategy("kascade", 2, 1, anchors=(0,), topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value,
                       tile_size=common.TILE_SIZE.value)  # the budget flags (a dense pass would run first otherwise)
         if not spec.startswith("random:"):
             common.check_strategy_flags("kascade")
+            recipe_flags.check_levers_fit([common.recipe()], MIN_PROMPT.value,
+                                          f"of --min_prompt={MIN_PROMPT.value} tokens")
     ps = PAGE_SIZE.value
     max_len = MAX_PROMPT.value + MAX_NEW.value
     num_pages = NUM_PAGES.value or MAX_BATCH.value * pages_for(max_len, ps)
@@ -192,9 +197,13 @@ def main(argv):
         say(f"{desc}; {len(trace)} requests over {trace[-1][0]:.1f} s, prompts {MIN_PROMPT.value}-{MAX_PROMPT.value}, "
             f"max_batch {MAX_BATCH.value}, {num_pages} pages of {ps}; {sum(len(t[1]) for t in trace)} prompt tokens, "
             f"{sum(t[2] for t in trace)} new tokens" + (f"; time limit {limit:.0f} s" if limit else ""))
+        # Every strategy before any replay: a real model's may calibrate, or refuse --anchors for its depth, and a
+        # refusal must not come after a whole dense replay.
+        phase[0] = "building the strategies"
+        strategies = {name: build_strategy(name, model, tok, spec) for name in STRATEGIES.value}
         for name in STRATEGIES.value:
             phase[0] = f"{name}: building the engine"
-            strategy = build_strategy(name, model, tok, spec)
+            strategy = strategies[name]
             engine = Engine(model, tok, strategy, max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages,
                             max_len=max_len, chunk_size=common.CHUNK.value,
                             max_prefill_tokens_per_step=PREFILL_BUDGET.value)

@@ -61,7 +61,7 @@ SHARED_HELP = {
                           "--chunk_size", "--kernels", "--verbose"],
     "bench_e2e": ["--e2e_models", "--e2e_contexts", "--e2e_decode", "--e2e_strategies", "--mesh", "--verbose"],
     "bench_paged": ["--paged_contexts", "--paged_batches", "--paged_page_sizes", "--verbose"],
-    "serve_replay": ["--model", "--dtype", "--anchors", "--recipe", "--topk_frac", "--replay_strategies",
+    "serve_replay": ["--model", "--dtype", "--anchors", "--recipe", "--topk_frac", "--strategies",
                      "--num_requests", "--max_batch", "--page_size", "--verbose"],
 }
 

@@ -221,6 +221,26 @@ def test_replay_with_its_gpu_defaults_is_refused_on_a_cpu():
     assert serve_replay.random_model_gb("tiny", 2, "float32", 100, 16) < 0.01
 
 
+def test_replay_refuses_its_bad_flags_before_any_replay():
+    """Issue 24's probes of serve_replay, each refused in one line before any model is built: anchors past a random
+    model's --replay_layers (was: after the whole dense replay), a --dense_suffix that covers the shortest prompt (was:
+    silent), an unknown strategy under the shared --strategies; the old --replay_strategies spelling still works."""
+    tiny = ["-m", "experiments.serve_replay", "--model=random:tiny", "--num_requests=1", "--min_prompt=64",
+            "--max_prompt=64", "--min_new=1", "--max_new=1"]
+    for extra, want in ((["--replay_layers=2", "--anchors=0,5"], "anchor"),
+                        (["--strategies=dense,quest"], "--strategies takes dense and kascade"),
+                        (["--replay_strategies=dense,quest"], "--strategies takes dense and kascade")):
+        res = cli_fork.run(tiny + extra, cli_fork.ENV)
+        lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+        assert res.returncode != 0 and len(lines) == 1 and want in lines[0], (extra, res.stderr[-2000:])
+        assert "requests over" not in res.stdout, res.stdout  # the header prints once the model is built
+    res = cli_fork.run(["-m", "experiments.serve_replay", "--model=smollm2-135m", "--dense_suffix=100000",
+                        "--min_prompt=64", "--max_prompt=128", "--strategies=dense,kascade"], cli_fork.ENV)
+    assert res.returncode != 0 and "--dense_suffix" in res.stderr and "covers the whole prompt" in res.stderr, \
+        res.stderr[-2000:]
+    assert "requests over" not in res.stdout
+
+
 def test_replay_builds_no_program_after_its_warm_up():
     """The replay's compile count (issue 23: a compilation inside the timed replay stalls every running request;
     at the 8B shape one costs tens of seconds). After `warm_up` the replay builds no XLA program: not with chunked
