@@ -7,7 +7,7 @@
 Both apply the recipe (`kascade_jax.recipes`: its levers, anchor count and calibration fields), the DP anchors and
 head map of its calibration (shipped, else cached, else calibrated now with a printed notice), the budget
 (`topk_frac`, `min_k`) and the kernels (Pallas on a GPU, the pure-JAX references elsewhere), through the same
-`calibration.recipe_kascade` and `registry.make_strategy` that `experiments.common.build_strategy` uses.
+`calibration.resolve` and `registry.make_strategy` that `experiments.common.build_strategy` uses.
 """
 
 from __future__ import annotations

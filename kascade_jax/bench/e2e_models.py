@@ -225,7 +225,7 @@ def build_model(spec: ModelSpec, max_context: int, dtype, seed: int, log=print, 
         log(f"{spec.name}: random weights initialised on the device in {time.perf_counter() - t0:.1f} s")
         return (model, [note] if note else [], dict(anchors=spec.anchors, head_map=None), cfg.max_position_embeddings,
                 orig.max_position_embeddings)
-    from kascade_jax.calibration import recipe_kascade
+    from kascade_jax.calibration.resolve import recipe_kascade
     from models import load_model
 
     model, _ = load_model(spec.alias, "bfloat16", with_tokenizer=False)

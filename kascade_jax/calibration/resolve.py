@@ -9,7 +9,7 @@ under `<stem>-<digest of the key>.json`, so calibrations that differ in any key 
 Two ways in, one per kind of caller:
 - `resolve_recipe_flags`: the command lines (`experiments.common.build_strategy`, `experiments.eval`): `--anchors`
   / `--head_map` under a recipe, the one place a recipe's pinned anchors replace the DP's;
-- `recipe_kascade`: a library user or a script without those flags (`kascade_jax.strategy_for`, bench e2e): a
+- `recipe_kascade` (internal: users call `kascade_jax.strategy_for`, which uses it, as does bench e2e): a
   recipe (default: the model's shipped one) -> the make_strategy keywords (anchors, head map, levers), its
   calibration keyed by the recipe's `calib_dtype` whatever the run's dtype; calibrate=False never starts one.
 A test keeps the two equal for every shipped model and recipe (tests/kascade_jax/test_api.py).

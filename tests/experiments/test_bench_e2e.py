@@ -545,8 +545,8 @@ def test_prepared_programs_are_the_product_path(rng):
 
 
 def test_the_real_model_gets_its_shipped_recipe():
-    """What bench e2e builds for the real model: kascade_jax.calibration.recipe_kascade, never calibrating."""
-    from kascade_jax.calibration import recipe_kascade
+    """What bench e2e builds for the real model: calibration.resolve.recipe_kascade, never calibrating."""
+    from kascade_jax.calibration.resolve import recipe_kascade
     from kascade_jax.registry import make_strategy
 
     kw, note = recipe_kascade("qwen2.5-coder-1.5b", 28, 2, dtype="bfloat16", calibrate=False)
