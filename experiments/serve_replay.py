@@ -12,7 +12,7 @@ slot at the longest request), a warm-up pass (one short request per power-of-two
 shapes and the decode step are compiled before timing), then the timed replay in wall-clock time: a request is
 submitted once its arrival time has passed, and `Engine.step()` runs whenever anything is queued or active.
 
-Watching it (issue 23): the warm-up logs each bucket before and after (time, compilations); the replay logs a
+Watching it: the warm-up logs each bucket before and after (time, compilations); the replay logs a
 progress line every `--replay_progress_s` seconds (arrived / finished / running / queued requests, tokens, decode
 steps, compilations) and any compilation during the timed replay (there should be none); a watchdog thread logs a
 status line whenever the log has been quiet that long (e.g. "compiling jit(_prefill_chunk) for 95 s"), even while the
@@ -35,7 +35,7 @@ smoke runs), or any alias/path (then Kascade is what every entry point builds: `
 shipped one, with its levers and the anchors and head map of its calibration; `common.build_strategy`). A request whose
 prefill fails is counted in `failed_requests` (with `first_error`) and left out of the token metrics.
 
-Reduced default (the lead's ~5 GPU minutes): 8 layers, 24 requests, prompts 4K-16K (three prefill buckets), 32-96
+Reduced default (a few GPU minutes): 8 layers, 24 requests, prompts 4K-16K (three prefill buckets), 32-96
 new tokens, 8 req/s, max_batch 8; pass `--anchors=0,4` for a paper-like anchor share (2 of 8 layers). The issue's
 full setting: `--replay_layers=32 --num_requests=256 --min_prompt=2048 --max_prompt=65536 --max_batch=8` (K/V of 8 x 64K tokens x 32 layers = 68 GB plus 16 GB of weights; much longer to run).
 """
@@ -68,8 +68,8 @@ REPLAY_SEED = flags.DEFINE_integer("replay_seed", 0, "Trace seed.")
 REPLAY_OUT = flags.DEFINE_string("replay_out", "", "Folder for paged.json/paged.md (replay section); '' = log only.")
 # The model and Kascade flags are the shared ones of every entry point (experiments.common, recipe_flags): --model
 # (default here: random:llama3-8b), --dtype (default here: bfloat16 on a GPU, float32 elsewhere), --anchors,
-# --recipe, --topk_frac, --min_k, --tile_size, --chunk_size; --strategies as in experiments.eval. The --replay_*
-# spellings of earlier versions warn.
+# --recipe, --topk_frac, --min_k, --tile_size, --chunk_size; --strategies as in experiments.eval. The old --replay_*
+# spellings of these flags still work, with a warning.
 for _old, _new in (("replay_strategies", "strategies"), ("replay_model", "model"), ("replay_anchors", "anchors"),
                    ("replay_topk_frac", "topk_frac"),
                    ("replay_min_k", "min_k"), ("replay_tile_size", "tile_size"), ("replay_dtype", "dtype"),

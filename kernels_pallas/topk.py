@@ -21,7 +21,7 @@ read twice in full by wide grids and nothing serial touches more than ~1-2K elem
    missed window, or a sub-bucket over the buffer, takes the full-row fallback (exact, only ever slow; `pl.when`:
    free when not taken).
 Counts #(x < e) are summed as the sign bit of x - e: 2 int instructions per edge and key, where `acc + (x >= e)`
-compiles to 3. Timings and the earlier versions (dropped: slower, same results): benchmarks/notes_decode.md.
+compiles to 3. Timings, and the designs measured slower: benchmarks/notes_decode.md.
 
 Short rows (`select_topk_short`, decode caches up to `DecodeTuning.short_select_max` keys): one launch, one program
 per row holding the whole row in registers; bisection over its bits with no memory access inside the loop, then one

@@ -49,10 +49,10 @@ active slot filters. Stop strings end a request once its decoded text contains o
 is cut before it, `tokens` keep what was streamed).
 Chunked prefill between decode steps (`max_prefill_tokens_per_step=B`): an admitted request's prefill runs in the
 chunks of `models.generate.prefill_plan` (width `chunk_size`, else B), at most B prompt tokens a step (at least
-one chunk), FIFO, with one decode step of the running requests after them, so a 64K admission no longer stalls
+one chunk), FIFO, with one decode step of the running requests after them, so a 64K admission does not stall
 every running request for its whole prefill. A prefilling slot sits out the decode step (its page-table row is
 hidden, so the step cannot write into its pages). The chunks are the ones `prefill` runs, so the tokens are the
-same; B=None (default) prefills each admission whole, as before.
+same; B=None (default) prefills each admission whole.
 Not here: preemption or swapping, prefix sharing.
 """
 

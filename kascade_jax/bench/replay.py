@@ -1,10 +1,10 @@
-"""The serving replay's machinery (issue 23): random models in real shapes, a Poisson trace of ragged requests,
+"""The serving replay's machinery: random models in real shapes, a Poisson trace of ragged requests,
 and the wall-clock replay of a trace through the continuous-batching engine (`models.engine`) with its metrics.
 
 `experiments.serve_replay` is the front end (flags, strategies, the report). Kept apart so that it is importable
 without any entry point's flags. Deliberately not here: building strategies (the entry points' shared flags do).
 
-Watching a long run (issue 23: three H200 replays were lost with nothing in their logs past the header):
+Watching a long run (a replay that stalls or overruns a GPU lease must say where it is, and stop):
 `Compiles` counts the XLA programs built while it is entered (jax.monitoring's backend-compile events, by phase:
 "warm-up", "replay"), so a row records how many compiled before and during the timed replay (after the warm-up:
 none); `replay` and `warm_up` log their progress and stop at a `deadline` (`TimeLimit`, a row marked `stopped`);
