@@ -14,7 +14,8 @@ from models.tokenizer import Tokenizer, _from_gguf, load_tokenizer
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
-# /work/shared/docs/smollm2.md §5 (transformers 5.24 on the same GGUF).
+# The token ids transformers 5.24 gives for the same GGUF and chat (recorded once, offline; the parity goldens in
+# tests/golden/ are made the same way).
 CHAT_FRANCE_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
                    8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 FOX = "The quick brown fox jumps over the lazy dog."
