@@ -26,7 +26,9 @@ replay).
 Reports generated tokens/s over the makespan (first arrival to last token), TTFT p50/p99 (from the scheduled
 arrival, so queueing counts), time per output token (TPOT: per request, mean gap between its tokens after the
 first) p50/p99, decode steps and the mean number of active slots. `--replay_out=DIR` writes the "replay" section of
-DIR/paged.json and DIR/paged.md (experiments/paged_report.py); without it, only the log.
+DIR/paged.json and DIR/paged.md (experiments/paged_report.py): rows of one trace accumulate by strategy (one
+strategy per command is fine), a folder holding another trace's replay is refused before the run; without it, only
+the log.
 
 Models (`--model`, the flag of every entry point): `random:llama3-8b` (this command's default: random bf16 weights
 in the Llama-3.1-8B shape, 32/8 heads, d 128, hidden 4096, ffn 14336, vocab 128256, with `--replay_layers` layers;
@@ -194,6 +196,14 @@ def main(argv):
         max_len = pages_for(max_len, ps) * ps
         trace = make_trace(NUM_REQUESTS.value, ARRIVAL_RATE.value, MIN_PROMPT.value, MAX_PROMPT.value, MIN_NEW.value,
                            MAX_NEW.value, cfg.vocab, REPLAY_SEED.value)
+        trace_meta = dict(model=desc, num_requests=NUM_REQUESTS.value, arrival_rate=ARRIVAL_RATE.value,
+                          min_prompt=MIN_PROMPT.value, max_prompt=MAX_PROMPT.value, min_new=MIN_NEW.value,
+                          max_new=MAX_NEW.value, max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages,
+                          seed=REPLAY_SEED.value)
+        if REPLAY_OUT.value:  # its rows join a stored replay of the same trace; another trace: refused now
+            from kascade_jax.bench.paged import check_replay_target
+
+            check_replay_target(REPLAY_OUT.value, trace_meta)
         say(f"{desc}; {len(trace)} requests over {trace[-1][0]:.1f} s, prompts {MIN_PROMPT.value}-{MAX_PROMPT.value}, "
             f"max_batch {MAX_BATCH.value}, {num_pages} pages of {ps}; {sum(len(t[1]) for t in trace)} prompt tokens, "
             f"{sum(t[2] for t in trace)} new tokens" + (f"; time limit {limit:.0f} s" if limit else ""))
@@ -245,16 +255,23 @@ def main(argv):
             from experiments import paged_report
 
             meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                        gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv), model=desc,
-                        num_requests=NUM_REQUESTS.value, arrival_rate=ARRIVAL_RATE.value, min_prompt=MIN_PROMPT.value,
-                        max_prompt=MAX_PROMPT.value, min_new=MIN_NEW.value, max_new=MAX_NEW.value,
-                        max_batch=MAX_BATCH.value, page_size=ps, num_pages=num_pages, seed=REPLAY_SEED.value,
-                        topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value, anchors=recipe_flags.ANCHORS.value,
+                        gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv),
+                        **trace_meta, topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value, anchors=recipe_flags.ANCHORS.value,
                         recipe=recipe_flags.RECIPE.value, max_prefill_tokens_per_step=PREFILL_BUDGET.value,
                         time_limit_s=limit)
             if stopped:
                 meta["stopped"] = stopped
-            say(f"wrote {paged_report.update(REPLAY_OUT.value, 'replay', dict(meta=meta, rows=rows))}")
+            payload = dict(meta=meta, rows=rows)
+            try:
+                say(f"wrote {paged_report.update(REPLAY_OUT.value, 'replay', payload)}")
+            except ValueError as e:  # e.g. the file changed during the run: the measurement is kept beside it
+                import json
+                import os
+
+                path = os.path.join(REPLAY_OUT.value, f"replay_unmerged_{int(time.time())}.json")
+                with open(path, "w") as fh:
+                    json.dump(payload, fh, indent=1, default=str)
+                raise ValueError(f"{e}; this run's rows are in {path}") from None
     if stopped:
         print(f"STOPPED by --replay_time_limit: {stopped}" + (f"; not run: {', '.join(skipped)}" if skipped else ""),
               flush=True)

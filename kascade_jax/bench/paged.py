@@ -7,8 +7,9 @@ weighted Kascade time (the target: within 5%). `check` first compares every page
 
 The report (<out>/paged.json + paged.md + paged.png) is shared with the serving replay: each writer replaces only
 its own section ("kernels" or "replay") and the Markdown is rewritten from every section present, so the two can run
-in either order; the kernels section is merged by shape (`store.merge_paged_kernels`), never replaced, and a
-paged.json that cannot be read is an error (never silently overwritten).
+in either order. Neither is replaced: kernels rows merge by shape (`store.merge_paged_kernels`), replay rows of one
+trace by strategy and prefill budget (`store.merge_replay`; a replay of another trace is refused before it runs), and
+a paged.json that cannot be read is an error (never silently overwritten).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 
 from kascade_jax.bench import tables
 from kascade_jax.bench.decode import inputs
-from kascade_jax.bench.store import merge_paged_kernels, write_outputs
+from kascade_jax.bench.store import merge_paged_kernels, merge_replay, replay_conflict, write_outputs
 from kascade_jax.bench.timing import BenchShape, cupti_time
 
 STEM = "paged"
@@ -207,22 +208,38 @@ def run(contexts, batches, page_sizes, *, frac=0.1, min_k=128, iters=10, do_chec
     return rows
 
 
+def read(out_dir: str) -> dict:
+    """<out_dir>/paged.json's sections ({} if there is none); ValueError naming the file if it cannot be read."""
+    base = os.path.join(out_dir, STEM)
+    if not os.path.exists(base + ".json"):
+        return {}
+    try:
+        with open(base + ".json") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{base}.json exists but cannot be read ({type(e).__name__}: {e}); fix or move it "
+                         f"(it holds the other section)") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{base}.json: expected a JSON object of sections, got {type(data).__name__}")
+    return data
+
+
+def check_replay_target(out_dir: str, meta: dict) -> None:
+    """Before a replay runs: its rows could join <out_dir>/paged.json's replay section (same trace), else ValueError."""
+    conflict = replay_conflict(read(out_dir).get("replay"), meta)
+    if conflict:
+        raise ValueError(f"--replay_out={out_dir}: its paged.json holds a replay of another trace ({conflict}); "
+                         "write to another folder (rows of one trace accumulate by strategy)")
+
+
 def update(out_dir: str, section: str, payload: dict) -> str:
-    """Replace `section` ("kernels" | "replay") of <out_dir>/paged.json and rewrite paged.md and paged.png; returns the
-    md path."""
+    """Merge run `payload` into `section` of <out_dir>/paged.json ("kernels": rows by shape; "replay": rows of one
+    trace by strategy and prefill budget) and rewrite paged.md and paged.png; returns the md path."""
     if section not in ("kernels", "replay"):
         raise ValueError(f"section must be 'kernels' or 'replay', got {section!r}")
     base = os.path.join(out_dir, STEM)
-    data = {}
-    if os.path.exists(base + ".json"):
-        try:
-            with open(base + ".json") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{base}.json exists but cannot be read ({type(e).__name__}: {e}); fix or move it "
-                             f"(it holds the other section)") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{base}.json: expected a JSON object of sections, got {type(data).__name__}")
-    data[section] = merge_paged_kernels(data.get("kernels"), payload) if section == "kernels" else payload
+    data = read(out_dir)
+    merge = merge_paged_kernels if section == "kernels" else merge_replay
+    data[section] = merge(data.get(section), payload)
     write_outputs(out_dir, STEM, data, tables.paged_markdown(data), lambda path: tables.paged_plot(data, path))
     return base + ".md"

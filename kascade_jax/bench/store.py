@@ -126,6 +126,38 @@ def merge_paged_kernels(old: dict | None, new: dict) -> dict:
     return dict(new, rows=sorted(rows, key=order), not_measured=sorted(missing, key=order))
 
 
+# The replay section: one trace, its rows keyed by (strategy, max_prefill_tokens_per_step), so that strategies
+# replayed one per command (as a GPU lease needs) accumulate; another trace is refused before it runs.
+REPLAY_TRACE = ("model", "num_requests", "arrival_rate", "min_prompt", "max_prompt", "min_new", "max_new", "max_batch",
+                "page_size", "num_pages", "seed")
+
+
+def replay_conflict(old: dict | None, meta: dict) -> str | None:
+    """What makes `meta`'s trace another than the stored replay section `old`'s ("field old -> new, ..."), else None."""
+    m = (old or {}).get("meta") or {}
+    diff = [k for k in REPLAY_TRACE if k in m and k in meta and m[k] != meta[k]]
+    return ", ".join(f"{k} {m[k]!r} -> {meta[k]!r}" for k in diff) or None
+
+
+def merge_replay(old: dict | None, new: dict) -> dict:
+    """The replay section after run `new` of the same trace: its rows replace those of the same (strategy,
+    max_prefill_tokens_per_step), the others stay, each row keeping the date and command of its own run; meta is the
+    new run's. ValueError if the trace differs (the caller checks with `replay_conflict` before replaying)."""
+    for r in new.get("rows", []):
+        r.setdefault("date", new["meta"].get("date"))
+        r.setdefault("command", new["meta"].get("command"))
+    if not old or not old.get("rows"):
+        return new
+    conflict = replay_conflict(old, new["meta"])
+    if conflict:
+        raise ValueError(f"the stored replay is of another trace ({conflict}); write to another folder")
+    key = lambda r: (r.get("strategy"), r.get("max_prefill_tokens_per_step"))  # noqa: E731
+    latest = {key(r) for r in new.get("rows", [])}
+    kept = [dict(r, date=r.get("date", old["meta"].get("date")), command=r.get("command", old["meta"].get("command")))
+            for r in old["rows"] if key(r) not in latest]
+    return dict(new, rows=kept + list(new.get("rows", [])))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The end-to-end file: rows keyed by (model, metric, context, batch, mesh), one run per strategy
 # ---------------------------------------------------------------------------------------------------------------

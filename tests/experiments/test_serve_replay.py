@@ -70,6 +70,22 @@ def test_replay_and_report(tmp_path):
     md = paged_report.update(str(tmp_path), "replay", dict(meta=meta, rows=rows))
     text = open(md).read()
     assert "Continuous-batching replay" in text and "**2.00x**" in text
+    # One strategy per command (as a lease needs): a later run of the same trace replaces only its own row ...
+    again = dict(meta, date="d2", command="c2")
+    paged_report.update(str(tmp_path), "replay", dict(meta=again, rows=[dict(strategy="dense", **dict(
+        row, tokens_per_s=row["tokens_per_s"] / 2))]))
+    stored = json.loads((tmp_path / "paged.json").read_text())["replay"]
+    assert sorted((r["strategy"], r["date"], r["command"]) for r in stored["rows"]) == [("dense", "d2", "c2"),
+                                                                                        ("kascade", "d", "c")]
+    assert "**4.00x**" in open(md).read()
+    # ... and a replay of another trace is refused before it runs (the stored rows untouched)
+    before = (tmp_path / "paged.json").read_text()
+    with pytest.raises(ValueError, match=r"another trace \(num_requests 5 -> 6\); write to another folder"):
+        paged_report.check_replay_target(str(tmp_path), dict(meta, num_requests=6))
+    paged_report.check_replay_target(str(tmp_path), dict(meta, command="c3"))  # same trace: fine
+    with pytest.raises(ValueError, match=r"another trace"):
+        paged_report.update(str(tmp_path), "replay", dict(meta=dict(meta, seed=2), rows=rows))
+    assert (tmp_path / "paged.json").read_text() == before
     assert set(json.load(open(tmp_path / "paged.json"))) == {"replay"}
     krow = dict(batch=8, context=32768, page_size=64, topk_frac=0.1)
     for i, n in enumerate(("dense", "A0", "A", "R", "weighted")):
