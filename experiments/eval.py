@@ -124,7 +124,7 @@ def main(argv):
     del argv
     from kascade_jax.eval import report, suite  # noqa: PLC0415
     from kascade_jax.eval.sections import fidelity_section, longbench_section  # noqa: PLC0415
-    from models import load_model  # noqa: PLC0415
+    from models import load_model, load_model_tokenizer  # noqa: PLC0415
 
     t_start = time.perf_counter()
     tasks = suite.expand_tasks(FLAGS.tasks)  # unknown tasks or a missing data package fail before the model loads
@@ -178,10 +178,12 @@ def main(argv):
             previous = (data.get("rows") or [], old_records, data.get("fidelity") or {})
     from kascade_jax.registry import KASCADE_FAMILY  # noqa: PLC0415
 
+    tokenizer = load_model_tokenizer(FLAGS.model)  # before the weights: every generated task fits the shortest context
+    suite.check_context_lengths(spec, tokenizer, "--context_lengths")
     if any(s in KASCADE_FAMILY for s in FLAGS.strategies):  # after every check that needs no model: an error is one line
         for r in recipes:
             recipe_flags.notify_untuned(r)
-    model, tokenizer = load_model(FLAGS.model, FLAGS.dtype, cache_dir=FLAGS.cache_dir)
+    model, _ = load_model(FLAGS.model, FLAGS.dtype, cache_dir=FLAGS.cache_dir, with_tokenizer=False)
     cfg = model.config
     anchors, head_map, note = resolve_anchor_flags(model, tokenizer, cfg.num_layers, cfg.kv_heads, recipe)
     note = f"{recipe.describe()}; {note}"

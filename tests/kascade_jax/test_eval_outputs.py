@@ -35,6 +35,7 @@ class Stubs:
 
         self.loads, self.calls, self.stop = 0, 0, None
         monkeypatch.setattr(models, "load_model", self.load)
+        monkeypatch.setattr(models, "load_model_tokenizer", lambda *a, **kw: TOK)
         monkeypatch.setattr(harness, "_generate", self.generate)
 
     def load(self, *a, **kw):
@@ -308,6 +309,7 @@ def test_decode_rerank_worst_reaches_every_recipe_of_the_eval(monkeypatch, tmp_p
     model = shipped_model("smollm2-135m")
     model.config.max_position_embeddings = 4096
     monkeypatch.setattr(models, "load_model", lambda *a, **kw: (model, TOK))
+    monkeypatch.setattr(models, "load_model_tokenizer", lambda *a, **kw: TOK)
 
     def generate(model, tokenizer, prompts, strategy, key, max_len, limits, **kw):
         seen[strategy.config.decode_rerank_layers] = strategy.config.decode_rerank
@@ -348,6 +350,7 @@ def test_eval_kascade_is_the_apis_for_every_shipped_model_and_recipe(monkeypatch
                 for p in prompts]
 
     monkeypatch.setattr(harness, "_generate", generate)
+    monkeypatch.setattr(models, "load_model_tokenizer", lambda *a, **kw: TOK)
     for m in SHIPPED:
         model = shipped_model(m)
         model.config.max_position_embeddings = 4096

@@ -279,6 +279,24 @@ def test_errors():
         ruler.generate_samples("vt", t, 1000, -1)
 
 
+@pytest.mark.parametrize("family,task,ctx", [pytest.param("ruler", "niah_single_1", 200, marks=needs_package),
+                                             pytest.param("ruler", "qa_2", 1000, marks=needs_package),
+                                             ("synthetic", "vt", 600)])
+def test_min_context_length_is_where_generate_sample_refuses(tok, family, task, ctx):
+    """`min_context_length` (experiments.eval checks it before a model loads) is the number generate_sample's
+    too-small error names, and exact: a generation budget that leaves the smallest prompt just room fits (real RULER:
+    through `_trim`'s cut, e.g. qa_2's bundled non-gold documents), one token more is refused. The budget changes no
+    sample content (the seed depends on the context length only), so this is one sample at its edge."""
+    mod = {"ruler": ruler, "synthetic": synthetic}[family]
+    smallest = mod.min_context_length(task, tok, ctx) - mod.get_task(task).max_new_tokens
+    edge = ctx - smallest
+    assert edge >= 1 and mod.min_context_length(task, tok, ctx, edge) == ctx
+    assert mod.generate_sample(task, tok, ctx, 0, max_new_tokens=edge)["prompt_tokens"] <= smallest
+    with pytest.raises(ValueError, match=rf"smallest prompt has {smallest} tokens, so context_length must be >= "
+                                         rf"{ctx + 1}$"):
+        mod.generate_sample(task, tok, ctx, 0, max_new_tokens=edge + 1)
+
+
 # ----------------------------------------------------------------------------- splits and disjointness
 
 @needs_package
