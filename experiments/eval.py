@@ -124,7 +124,7 @@ def main(argv):
     del argv
     from kascade_jax.eval import report, suite  # noqa: PLC0415
     from kascade_jax.eval.sections import fidelity_section, longbench_section  # noqa: PLC0415
-    from models import load_model, load_model_tokenizer  # noqa: PLC0415
+    from models import load_model, load_model_header  # noqa: PLC0415
 
     t_start = time.perf_counter()
     tasks = suite.expand_tasks(FLAGS.tasks)  # unknown tasks or a missing data package fail before the model loads
@@ -178,8 +178,9 @@ def main(argv):
             previous = (data.get("rows") or [], old_records, data.get("fidelity") or {})
     from kascade_jax.registry import KASCADE_FAMILY  # noqa: PLC0415
 
-    tokenizer = load_model_tokenizer(FLAGS.model)  # before the weights: every generated task fits the shortest context
-    suite.check_context_lengths(spec, tokenizer, "--context_lengths")
+    # before the weights: every length within the model's window, every generated task fits the shortest one
+    header, tokenizer = load_model_header(FLAGS.model)
+    suite.check_context_lengths(spec, tokenizer, "--context_lengths", window=header.max_position_embeddings)
     if any(s in KASCADE_FAMILY for s in FLAGS.strategies):  # after every check that needs no model: an error is one line
         for r in recipes:
             recipe_flags.notify_untuned(r)

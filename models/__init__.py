@@ -7,12 +7,19 @@ def load_model(name_or_path: str, dtype="float32", **kwargs):
     return _load(name_or_path, dtype, **kwargs)
 
 
-def load_model_tokenizer(name_or_path: str):
-    """The tokenizer `load_model(name_or_path)` returns, built the same way (from the checkpoint's header: GGUF
-    metadata, or a directory's config and tokenizer files) but without the weights: a caller checks its inputs with
-    it, then calls `load_model(..., with_tokenizer=False)`. (`models.tokenizer.load_tokenizer(name)` alone may pick
-    another file or config of a directory than the checkpoint does.)"""
+def load_model_header(name_or_path: str):
+    """(config, tokenizer) as `load_model(name_or_path)` builds them (from the checkpoint's header: GGUF metadata, or
+    a directory's config and tokenizer files), without the weights: a caller checks its inputs with them, then calls
+    `load_model(..., with_tokenizer=False)`. (`models.tokenizer.load_tokenizer(name)` alone may pick another file or
+    config of a directory than the checkpoint does.)"""
     from models.checkpoint import load_checkpoint
+    from models.config import ModelConfig
     from models.tokenizer import load_tokenizer
 
-    return load_tokenizer(name_or_path, load_checkpoint(name_or_path))
+    ckpt = load_checkpoint(name_or_path)
+    return ModelConfig.from_hf(ckpt.config, name=str(name_or_path)), load_tokenizer(name_or_path, ckpt)
+
+
+def load_model_tokenizer(name_or_path: str):
+    """The tokenizer of `load_model_header`."""
+    return load_model_header(name_or_path)[1]

@@ -334,10 +334,16 @@ def sized_tasks(spec: EvalSpec) -> list[str]:
     return tasks + [t for t in ruler.TASKS if "answers" in spec.tasks and t not in tasks]
 
 
-def check_context_lengths(spec: EvalSpec, tokenizer, flag: str = "context_lengths") -> None:
-    """Refuse the smallest of `spec.context_lengths` when sample 0 of a `sized_tasks` task does not fit it, naming the
-    most demanding task, before a model is needed (the check `generate_sample` makes when the samples are built,
-    which stays: it covers the other samples and lengths). Renders only each task's smallest prompt."""
+def check_context_lengths(spec: EvalSpec, tokenizer, flag: str = "context_lengths", window: int | None = None) -> None:
+    """Before a model is needed: refuse lengths past the model's `window` for the per-length tasks, and the smallest
+    of `spec.context_lengths` when sample 0 of a `sized_tasks` task does not fit it, naming the most demanding task
+    (the checks made when the samples are built stay: they cover the other samples and lengths). Renders only each
+    task's smallest prompt."""
+    if window is not None and any(family_of(t) in PER_LENGTH_FAMILIES for t in spec.tasks):
+        bad = [c for c in spec.context_lengths if c > window]
+        if bad:
+            raise ValueError(f"{flag}: {','.join(map(str, bad))} exceed the model's window of {window} tokens "
+                             "(max_position_embeddings)")
     ctx, short = min(spec.context_lengths), []
     for task in sized_tasks(spec):
         mod, name = (ruler, task) if family_of(task) == "ruler" else (synthetic, task.split(":", 1)[1])

@@ -303,6 +303,15 @@ def test_eval_refuses_a_too_small_context_before_the_model_loads(tmp_path, tasks
     assert m and int(m[2]) == int(m[1]) + 32 > 200, line
 
 
+def test_eval_refuses_a_context_past_the_model_window_before_the_model_loads(tmp_path):
+    """A --context_lengths value past the model's window (max_position_embeddings, from the checkpoint's header) is
+    refused before load_model (a stand-in that says so) runs; it used to come after the weights had loaded."""
+    res = _run("-c", STUB_LOAD, "experiments.eval", "--model=smollm2-135m", "--tasks=synthetic",
+               "--context_lengths=1024,100000", f"--output_dir={tmp_path / 'o'}")
+    assert _one_line_error(res) == ("error: --context_lengths: 100000 exceed the model's window of 8192 tokens "
+                                    "(max_position_embeddings)")
+
+
 def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
     """Issue 24's probes: defaults write under runs/, existing results need --overwrite, damaged or wrong files are
     named, nonsense values are refused, all before any model loads (the model given here cannot load)."""

@@ -18,6 +18,7 @@ from tests.kascade_jax.kj_helpers import FakeTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = FakeTokenizer()
+HEADER = types.SimpleNamespace(max_position_embeddings=4096)  # the stub model's window (`_model`)
 FLAGS = flags.FLAGS
 ARGS = ["--tasks=synthetic:niah_single_1", "--context_lengths=600", "--num_samples=2", "--batch_size=2",
         "--strategies=dense,kascade", "--max_new_tokens=8", "--anchors=", "--noprogress"]
@@ -35,7 +36,7 @@ class Stubs:
 
         self.loads, self.calls, self.stop = 0, 0, None
         monkeypatch.setattr(models, "load_model", self.load)
-        monkeypatch.setattr(models, "load_model_tokenizer", lambda *a, **kw: TOK)
+        monkeypatch.setattr(models, "load_model_header", lambda *a, **kw: (HEADER, TOK))
         monkeypatch.setattr(harness, "_generate", self.generate)
 
     def load(self, *a, **kw):
@@ -309,7 +310,7 @@ def test_decode_rerank_worst_reaches_every_recipe_of_the_eval(monkeypatch, tmp_p
     model = shipped_model("smollm2-135m")
     model.config.max_position_embeddings = 4096
     monkeypatch.setattr(models, "load_model", lambda *a, **kw: (model, TOK))
-    monkeypatch.setattr(models, "load_model_tokenizer", lambda *a, **kw: TOK)
+    monkeypatch.setattr(models, "load_model_header", lambda *a, **kw: (HEADER, TOK))
 
     def generate(model, tokenizer, prompts, strategy, key, max_len, limits, **kw):
         seen[strategy.config.decode_rerank_layers] = strategy.config.decode_rerank
@@ -350,7 +351,7 @@ def test_eval_kascade_is_the_apis_for_every_shipped_model_and_recipe(monkeypatch
                 for p in prompts]
 
     monkeypatch.setattr(harness, "_generate", generate)
-    monkeypatch.setattr(models, "load_model_tokenizer", lambda *a, **kw: TOK)
+    monkeypatch.setattr(models, "load_model_header", lambda *a, **kw: (HEADER, TOK))
     for m in SHIPPED:
         model = shipped_model(m)
         model.config.max_position_embeddings = 4096
