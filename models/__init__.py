@@ -19,7 +19,3 @@ def load_model_header(name_or_path: str):
     ckpt = load_checkpoint(name_or_path)
     return ModelConfig.from_hf(ckpt.config, name=str(name_or_path)), load_tokenizer(name_or_path, ckpt)
 
-
-def load_model_tokenizer(name_or_path: str):
-    """The tokenizer of `load_model_header`."""
-    return load_model_header(name_or_path)[1]
