@@ -72,7 +72,7 @@ from flax import nnx
 
 from models.attention import check_no_cache_state, check_supports_paged
 from models.generate import (CHUNK_MULTIPLE, _check_pages as check_pages, _check_room as check_room,
-                             _first_stop, _meta, _prefill_chunk as prefill_chunk_jit, check_sampling,
+                             _first_stop, _meta, check_sampling, prefill_chunk,
                              prefill_plan, trace_prefill_chunks)
 from models.paged import PageAllocator, PagedKVCache, check_page_size, pages_for, zero_pages
 
@@ -451,12 +451,8 @@ class Engine:
         plen = len(h.prompt_ids)
         view = self.cache.with_table(self._table[slot:slot + 1], np.zeros(1, np.int32))
         try:
-            # `generate.prefill_chunk`'s program, with the engine's split of the model (splitting it again for
-            # every chunk costs ~1 ms of host time per layer)
-            toks = jnp.asarray(h._toks[:, offset:offset + width])
-            plens = jnp.asarray([plen], jnp.int32)
-            logits, view, _ = prefill_chunk_jit(self._graphdef, self._params, toks, view, plens, offset, self.strategy,
-                                                offset == 0, False)
+            logits, view = prefill_chunk(self.model, h._toks[:, offset:offset + width], np.array([plen], np.int32),
+                                         view, self.strategy, offset, split=(self._graphdef, self._params))
         except Exception as err:  # e.g. a kernel bundle without paged decode: leave the engine consistent
             h._fail(err)
             self._release(slot)

@@ -149,11 +149,12 @@ def trace_prefill_chunks(model, batch: int, plan, cache, prompt_lens, strategy, 
                                   offset, strategy, False, all_logits)
 
 
-def prefill_chunk(model, chunk_tokens, prompt_lens, cache, strategy, offset: int, all_logits=False):
+def prefill_chunk(model, chunk_tokens, prompt_lens, cache, strategy, offset: int, all_logits=False, *, split=None):
     """One chunk of `prefill` (`prefill_plan`'s (offset, width), tokens [batch, width]): (logits, cache) with the
     logits of each row's last prompt token when it lies in this chunk (else of a clipped position), or
-    [batch, width, vocab] with all_logits; cache donated. The serving engine interleaves these with decode steps."""
-    graphdef, params = nnx.split(model)
+    [batch, width, vocab] with all_logits; cache donated. The serving engine interleaves these with decode steps.
+    split: the model's `nnx.split(model)` when the caller keeps one (a split costs host time per layer, per call)."""
+    graphdef, params = split if split is not None else nnx.split(model)
     logits, cache, _ = _prefill_chunk(graphdef, params, jnp.asarray(chunk_tokens, jnp.int32), cache,
                                       jnp.asarray(prompt_lens), offset, strategy, offset == 0, all_logits)
     return logits, cache
@@ -187,10 +188,10 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
     # The cache is donated chunk by chunk: trace every later chunk's program (its distinct width) before the first
     # runs, so a strategy that refuses one (a trace-time ValueError) fails before any buffer was donated.
     trace_prefill_chunks(model, b, plan, cache, prompt_lens, strategy, all_logits)
-    outs, last = [], None
+    outs, last, split = [], None, nnx.split(model)
     for offset, width in plan:
         logits, cache = prefill_chunk(model, toks[:, offset:offset + width], plens, cache, strategy, offset,
-                                      all_logits)
+                                      all_logits, split=split)
         if all_logits:
             outs.append(logits)
         else:
