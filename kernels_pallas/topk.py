@@ -404,8 +404,6 @@ def row_pad(keys: int, target_programs: int, rows: int, count_block: int = 2048)
     return chunks, chunks * count_block
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Short rows (decode caches up to DecodeTuning.short_select_max keys): one program per row, from registers.
 

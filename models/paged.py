@@ -178,10 +178,23 @@ def zero_pages(cache: PagedKVCache, pages) -> PagedKVCache:
     pages = [int(p) for p in pages]
     if not pages:
         return cache
-    ids = np.full(max(8, 1 << (len(pages) - 1).bit_length()), cache.num_pages, np.int32)  # padding: dropped
+    ids = np.full(_zero_width(len(pages)), cache.num_pages, np.int32)  # padding: dropped
     ids[:len(pages)] = pages
     k, v = _zero_pages(cache.k, cache.v, jnp.asarray(ids))
     return dataclasses.replace(cache, k=k, v=v)
+
+
+def _zero_width(n: int) -> int:
+    return max(8, 1 << (n - 1).bit_length())
+
+
+def warm_zero_pages(cache: PagedKVCache, max_pages: int) -> PagedKVCache:
+    """Compile `zero_pages` for every padded width of up to `max_pages` pages (all ids padding: nothing changes), so
+    that a step handing out that many pages at once builds no program."""
+    for w in sorted({_zero_width(n) for n in range(1, max(max_pages, 1) + 1)}):
+        k, v = _zero_pages(cache.k, cache.v, jnp.full((w,), cache.num_pages, jnp.int32))
+        cache = dataclasses.replace(cache, k=k, v=v)
+    return cache
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))

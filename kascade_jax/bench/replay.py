@@ -266,7 +266,7 @@ def warm_up(engine, min_prompt, max_prompt, vocab, *, log=None, deadline=None, c
     compilations), so a long compilation shows where it is. Raises `TimeLimit` if `deadline` (a `clock` time)
     passes before a bucket."""
     from models.engine import SamplingParams, _prefill_width
-    from models.paged import zero_pages
+    from models.paged import warm_zero_pages
 
     say = log if log is not None else (lambda _msg: None)
     if compiles is not None:
@@ -283,11 +283,5 @@ def warm_up(engine, min_prompt, max_prompt, vocab, *, log=None, deadline=None, c
         engine.run()
         say(f"  warm-up prompt {n}: {time.perf_counter() - t:.1f} s" +
             (f", {compiles.count() - c} compilations" if compiles is not None else ""))
-    # a decode step zeroes the new pages of every slot that crossed a page boundary, padded to a power of two >= 8
-    free = engine.allocator.free
-    k = 16
-    while k < 2 * engine.max_batch and k <= free:  # sizes 16.. the padding of max_batch (8: run by the buckets)
-        pages = engine.allocator.allocate(k)  # free pages: zeroing them is what handing them out does anyway
-        engine.cache = zero_pages(engine.cache, pages)
-        engine.allocator.release(pages)
-        k *= 2
+    # a decode step zeroes the new pages of every slot that crossed a page boundary at once
+    engine.cache = warm_zero_pages(engine.cache, engine.max_batch)
