@@ -29,6 +29,7 @@ from kascade_jax.eval import fidelity as fidelity_lib
 from kascade_jax.eval import harness, report
 from kascade_jax.registry import BUDGETED_BASELINES, KASCADE_FAMILY
 from kascade_jax.tasks import aa_lcr, aime, longbench, metrics, ruler, synthetic
+from kascade_jax.tasks import prompt as prompt_lib
 
 
 def expand_tasks(names) -> list[str]:
@@ -350,8 +351,8 @@ def check_context_lengths(spec: EvalSpec, tokenizer, flag: str = "context_length
         need = mod.min_context_length(name, tokenizer, ctx, spec.max_new_tokens, seed=spec.seed, split=spec.split,
                                       chat=spec.chat)
         if ctx < need:
-            short.append((need, f"{'RULER ' * (mod is ruler)}{task}", spec.max_new_tokens or
-                          mod.get_task(name).max_new_tokens))
+            short.append((need, f"{'RULER ' * (mod is ruler)}{task}",
+                          prompt_lib.answer_budget(mod.get_task(name).max_new_tokens, spec.max_new_tokens)))
     if short:
         need, label, max_new = max(short, key=lambda x: x[0])
         more = f" (the most demanding of {len(short)} tasks that do not fit)" if len(short) > 1 else ""

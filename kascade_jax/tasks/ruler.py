@@ -579,7 +579,6 @@ def _smallest_prompt(sm) -> int:
     return min(n, sm.render_text(_remove_spans(user, spans, len(spans))[0], prefix)[1]) if spans else n
 
 
-
 def min_context_length(task: str, tokenizer, context_length: int, max_new_tokens: int | None = None, *,
                        index: int = 0, seed: int = 0, split: str = "test", chat: bool = True) -> int:
     """`synthetic.min_context_length` for real RULER: the smallest prompt has the fewest haystack units and, where

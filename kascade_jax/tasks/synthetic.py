@@ -283,7 +283,6 @@ def _renderer(spec: RulerTask, tokenizer, context_length: int, index: int, seed:
     return s, render
 
 
-
 def min_context_length(task: str, tokenizer, context_length: int, max_new_tokens: int | None = None, *,
                        index: int = 0, seed: int = 0, split: str = "test", chat: bool = True) -> int:
     """The smallest context length that sample `index` of (task, context_length) fits: `generate_sample` with these
