@@ -56,9 +56,10 @@ class DecodeTuning:
     paged_mask: str = "none"
     # The anchors' Top-k: rows whose keys, padded to a power of two, are at most short_select_max take
     # topk.select_topk_short (one launch, the row in one program's registers) instead of the four-launch pipeline
-    # built for 128K rows; 0: never (the default until the H200 has timed it). short_select_warps 0: from the row
-    # (64 keys a thread); short_select_digit: bits decided per pass (1: bisection, one count per pass).
-    short_select_max: int = 0
+    # built for 128K rows; 0: never. 32768 by measurement (H200, 2026-12-05: A 1.11-1.24x faster at 16K, 1.00-1.04x
+    # at 32K, both Qwen shapes; benchmarks/NOTES.md). short_select_warps 0: from the row (64 keys a thread);
+    # short_select_digit: bits decided per pass (1: bisection, one count per pass; 2 measured no faster).
+    short_select_max: int = 32768
     short_select_warps: int = 0
     short_select_digit: int = topk.SHORT_DIGIT
 

@@ -23,6 +23,7 @@ from kernels_pallas import topk
 from tests.kernels_pallas.errors import row_err_global as _row_err
 
 SEED = 0
+FOUR = dec.DecodeTuning(short_select_max=0)  # the four-launch select (the default takes the short path to 32K keys)
 TOL = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}  # per-row error / output RMS
 
 
@@ -59,12 +60,13 @@ def _assert_same_selection(idx, ref_idx, scores, counts, kv_len):
                 assert gap <= 1e-4 * abs(sc[theirs].min()), (b, h, only_a, only_r, gap)
 
 
-def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa", interpret=True, full=True):
+def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa", interpret=True, full=True,
+                  tuning=dec.DEFAULT_TUNING):
     """Anchor (indices + sparse output) vs the references; with `full` also anchor-0 and reuse through a head map."""
     tol = TOL[jnp.dtype(dtype)]
     q, k, v, kv_len = _inputs(seed, b, s, hq, kvh, d, dtype, peaky)
     k_max = ref.max_budget(s, frac, min_k)
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, pool=pool, interpret=interpret)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, pool=pool, interpret=interpret, tuning=tuning)
     impl = "pallas"
     out, idx, counts = jax.jit(lambda *a: dec.anchor_decode(*a, impl=impl, **kw))(q, k, v, kv_len)
     ih = 1 if pool == "all" else kvh
@@ -94,6 +96,7 @@ def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa",
     dict(b=2, s=300, hq=6, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.1, min_k=16),  # group 3
     dict(b=2, s=203, hq=8, kvh=2, d=64, dtype=jnp.float16, peaky=False, frac=0.3, min_k=7, pool="all", full=False),
     dict(b=2, s=150, hq=8, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.2, min_k=5, full=False),
+    dict(b=2, s=300, hq=6, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.1, min_k=16, tuning=FOUR),
 ])
 def test_anchor_and_reuse_match_reference(case):
     _check_anchor(SEED, **case)
@@ -111,7 +114,7 @@ def test_select_window_path_exact(monkeypatch):
     counts = ref.decode_counts(kv_len, 0.2, 64)
     sc = jnp.where(jnp.arange(s)[None, None] < kv_len[:, None, None], jnp.asarray(sc), -jnp.inf)
     k_max = ref.max_budget(s, 0.2, 64)
-    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True))
+    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=FOUR))
     ref_idx = np.asarray(ref.select_topk_reference(sc, counts[:, None], k_max))
     for bi in range(b):  # identical sets, ties included (both take the lowest index first)
         assert set(idx[bi, 0][idx[bi, 0] >= 0].tolist()) == set(ref_idx[bi, 0][ref_idx[bi, 0] >= 0].tolist())
@@ -133,7 +136,7 @@ def _select_rows(rng, b, h, s, quantise):
 
 
 def _assert_exact(sc, kv_len, counts, k_max):
-    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True))
+    idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=FOUR))
     ref_idx = np.asarray(ref.select_topk_reference(sc, counts[:, None], k_max))
     n_valid = np.asarray(jnp.sum(jnp.isfinite(sc), axis=-1))
     for bi in range(idx.shape[0]):
@@ -231,15 +234,20 @@ def test_triton_modules_verify_for_sm90(triton_sm90_modules):
     q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
     kc = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b,), jnp.int32)
-    fn = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600, impl="pallas")
-    jax.jit(fn).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
-    fn0 = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600, impl="pallas",
-                                               dense_out=True)
-    jax.jit(fn0).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
-    assert len(verified) == 6 + 5  # stream, 4 select kernels, reuse; anchor-0 has no reuse
+    for tuning in (dec.DEFAULT_TUNING, dec.DecodeTuning(short_select_max=0)):  # the short select, the four launches
+        fn = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600, impl="pallas",
+                                                  tuning=tuning)
+        jax.jit(fn).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
+        fn0 = lambda q, k, v, l: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600, impl="pallas",
+                                                   dense_out=True, tuning=tuning)
+        jax.jit(fn0).trace(q, kc, kc, kv).lower(lowering_platforms=("cuda",))
+    # stream, select, reuse; anchor-0 has no reuse. The select: one kernel at 5000 keys by default, else four
+    assert len(verified) == (3 + 2) + (6 + 5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("peaky", [False, True])
-def test_gpu_realistic(peaky):
-    _check_anchor(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128, interpret=False)
+@pytest.mark.parametrize("four", [False, True])
+def test_gpu_realistic(peaky, four):
+    _check_anchor(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128, interpret=False,
+                  tuning=FOUR if four else dec.DEFAULT_TUNING)

@@ -23,6 +23,9 @@ from kernels_pallas import topk
 from tests.kernels_pallas.errors import row_err_global as _row_err
 
 
+FOUR = dec.DecodeTuning(short_select_max=0)  # the four-launch pipeline (the default takes the short path to 32K)
+
+
 def _short(s: int, **kw) -> dec.DecodeTuning:
     return dec.DecodeTuning(short_select_max=1 << (s - 1).bit_length(), **kw)
 
@@ -75,7 +78,7 @@ def test_short_select_exact(rng, s, kind, digit):
     tuning = _short(s, short_select_digit=digit)
     idx = np.asarray(dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=tuning))
     np.testing.assert_array_equal(idx, _model(bits, counts, k_max))
-    four = dec.select_topk(sc, kv_len, counts, k_max, interpret=True)  # the four-launch pipeline
+    four = dec.select_topk(sc, kv_len, counts, k_max, interpret=True, tuning=FOUR)
     assert _sets(idx) == _sets(four)
     n_valid = np.asarray(jnp.sum(bits >= 0, axis=-1))
     ref_idx = _sets(ref.select_topk_reference(jnp.where(jnp.isnan(sc), -jnp.inf, sc), counts[:, None], k_max))
@@ -127,7 +130,7 @@ def test_anchor_decode_short_on_off(rng, pool, sinks, window, dense_out):
               sinks=sinks, window=window, dense_out=dense_out)
     run = lambda t: jax.jit(lambda *a: dec.anchor_decode(*a, tuning=t, **kw))(q, k, v, kv_len)  # noqa: E731
     out_on, idx_on, cnt_on = run(_short(s))
-    out_off, idx_off, cnt_off = run(dec.DEFAULT_TUNING)
+    out_off, idx_off, cnt_off = run(FOUR)
     np.testing.assert_array_equal(np.asarray(cnt_on), np.asarray(cnt_off))
     assert _sets(idx_on) == _sets(idx_off)
     assert np.all((np.asarray(idx_on) >= 0).sum(-1) == np.asarray(cnt_on)[:, None])
@@ -183,5 +186,5 @@ def test_gpu_realistic(rng, b, s):
     k_max = ref.max_budget(s, 0.1, 128)
     idx = jax.jit(lambda *a: dec.select_topk(*a, k_max, tuning=_short(s)))(sc, kv_len, counts)
     np.testing.assert_array_equal(np.asarray(idx), _model(dec._scores_to_bits(sc, kv_len, 1), counts, k_max))
-    four = jax.jit(lambda *a: dec.select_topk(*a, k_max))(sc, kv_len, counts)
+    four = jax.jit(lambda *a: dec.select_topk(*a, k_max, tuning=FOUR))(sc, kv_len, counts)
     assert _sets(idx) == _sets(four)
