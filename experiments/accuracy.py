@@ -197,6 +197,11 @@ def main(argv):
                  "weighted attention speedups over cuDNN of its layer mix from the measured per-layer kernels at the "
                  "model's shape (decode at batch 32), where `--speed_bench` gave them. The baselines are accuracy "
                  "simulations without kernels.", ""]
+    into, pooled = accuracy.pooled_headline(examples, defaults, ruler_tasks=list(ruler.TASKS),
+                                            chosen={m: chosen_from(m) for m in models}, bench=bench)
+    if pooled:
+        text += [f"## Headline over every test draw ({into}; cells run on each draw, pooled, paired within each "
+                 "draw)", "", accuracy.headline_markdown(pooled), ""]
     text += ["## RULER 13-task average", "", accuracy.markdown_table(rows), ""]
     tmp = out_dir / "summary.md.tmp"
     tmp.write_text("\n".join(text))

@@ -666,6 +666,31 @@ def headline_rows(rows, defaults: dict, *, split: str = "test", chosen: dict | N
     return out
 
 
+def test_draws(examples) -> list[str]:
+    """The test split's draws present in `examples`: "test" first, then "test-seed<N>" by N."""
+    found = {r["split"] for r in examples if re.fullmatch(r"test(-seed\d+)?", r["split"])}
+    return sorted(found, key=lambda s: -1 if s == "test" else int(s.rsplit("seed", 1)[1]))
+
+
+def pooled_headline(examples, defaults: dict, *, ruler_tasks, chosen: dict | None = None, bench=None,
+                    reps: int = REPS) -> tuple[str, list[dict]]:
+    """The headline over every test draw at once: (the pooled split's name, e.g. "test+test-seed1", headline rows)
+    from the cells run on every draw (`pool_draws`: each prompt paired within its own draw); ("", []) with fewer
+    than two draws or no cell on all of them."""
+    draws = test_draws(examples)
+    if len(draws) < 2:
+        return "", []
+    into = "+".join(draws)
+    try:
+        pooled, _ = pool_draws(examples, draws, into=into)
+    except ValueError:  # no cell on every draw
+        return "", []
+    rows = summarize([r for r in pooled if r["split"] == into], ruler_tasks=ruler_tasks, reps=reps)
+    if bench:
+        rows = add_speed(rows, bench)
+    return into, headline_rows(rows, defaults, split=into, chosen=chosen)
+
+
 def headline_markdown(hrows) -> str:
     lines = ["| model | ctx | prompts | dense | default vs dense [95% CI] | default decode / prefill speedup | "
              "paper vs dense | best baseline vs dense |", "|---|---|---|---|---|---|---|---|"]

@@ -222,11 +222,13 @@ def test_shipped_defaults_help_lines():
     lines = shipped_defaults()
     assert len(lines) == len(list(RECIPE_DIR.glob("*.json"))) >= 3
     by = {line.split(":", 1)[0]: line for line in lines}
-    for m in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):  # session 15: dps_all, one selection shared by all heads
-        assert "decode_only pool=all" in by[m] and "vs dense on 260 prompts" in by[m]
-    assert "decode_topk_frac=0.3" in by["qwen2.5-coder-1.5b"]  # session 17: dps_all_dec30
+    for m in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):  # one selection shared by all heads, dense prefill
+        assert "decode_only pool=all" in by[m]
+    assert "decode_topk_frac=0.3" in by["qwen2.5-coder-1.5b"] and "vs dense on 260 prompts" in by["qwen2.5-coder-1.5b"]
+    # session 21: the 0.5B's dps_all_dec20, chosen on three pooled dev draws (780 prompts), tested on two (650)
+    assert "decode_topk_frac=0.2" in by["qwen2.5-coder-0.5b"] and "vs dense on 780 prompts" in by["qwen2.5-coder-0.5b"]
     assert "smol_p6_dec30 (M=6 pinned=0,2,8,18,21,24" in by["smollm2-135m"] and "not tuned" not in by["smollm2-135m"]
-    assert by["qwen2.5-coder-0.5b"].endswith("test -1.4 [-3.3, +0.4] vs dense on 325 prompts)")
+    assert by["qwen2.5-coder-0.5b"].endswith("test -0.9 [-2.1, +0.3] vs dense on 650 prompts)")  # blind
     # at its dev length; the test cell ran before the choice (its rule was written down first), and says so
     assert by["qwen2.5-coder-1.5b"].endswith("test -0.8 [-2.0, +0.3] vs dense on 325 prompts, known before the choice)")
     # session 19: SmolLM2's test cell ran after its choice (blind), so nothing is added to it
@@ -530,6 +532,31 @@ def test_compare_two_cells_per_split_and_pooled(rng):
         accuracy.compare(ex, "kascade:rr4", "kascade:dps", model="m", context=4096, splits=["dev"], ruler_tasks=TASKS)
     with pytest.raises(ValueError, match="no complete RULER cell 'dense'"):
         accuracy.compare(ex, "kascade:rr4", "dense", model="m", context=4096, splits=["dev"], ruler_tasks=TASKS)
+
+
+def test_the_pooled_headline_covers_every_test_draw(rng):
+    """The report's second headline: the default's cell on test and test-seed1 (each with its own dense) pooled, the
+    difference the mean of the two draws' (paired within each draw), on twice the prompts; a cell on one draw only
+    (the paper recipe here) is not run there; fewer than two draws give none."""
+    cfg = "k=0.1 anchors=0,1 head_map=identity recipe=default M=2 decode_only pool=all"
+    ex = []
+    for split, shift in (("test", -0.1), ("test-seed1", -0.3)):
+        base = _base(rng)
+        ex += _records(rng, "dense", "", base, split=split)
+        ex += _records(rng, "kascade", cfg, base, shift=shift, split=split)
+    ex += _records(rng, "kascade", "k=0.1 anchors=0,1 recipe=paper M=2", _base(rng), split="test")
+    want = {"m": "recipe=default M=2 decode_only pool=all"}
+    into, head = accuracy.pooled_headline(ex, want, ruler_tasks=TASKS, reps=300)
+    assert into == "test+test-seed1" and len(head) == 1
+    h = head[0]
+    assert h["n"] == h["default"]["n"] == 2 * 13 * 12 and h["paper"] is None
+    each = [next(r for r in accuracy.summarize([e for e in ex if e["split"] == sp], ruler_tasks=TASKS, reps=300)
+                 if r["task"] == "ruler_avg" and r["strategy"] == "kascade" and r["recipe"] == "default")
+            for sp in ("test", "test-seed1")]
+    assert h["default"]["diff_vs_dense"] == pytest.approx(sum(e["diff_vs_dense"] for e in each) / 2, abs=0.02)
+    assert accuracy.test_draws(ex + [dict(ex[0], split="test-seed10"), dict(ex[0], split="dev-seed1")]) == [
+        "test", "test-seed1", "test-seed10"]
+    assert accuracy.pooled_headline([e for e in ex if e["split"] == "test"], want, ruler_tasks=TASKS) == ("", [])
 
 
 def test_pool_draws_pairs_within_each_draw_and_keeps_only_cells_on_every_draw(rng):

@@ -43,9 +43,9 @@ def test_api_strategy_equals_the_cli_strategy():
             assert strategy_record(s) == from_cli[m + "|" + recipe], (m, recipe)
             if recipe != "paper":  # the recipe's levers reach the strategy (the notebook used to lose them)
                 assert s.config.sink_tokens == 4
-            if recipe == "default" and m.startswith("qwen"):  # dps_all: dense prefill, one selection for all heads
+            if recipe == "default" and m.startswith("qwen"):  # dps_all_dec*: dense prefill, one selection for all heads
                 assert s.config.decode_only and s.config.pool == "all" and s.config.head_map is None
-                assert s.config.decode_topk_frac == (0.3 if "1.5b" in m else None)  # the 1.5B: dps_all_dec30
+                assert s.config.decode_topk_frac == (0.3 if "1.5b" in m else 0.2)  # dps_all_dec30 / _dec20
             elif recipe == "candidate:dec20_ds512s":
                 assert s.config.dense_suffix == 512
             if recipe == "candidate:smol_p5":  # pinned anchors instead of the DP's, the calibration's head map
