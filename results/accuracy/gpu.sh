@@ -18,16 +18,16 @@
 #   bash results/accuracy/gpu.sh collect TGZ          results + filtered logs as TGZ.part0.. (15 MiB each; they stay in $HOME/acc)
 #   locally: cat <files_at>/acc.tgz.part* | tar xz -C DIR
 #
-# Plan files (results/accuracy/plan_*.txt): one job per line, "NAME COMMAND-ARGS" where the command is
-# `calibrate ...` (experiments.calibrate), `eval ...` (experiments.eval, output_dir = $HOME/acc/NAME) or `gputest
-# PYTEST-ARGS` (the GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench) or `pyg SCRIPT
-# ARGS` (a probe script such as tail_probe.py, on the GPU; write its --out under $ACC to collect it); lines after
-# a line "barrier" start only when every job before it has ended. Each eval writes its results after every block,
-# so a job stopped early keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into
-# 32 MiB chunks into .stage/<model>/ (git-ignored; q05 15, q15 34, smol 3); one call per chunk carries
-# .stage/<model>/part.NN. The tree travels with every call, so `gpu.sh carry_check` (here, before a lease) checks
-# tree + largest chunk < 64 MiB; committed runs keep their examples gzipped (`gzip -9n DIR/*/examples.jsonl`
-# before `git add`: the readers and `restore` take either) to keep the tree small.
+# Plan files (results/accuracy/plan_*.txt): one job per line, "NAME COMMAND-ARGS" where the command is `calibrate ...`
+# (experiments.calibrate), `eval ...` (experiments.eval, output_dir = $HOME/acc/NAME) or `gputest PYTEST-ARGS` (the
+# GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench) or `pyg SCRIPT ARGS` (a probe script
+# such as tail_probe.py, on the GPU; write its --out under $ACC to collect it); lines after a line "barrier" start
+# only when every job before it has ended. Each eval writes its results after every block, so a job stopped early
+# keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into 28 MiB chunks into
+# .stage/<model>/ (git-ignored; q05 17, q15 39, smol 4; the tree is 31 MiB); one call per chunk carries
+# .stage/<model>/part.NN. The tree travels with every call, so `gpu.sh carry_check` (here, before a lease) checks tree
+# + largest chunk < 64 MiB; committed runs keep their examples gzipped (`gzip -9n DIR/*/examples.jsonl` before `git
+# add`: the readers and `restore` take either) to keep the tree small.
 set -u
 ACC=$HOME/acc
 SITE=$HOME/site
