@@ -59,9 +59,13 @@ class DecodeTuning:
     # built for 128K rows; 0: never. 32768 by measurement (H200, 2026-12-05: A 1.11-1.24x faster at 16K, 1.00-1.04x
     # at 32K, both Qwen shapes; benchmarks/NOTES.md). short_select_warps 0: from the row (64 keys a thread);
     # short_select_digit: bits decided per pass (1: bisection, one count per pass; 2 measured no faster).
+    # short_select_rows: and only while the rows (batch x selection heads) are at most this many: one program a row
+    # is latency-bound, measured at 8-32 rows; past about one program per SM (132) the programs' passes queue,
+    # where the four launches scale with the bytes (the crossover is not yet measured).
     short_select_max: int = 32768
     short_select_warps: int = 0
     short_select_digit: int = topk.SHORT_DIGIT
+    short_select_rows: int = 128
 
     def __post_init__(self):
         if self.paged_mask not in PAGED_MASKS:
@@ -74,6 +78,8 @@ class DecodeTuning:
                              f"got {self.short_select_warps!r}")
         if self.short_select_digit not in (1, 2, 3):
             raise ValueError(f"short_select_digit must be 1, 2 or 3, got {self.short_select_digit!r}")
+        if not isinstance(self.short_select_rows, int) or self.short_select_rows < 1:
+            raise ValueError(f"short_select_rows must be an int >= 1, got {self.short_select_rows!r}")
         blocks = {"stream_block": self.stream_block}
         if self.reuse_block:  # 0 = automatic
             blocks["reuse_block"] = self.reuse_block
@@ -527,8 +533,9 @@ def _scores_to_bits(scores, kv_len, pad_to: int):
 
 def _select(bits_fn, kv_len, counts, k_max: int, rows: int, keys: int, interpret, tuning: DecodeTuning):
     """bits_fn(pad_unit) -> bits [batch, heads, keys padded to pad_unit]; returns idx [batch, heads, k_max].
-    Rows of at most `tuning.short_select_max` keys (padded to a power of two) take the one-launch select, unpadded."""
-    if _pow2_at_least(keys) <= tuning.short_select_max:
+    Rows of at most `tuning.short_select_max` keys (padded to a power of two), at most `tuning.short_select_rows` of
+    them, take the one-launch select, unpadded."""
+    if _pow2_at_least(keys) <= tuning.short_select_max and rows <= tuning.short_select_rows:
         return topk.select_topk_short(bits_fn(1), counts, k_max, digit=tuning.short_select_digit,
                                       warps=tuning.short_select_warps, interpret=interpret)
     chunks, unit = topk.row_pad(keys, tuning.target_programs, rows)

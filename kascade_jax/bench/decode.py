@@ -177,22 +177,26 @@ def pool_row(row: dict, dense, q, k, v, kv_len, frac, min_k, pools, iters, shape
     return row
 
 
-_SHORT_SPEC = re.compile(r"(\d+)(?:w(\d+))?(?:d(\d+))?")
+_SHORT_SPEC = re.compile(r"(\d+)(?:w(\d+))?(?:d(\d+))?(?:r(\d+))?")
 
 
 def short_select_tuning(spec: str, base=None):
-    """A --decode_short_select value N[wW][dD] -> `base` (default tuning) with short_select_max N and, if given,
-    short_select_warps W and short_select_digit D. ValueError if malformed or out of range (DecodeTuning's check)."""
+    """A --decode_short_select value N[wW][dD][rR] -> `base` (default tuning) with short_select_max N and, if given,
+    short_select_warps W, short_select_digit D and short_select_rows R. ValueError if malformed or out of range
+    (DecodeTuning's check)."""
     from kernels_pallas import decode as dec
 
     m = _SHORT_SPEC.fullmatch(str(spec).strip())
     if not m:
-        raise ValueError(f"a short select value is N[wW][dD] (e.g. 32768, 16384w16d2), got {spec!r}")
+        raise ValueError(f"a short select value is N[wW][dD][rR] (e.g. 32768, 16384w16d2, 32768r1024), "
+                         f"got {spec!r}")
     over = dict(short_select_max=int(m.group(1)))
     if m.group(2):
         over["short_select_warps"] = int(m.group(2))
     if m.group(3):
         over["short_select_digit"] = int(m.group(3))
+    if m.group(4):
+        over["short_select_rows"] = int(m.group(4))
     return dataclasses.replace(base or dec.DEFAULT_TUNING, **over)
 
 

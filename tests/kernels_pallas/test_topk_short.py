@@ -142,10 +142,29 @@ def test_short_select_tuning_is_checked():
                        (dict(short_select_max=131072), "short_select_max"),
                        (dict(short_select_max=-4), "short_select_max"),
                        (dict(short_select_warps=3), "short_select_warps must be 0"),
-                       (dict(short_select_digit=4), "short_select_digit must be 1, 2 or 3")):
+                       (dict(short_select_digit=4), "short_select_digit must be 1, 2 or 3"),
+                       (dict(short_select_rows=0), "short_select_rows must be an int >= 1")):
         with pytest.raises(ValueError, match=match):
             dec.DecodeTuning(**bad)
     assert dec.DecodeTuning(short_select_max=32768, short_select_warps=16, short_select_digit=2)
+
+
+def test_short_select_only_up_to_short_select_rows_rows():
+    """Rows (batch x selection heads) past `short_select_rows` take the four launches even when each row is short;
+    the bench's rR suffix sets the limit."""
+    from kascade_jax.bench.decode import short_select_tuning
+
+    sc = jax.ShapeDtypeStruct((4, 8, 1000), jnp.float32)
+    kv = jax.ShapeDtypeStruct((4,), jnp.int32)
+    for limit, want, not_want in ((32, "kascade_topk_short", "kascade_topk_sample"),
+                                  (31, "kascade_topk_sample", "kascade_topk_short")):
+        t = dec.DecodeTuning(short_select_rows=limit)
+        text = str(jax.make_jaxpr(lambda a, l, c: dec.select_topk(a, l, c, 100, tuning=t, interpret=True))(sc, kv, kv))
+        assert want in text and not_want not in text, limit
+    assert short_select_tuning("32768r1024").short_select_rows == 1024
+    assert short_select_tuning("32768").short_select_rows == dec.DEFAULT_TUNING.short_select_rows == 128
+    with pytest.raises(ValueError, match="short_select_rows"):
+        short_select_tuning("32768r0")
 
 
 def test_short_select_lowers_for_sm90(triton_sm90_modules):
