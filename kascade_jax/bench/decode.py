@@ -298,9 +298,11 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
                                 peaky=peaky, tuning=tuning, log=log))
         checks.append(check(seed=3, b=3, s=20000, hq=12, kvh=4, d=64, dtype="float16", frac=0.2, min_k=16, peaky=True,
                             tuning=tuning, log=log))
-        for spec in short_selects:  # once per setting that takes the short path at the check's 32K rows
+        from kernels_pallas import decode as dec
+
+        for spec in short_selects:  # once per setting other than the run's own tuning (checked above)
             t = short_select_tuning(spec, tuning)
-            if t.short_select_max >= 32768:
+            if t != (tuning or dec.DEFAULT_TUNING):
                 checks.append(check(seed=4, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim, peaky=True,
                                     tuning=t, log=log))
     rows = []

@@ -81,9 +81,9 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
     if shorts:
         lines += _lever_table(
             rows, [(t[2:].replace("_", ", "), t) for t in shorts], ["A0", "A"], "short select, pool", False,
-            "**The short-row select** (`DecodeTuning.short_select_max` N[wW][dD]: rows of <= N keys select from "
-            "registers in one launch; 0: the four-launch pipeline), A0 and A re-timed, R the row's, same run and "
-            "dense:")
+            "**The short-row select** (`DecodeTuning.short_select_max` N[wW][dD][rR]: rows of <= N keys, at most R "
+            "of them, select from registers in one launch; 0: the four-launch pipeline), A0 and A re-timed, R the "
+            "row's, same run and dense:")
         lines += _lever_kernels("Per-kernel breakdown of A with each short select setting (ms):", rows, "A",
                                 [(t[2:], t) for t in shorts])
     if reranks:
