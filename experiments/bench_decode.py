@@ -37,7 +37,8 @@ SHORT = flags.DEFINE_list("decode_short_select", [], "Also time the anchors (A0,
                           "one-launch short select; 0: the four-launch pipeline), e.g. 0,32768, each at every "
                           "--decode_pools pool (else gqa), rows keyed ss<value>_<pool>. A value may add wW "
                           "(short_select_warps), dD (short_select_digit) and rR (short_select_rows: at most R rows "
-                          "of batch x selection heads take it), e.g. 16384w16d2, 32768r1024.")
+                          "of batch x selection heads take it) and c (fused_combine: the split-K combine as one "
+                          "launch; R is then re-timed too), e.g. 16384w16d2, 32768r1024, 32768c.")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
@@ -58,8 +59,9 @@ def _check_pools(values):
     return all(v in POOLS for v in values)
 
 
-@flags.validator("decode_short_select", message="--decode_short_select takes N[wW][dD][rR] with N 0 or a power "
-                 "of two <= 65536, W a power of two <= 32, D 1-3, R >= 1, e.g. 0,32768,16384w16d2,32768r1024")
+@flags.validator("decode_short_select", message="--decode_short_select takes N[wW][dD][rR][c] with N 0 or a power "
+                 "of two <= 65536, W a power of two <= 32, D 1-3, R >= 1, c: the fused combine, e.g. "
+                 "0,32768,16384w16d2,32768r1024,32768c")
 def _check_short_select(values):
     if not values:
         return True

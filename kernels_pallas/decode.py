@@ -34,6 +34,7 @@ _DTYPES = (jnp.bfloat16, jnp.float16)
 _HEAD_DIMS = (64, 128)
 _POOLS = ("gqa", "all", "pre_softmax")
 PAGED_MASKS = ("none", "v", "kv")  # DecodeTuning.paged_mask
+COMBINE_MAX_SPLITS = 32  # DecodeTuning.fused_combine: the kernel unrolls its loop over the splits
 SHORT_SELECT_LIMIT = 65536  # DecodeTuning.short_select_max (past 32K keys the row no longer fits the registers)
 
 
@@ -66,6 +67,10 @@ class DecodeTuning:
     short_select_warps: int = 0
     short_select_digit: int = topk.SHORT_DIGIT
     short_select_rows: int = 128
+    # The split-K combine of the reuse and anchor-0 outputs as one Pallas launch writing the output in q's dtype and
+    # layout (where splits <= COMBINE_MAX_SPLITS), instead of two XLA fusions (2.9 us at the 0.5B's shape, batch 32:
+    # launch-bound). Off until timed (benchmarks/NOTES.md session 24).
+    fused_combine: bool = False
 
     def __post_init__(self):
         if self.paged_mask not in PAGED_MASKS:
@@ -78,6 +83,8 @@ class DecodeTuning:
                              f"got {self.short_select_warps!r}")
         if self.short_select_digit not in (1, 2, 3):
             raise ValueError(f"short_select_digit must be 1, 2 or 3, got {self.short_select_digit!r}")
+        if not isinstance(self.fused_combine, bool):
+            raise ValueError(f"fused_combine must be a bool, got {self.fused_combine!r}")
         if not isinstance(self.short_select_rows, int) or self.short_select_rows < 1:
             raise ValueError(f"short_select_rows must be an int >= 1, got {self.short_select_rows!r}")
         blocks = {"stream_block": self.stream_block}
@@ -187,12 +194,25 @@ def _check_reuse(b: int, kvh: int, idx, counts, head_map_row):
 
 
 def _group_rows(q, kvh: int):
-    """q [batch, 1, q_heads, d] -> [batch, kv_heads, rows, d] with the group padded to `rows` (>= 16) rows."""
+    """q [batch, 1, q_heads, d] -> (q [batch, q_heads, d] (a bitcast), rows): a program loads its KV head's group
+    padded to `rows` (>= 16, a power of two) rows with `_load_q`, so XLA pads nothing (a 1.3-1.5 us fusion a call
+    at the Qwen shapes)."""
     b, _, hq, d = q.shape
-    g = hq // kvh
-    rows = max(_MIN_ROWS, _pow2_at_least(g))
-    qg = q.reshape(b, kvh, g, d)
-    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0))), rows
+    return q.reshape(b, hq, d), max(_MIN_ROWS, _pow2_at_least(hq // kvh))
+
+
+def _q_spec(q3):
+    """BlockSpec of the grouped q on a grid (batch, kv_heads, ...): the batch row's every head [q_heads, d]."""
+    return pl.BlockSpec((None, *q3.shape[1:]), lambda i, *_: (i, 0, 0))
+
+
+def _load_q(q_ref, group: int, rows: int):
+    """Program (i, h, ...)'s query rows [rows, d]: heads h*group .. h*group + group - 1 of q_ref [q_heads, d], the
+    rows past the group read as 0 (a masked gather; the clamp keeps their addresses in bounds)."""
+    r = jnp.arange(rows)
+    heads = jnp.minimum(pl.program_id(1) * group + r, q_ref.shape[0] - 1)
+    return plgpu.load(q_ref.at[heads[:, None], jnp.arange(q_ref.shape[1])[None, :]], mask=(r < group)[:, None],
+                      other=0)
 
 
 def _pad_keys(x, min_len: int):
@@ -220,6 +240,52 @@ def _combine(acc, m, l):
     return out, lse
 
 
+def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, lse_ref, *, splits: int, group: int):
+    """`_combine` + `_ungroup` of one (sequence, KV head): m_ref/l_ref [splits, rows], acc_ref [splits, rows, d] ->
+    out_ref [group, d] (the output dtype), lse_ref [group]. Rows past the group (never written by the split
+    kernels) are computed on and not stored. The splits are unrolled: their loads are independent."""
+    rows, d = acc_ref.shape[1:]
+    ms = [m_ref[s, :] for s in range(splits)]
+    ls = [l_ref[s, :] for s in range(splits)]
+    m_all = functools.reduce(jnp.maximum, ms)
+    ws = [jnp.where(l > 0, jnp.exp(m - m_all), 0.0) for m, l in zip(ms, ls)]
+    l_all = sum(l * w for l, w in zip(ls, ws))
+    acc = sum(acc_ref[s, :, :] * ws[s][:, None] for s in range(splits))
+    ok = l_all > 0
+    l_safe = jnp.where(ok, l_all, 1.0)
+    r = jnp.arange(rows)
+    real = r < group
+    # GPU: masked lanes store nothing (their clamped addresses stay in bounds). Interpret mode's masked scatter writes
+    # every addressed slot, so there the output has `rows` rows, each lane its own, and the caller slices.
+    at = r if out_ref.shape[0] == rows else jnp.minimum(r, group - 1)
+    plgpu.store(out_ref.at[at[:, None], jnp.arange(d)[None, :]], (acc / l_safe[:, None]).astype(out_ref.dtype),
+                mask=real[:, None])
+    plgpu.store(lse_ref.at[at], jnp.where(ok, m_all + jnp.log(l_safe), -jnp.inf), mask=real)
+
+
+def _combine_out(acc, m, l, b: int, group: int, dtype, interpret, tuning: DecodeTuning):
+    """Split partials acc [batch, kv_heads, splits, rows, d], m/l [batch, kv_heads, splits, rows] (rows >= group,
+    the rows past the group unwritten) -> (out [batch, 1, q_heads, d] in dtype, lse [batch, kv_heads, group]):
+    `DecodeTuning.fused_combine`'s one launch, else XLA's `_combine` and `_ungroup`."""
+    kvh, splits, rows, d = acc.shape[1:]
+    if not (tuning.fused_combine and splits <= COMBINE_MAX_SPLITS):
+        out, lse = _combine(acc[:, :, :, :group], m[..., :group], l[..., :group])
+        return _ungroup(out, b, group, dtype), lse
+    spec = lambda *shape: pl.BlockSpec((None, None, *shape), lambda i, j: (i, j) + (0,) * len(shape))  # noqa: E731
+    g_out = rows if interpret else group  # (see _combine_kernel)
+    out, lse = pl.pallas_call(
+        functools.partial(_combine_kernel, splits=splits, group=group),
+        grid=(b, kvh),
+        in_specs=[spec(splits, rows), spec(splits, rows), spec(splits, rows, d)],
+        out_specs=[spec(g_out, d), spec(g_out)],
+        out_shape=[jax.ShapeDtypeStruct((b, kvh, g_out, d), dtype), jax.ShapeDtypeStruct((b, kvh, g_out), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="kascade_decode_combine",
+    )(m, l, acc)
+    return out[:, :, :group].reshape(b, 1, kvh * group, d), lse[..., :group]
+
+
 def _ungroup(out, b: int, group: int, dtype):
     """[batch, kv_heads, rows, d] -> [batch, 1, q_heads, d]."""
     kvh, d = out.shape[1], out.shape[3]
@@ -233,9 +299,8 @@ def _vector(n: int):
 
 def _operands(layout: Layout, table, scalars, qg, k, v=None):
     """(in_specs, operands) on the grid (batch, kv_heads, splits): the (spec, operand) pairs `scalars`, the layout's
-    table, the grouped q [batch, kv_heads, rows, d], K (and V)."""
-    pairs = [*scalars, *layout.table_operands(table),
-             (pl.BlockSpec((None, None, *qg.shape[2:]), lambda i, j, s: (i, j, 0, 0)), qg)]
+    table, q [batch, q_heads, d] (`_group_rows`), K (and V)."""
+    pairs = [*scalars, *layout.table_operands(table), (_q_spec(qg), qg)]
     pairs += [layout.operand(x) for x in (k, v) if x is not None]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -261,7 +326,7 @@ def _online_step(m, l, qk):
 
 
 def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, *refs, layout: Layout, block: int, split_len: int,
-                  k_max: int, scale: float, group: int):
+                  k_max: int, scale: float, group: int, rows: int):
     table_ref = refs[0] if layout.has_table else None
     q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref = refs[layout.has_table:]
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -270,8 +335,8 @@ def _reuse_kernel(kvlen_ref, cnt_ref, hm_ref, idx_ref, *refs, layout: Layout, bl
     start = s * split_len
     end = jnp.minimum(start + split_len, cnt_ref[b])
     n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block)
-    q = q_ref[...]  # [rows, d]
-    rows, d = q.shape
+    q = _load_q(q_ref, group, rows)  # [rows, d]
+    d = q.shape[1]
 
     def body(i, carry):
         acc, m, l = carry
@@ -313,7 +378,7 @@ def _reuse_pallas(q, k, v, table, kv_len, layout: Layout, idx, counts, head_map_
     split_len = pl.cdiv(pl.cdiv(k_max, splits), block) * block
     splits = pl.cdiv(k_max, split_len)
     kernel = functools.partial(_reuse_kernel, layout=layout, block=block, split_len=split_len, k_max=k_max,
-                               scale=scale, group=group)
+                               scale=scale, group=group, rows=rows)
     scalars = [(_vector(b), kv_len), (_vector(b), counts), (_vector(kvh), head_map_row),
                (pl.BlockSpec((None, idx.shape[1], k_max), lambda i, j, s: (i, 0, 0)), idx)]
     in_specs, args = _operands(layout, table, scalars, qg, k, v)
@@ -329,8 +394,7 @@ def _reuse_pallas(q, k, v, table, kv_len, layout: Layout, idx, counts, head_map_
         interpret=interpret,
         name=f"{layout.name}_reuse_decode",
     )(*args)
-    out, lse = _combine(acc[:, :, :, :group], m[..., :group], l[..., :group])
-    out = _ungroup(out, b, group, q.dtype)
+    out, lse = _combine_out(acc, m, l, b, group, q.dtype, interpret, tuning)
     return (out, lse.reshape(b, 1, kvh * group)) if return_lse else out
 
 
@@ -361,12 +425,12 @@ def reuse_decode(q, k_cache, v_cache, kv_len, idx, counts, head_map_row, *, scal
 # Candidate logits: the decode_rerank lever's scores, one gathered pass over the candidates' K rows.
 
 
-def _cand_kernel(kvlen_ref, cand_ref, q_ref, k_ref, out_ref, *, layout: Layout, scale: float):
+def _cand_kernel(kvlen_ref, cand_ref, q_ref, k_ref, out_ref, *, layout: Layout, scale: float, group: int, rows: int):
     kv_len = kvlen_ref[pl.program_id(0)]
     ids = cand_ref[...]  # [block] logical token positions, -1 = none
     valid = (ids >= 0) & (ids < kv_len)
     k = layout.load_k(k_ref, layout.gather(None, jnp.where(valid, ids, 0)), valid)  # [block, d] gathered rows
-    qk = plgpu.dot(q_ref[...], k, trans_b=True) * scale  # [rows, block] fp32
+    qk = plgpu.dot(_load_q(q_ref, group, rows), k, trans_b=True) * scale  # [rows, block] fp32
     out_ref[...] = jnp.where(valid[None, :], qk, -jnp.inf)
 
 
@@ -394,10 +458,10 @@ def candidate_logits(q, k_cache, kv_len, cand, *, scale=None, impl="auto", inter
     layout = Layout(k_cache.shape[1])
     k_spec, _ = layout.operand(k_cache)
     out = pl.pallas_call(
-        functools.partial(_cand_kernel, layout=layout, scale=scale),
+        functools.partial(_cand_kernel, layout=layout, scale=scale, group=group, rows=rows),
         grid=(b, kvh, c_pad // block),
         in_specs=[_vector(b), pl.BlockSpec((None, None, block), lambda i, j, s: (i, j, s)),
-                  pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0)), k_spec],
+                  _q_spec(qg), k_spec],
         out_specs=pl.BlockSpec((None, None, rows, block), lambda i, j, s: (i, j, 0, s)),
         out_shape=jax.ShapeDtypeStruct((b, kvh, rows, c_pad), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
@@ -412,7 +476,7 @@ def candidate_logits(q, k_cache, kv_len, cand, *, scale=None, impl="auto", inter
 
 
 def _stream_kernel(kvlen_ref, *refs, layout: Layout, block: int, split_len: int, scale: float, group: int,
-                   dense_out: bool, write_logits: bool):
+                   rows: int, dense_out: bool, write_logits: bool):
     table_ref = refs[0] if layout.has_table else None
     refs = list(refs[layout.has_table:])
     q_ref, k_ref = refs.pop(0), refs.pop(0)
@@ -424,8 +488,8 @@ def _stream_kernel(kvlen_ref, *refs, layout: Layout, block: int, split_len: int,
     start = s * split_len
     end = jnp.minimum(start + split_len, kvlen_ref[b])
     n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block)
-    q = q_ref[...]  # [rows, d]
-    rows, d = q.shape
+    q = _load_q(q_ref, group, rows)  # [rows, d]
+    d = q.shape[1]
     real = jnp.arange(rows) < group
 
     def body(i, carry):
@@ -471,7 +535,7 @@ def _stream_pallas(q, k, v, table, kv_len, layout: Layout, scale, *, dense_out: 
     split_len = pl.cdiv(pl.cdiv(s_len, splits), block) * block
     splits = pl.cdiv(s_len, split_len)
     kernel = functools.partial(_stream_kernel, layout=layout, block=block, split_len=split_len, scale=scale,
-                               group=group, dense_out=dense_out, write_logits=write_logits)
+                               group=group, rows=rows, dense_out=dense_out, write_logits=write_logits)
     in_specs, args = _operands(layout, table, [(_vector(b), kv_len)], qg, k, v if dense_out else None)
     outs = [_partial(b, kvh, splits, rows), _partial(b, kvh, splits, rows)]
     if write_logits:
@@ -492,10 +556,10 @@ def _stream_pallas(q, k, v, table, kv_len, layout: Layout, scale, *, dense_out: 
     )(*args))
     logits = outs.pop(0) if write_logits else None
     m, l = outs.pop(0), outs.pop(0)
-    acc = outs.pop(0)[:, :, :, :group] if dense_out else None
-    out, lse = _combine(acc, m[..., :group], l[..., :group])
     if dense_out:
-        out = _ungroup(out, b, group, q.dtype)
+        out, lse = _combine_out(outs.pop(0), m, l, b, group, q.dtype, interpret, tuning)
+    else:
+        out, lse = _combine(None, m[..., :group], l[..., :group])
     return logits, lse, out
 
 

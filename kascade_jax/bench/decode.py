@@ -177,18 +177,18 @@ def pool_row(row: dict, dense, q, k, v, kv_len, frac, min_k, pools, iters, shape
     return row
 
 
-_SHORT_SPEC = re.compile(r"(\d+)(?:w(\d+))?(?:d(\d+))?(?:r(\d+))?")
+_SHORT_SPEC = re.compile(r"(\d+)(?:w(\d+))?(?:d(\d+))?(?:r(\d+))?(c)?")
 
 
 def short_select_tuning(spec: str, base=None):
-    """A --decode_short_select value N[wW][dD][rR] -> `base` (default tuning) with short_select_max N and, if given,
-    short_select_warps W, short_select_digit D and short_select_rows R. ValueError if malformed or out of range
-    (DecodeTuning's check)."""
+    """A --decode_short_select value N[wW][dD][rR][c] -> `base` (default tuning) with short_select_max N and, if
+    given, short_select_warps W, short_select_digit D, short_select_rows R and (c) fused_combine on. ValueError if
+    malformed or out of range (DecodeTuning's check)."""
     from kernels_pallas import decode as dec
 
     m = _SHORT_SPEC.fullmatch(str(spec).strip())
     if not m:
-        raise ValueError(f"a short select value is N[wW][dD][rR] (e.g. 32768, 16384w16d2, 32768r1024), "
+        raise ValueError(f"a short select value is N[wW][dD][rR][c] (e.g. 32768, 16384w16d2, 32768r1024, 32768c), "
                          f"got {spec!r}")
     over = dict(short_select_max=int(m.group(1)))
     if m.group(2):
@@ -197,14 +197,17 @@ def short_select_tuning(spec: str, base=None):
         over["short_select_digit"] = int(m.group(3))
     if m.group(4):
         over["short_select_rows"] = int(m.group(4))
+    if m.group(5):
+        over["fused_combine"] = True
     return dataclasses.replace(base or dec.DEFAULT_TUNING, **over)
 
 
 def short_select_row(row: dict, dense, q, k, v, kv_len, frac, min_k, specs, pools, iters, shape, tuning,
-                     log=print) -> dict:
-    """row[f"{piece}_ss{spec}_{pool}"] for pieces A0 and A (the anchors, which run the select) with the tuning of
-    each --decode_short_select spec (`short_select_tuning`) and each pool, through the kernels' entry point like the
-    row's own A0 and A; R is the row's (the select does not touch it) in the weighted time and speedup."""
+                     log=print, reuse_args=None) -> dict:
+    """row[f"{piece}_ss{spec}_{pool}"] for pieces A0, A and R with the tuning of each --decode_short_select spec
+    (`short_select_tuning`) and each pool, through the kernels' entry point like the row's own pieces: A0 and A (the
+    anchors, which run the select) re-timed; R re-timed (reuse_args: the row's idx, counts and head map) where the
+    spec changes the combine (c), else the row's (the select does not touch it)."""
     import jax
 
     from kernels_pallas import decode as dec
@@ -213,16 +216,21 @@ def short_select_row(row: dict, dense, q, k, v, kv_len, frac, min_k, specs, pool
     k_max = ref.max_budget(k.shape[1], frac, min_k)
     for spec in specs:
         t = short_select_tuning(spec, tuning)
+        r_time = (row["R"], row["R_kernels"])
+        if t.fused_combine != (tuning or dec.DEFAULT_TUNING).fused_combine:
+            re_t = jax.jit(lambda q, k, v, l, i, c, m: dec.reuse_decode(q, k, v, l, i, c, m, impl="pallas", tuning=t))
+            r_time = cupti_time(re_t, (q, k, v, kv_len, *reuse_args), iters)
         for p in pools:
             tag = f"ss{spec}_{p}"
             kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", pool=p, tuning=t)
             for name, dense_out in (("A0", True), ("A", False)):
                 fn = jax.jit(lambda q, k, v, l, d=dense_out: dec.anchor_decode(q, k, v, l, dense_out=d, **kw))
                 row[f"{name}_{tag}"], row[f"{name}_{tag}_kernels"] = cupti_time(fn, (q, k, v, kv_len), iters)
-            row[f"weighted_{tag}"] = shape.weighted(row[f"A0_{tag}"], row[f"A_{tag}"], row["R"])
+            row[f"R_{tag}"], row[f"R_{tag}_kernels"] = r_time
+            row[f"weighted_{tag}"] = shape.weighted(row[f"A0_{tag}"], row[f"A_{tag}"], row[f"R_{tag}"])
             row[f"speedup_{tag}"] = dense / row[f"weighted_{tag}"]
             log(f"   short select {spec}, pool={p}: A0 {row[f'A0_{tag}']:.4f}  A {row[f'A_{tag}']:.4f}  "
-                f"weighted {row[f'weighted_{tag}']:.4f}  speedup {row[f'speedup_{tag}']:.2f}x")
+                f"R {row[f'R_{tag}']:.4f}  weighted {row[f'weighted_{tag}']:.4f}  speedup {row[f'speedup_{tag}']:.2f}x")
     return row
 
 
@@ -271,7 +279,7 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
         pool_row(row, row["dense"], q, k, v, kv_len, frac, min_k, pools, iters, shape, log)
     if short_selects:
         short_select_row(row, row["dense"], q, k, v, kv_len, frac, min_k, short_selects, pools or ("gqa",), iters,
-                         shape, tuning, log)
+                         shape, tuning, log, reuse_args=(idx, counts, hm))
     del q, k, v
     return row
 

@@ -79,11 +79,14 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
             "pooled over every query head and shared, all_heads_pooled), same run and dense:")
     shorts = list(dict.fromkeys(m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(ss\w+)", key))))
     if shorts:
+        with_r = all(f"R_{t}" in r for r in rows for t in shorts if f"speedup_{t}" in r)  # (runs before session 24: no)
         lines += _lever_table(
-            rows, [(t[2:].replace("_", ", "), t) for t in shorts], ["A0", "A"], "short select, pool", False,
-            "**The short-row select** (`DecodeTuning.short_select_max` N[wW][dD][rR]: rows of <= N keys, at most R "
-            "of them, select from registers in one launch; 0: the four-launch pipeline), A0 and A re-timed, R the "
-            "row's, same run and dense:")
+            rows, [(t[2:].replace("_", ", "), t) for t in shorts], ["A0", "A", "R"] if with_r else ["A0", "A"],
+            "short select, pool", False,
+            "**The short-row select** (`DecodeTuning.short_select_max` N[wW][dD][rR][c]: rows of <= N keys, at most R "
+            "of them, select from registers in one launch; 0: the four-launch pipeline; c: the split-K combine as one "
+            "launch, `DecodeTuning.fused_combine`), A0 and A re-timed, R re-timed where c changes it (else the "
+            "row's), same run and dense:")
         lines += _lever_kernels("Per-kernel breakdown of A with each short select setting (ms):", rows, "A",
                                 [(t[2:], t) for t in shorts])
     if reranks:

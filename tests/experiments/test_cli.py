@@ -233,6 +233,13 @@ def test_bench_markdown_labels_shape():
     assert "The short-row select" in md and f"| 0, all | 1.2000 | 0.5000 | {w:.4f} |" in md
     assert f"| 16384w16, all | 1.2000 | 0.4000 | {ws:.4f} | **{1 / ws:.2f}x** | {w / ws:.2f} |" in md
     assert "16384w16_all: `kascade_topk_short` 0.0100" in md
+    for t, r in (("ss0_all", 0.2), ("ss16384w16_all", 0.15)):  # runs since session 24 record R per setting (c)
+        ss[0][f"R_{t}"] = r
+        ss[0][f"weighted_{t}"] = qwen.weighted(1.2, ss[0][f"A_{t}"], r)
+        ss[0][f"speedup_{t}"] = 1 / ss[0][f"weighted_{t}"]
+    md = tables.decode_markdown(ss, meta, qwen)
+    wc = (1.2 + 4 * 0.4 + 19 * 0.15) / 24
+    assert f"| 16384w16, all | 1.2000 | 0.4000 | 0.1500 | {wc:.4f} | **{1 / wc:.2f}x** | {w / wc:.2f} |" in md
     rr = _fake_rows(qwen, True)  # with the rerank pieces (--decode_reranks=4): their own table, against plain
     rr[0].update(A0_rr4=1.3, A_rr4=0.6, R_rr4=0.5, R_rr4_kernels={"gather": 0.3})
     rr[0].update(weighted_rr4=qwen.weighted(1.3, 0.6, 0.5))

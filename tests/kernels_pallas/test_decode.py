@@ -11,6 +11,8 @@ planting each in the kernels); the head-mapped reuse runs on Gaussian inputs, wh
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -88,7 +90,8 @@ def _check_anchor(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, pool="gqa",
     ref_idx = ref.select_topk_reference(ref.pooled_scores_decode_reference(q, k, kv_len, pool=pool),
                                         ref_counts[:, None], k_max)
     hm = jnp.asarray(np.random.default_rng(seed).integers(0, ih, size=kvh), jnp.int32)
-    r_out = jax.jit(lambda *a: dec.reuse_decode(*a, impl=impl, interpret=interpret))(q, k, v, kv_len, ref_idx, ref_counts, hm)
+    r_out = jax.jit(lambda *a: dec.reuse_decode(*a, impl=impl, interpret=interpret, tuning=tuning))(
+        q, k, v, kv_len, ref_idx, ref_counts, hm)
     assert _row_err(r_out, ref.sparse_decode_reference(q, k, v, kv_len, ref_idx, hm)) < tol
 
 
@@ -245,9 +248,81 @@ def test_triton_modules_verify_for_sm90(triton_sm90_modules):
     assert len(verified) == (3 + 2) + (6 + 5)
 
 
+def test_no_pad_of_q_around_the_kernels():
+    """Each kernel loads its KV head's query rows itself (a masked gather from [q_heads, d]): at the 0.5B's shape
+    (group 7, padded to 16 rows in registers) no XLA pad runs before the reuse, anchor or dense decode (each was a
+    separate 1.3-1.5 us fusion). The old `jnp.pad` of q fails this."""
+    b, s, kvh, g, d, k_max = 4, 4096, 2, 7, 64, 512
+    q = jnp.zeros((b, 1, kvh * g, d), jnp.bfloat16)
+    kc = jnp.zeros((b, s, kvh, d), jnp.bfloat16)
+    kv = jnp.full((b,), s, jnp.int32)
+    idx = jnp.zeros((b, kvh, k_max), jnp.int32)
+    calls = {
+        "reuse": lambda: dec.reuse_decode(q, kc, kc, kv, idx, kv // 10, jnp.arange(kvh), impl="pallas",
+                                          interpret=True),
+        "anchor": lambda: dec.anchor_decode(q, kc, kc, kv, topk_frac=0.1, min_k=16, k_max=k_max, impl="pallas",
+                                            interpret=True),
+        "dense": lambda: dec.dense_decode(q, kc, kc, kv, impl="pallas", interpret=True),
+    }
+    for name, fn in calls.items():
+        eqns = jax.make_jaxpr(fn)().eqns  # the top level: what XLA runs around the pallas_calls
+        assert any(e.primitive.name == "pallas_call" for e in eqns), name
+        pads = [e for e in eqns if e.primitive.name == "pad" or "pad" in str(e.params.get("name"))]  # jnp.pad: a jit
+        assert not pads, name
+
+
+FUSED = dec.DecodeTuning(fused_combine=True)
+
+
+@pytest.mark.parametrize("g, splits", [(7, 0), (3, 0), (4, 40)])
+def test_fused_combine_matches_xla(g, splits):
+    """DecodeTuning.fused_combine (one Pallas launch for the split-K combine) gives the XLA combine's outputs: the
+    reuse (with its lse) and anchor 0's dense output at groups 7 and 3 with ragged lengths, an empty sequence and
+    a budget of 0; 40 splits (over COMBINE_MAX_SPLITS) take XLA's path. A wrong split weight or a row written
+    to the wrong head fails it (the outputs are compared, not just their shapes)."""
+    b, s, kvh, d, k_max = 3, 700, 2, 64, 256
+    q, k, v, kv_len = _inputs(SEED, b, s, kvh * g, kvh, d, jnp.bfloat16, False)
+    kv_len = kv_len.at[2].set(0)
+    rng = np.random.default_rng(1)
+    idx = jnp.asarray(rng.integers(0, s, (b, kvh, k_max)), jnp.int32)
+    counts = jnp.asarray([k_max, 37, 0], jnp.int32)
+    t0 = dec.DecodeTuning(reuse_splits=splits, stream_splits=splits)
+    t1 = dataclasses.replace(t0, fused_combine=True)
+    hm = jnp.arange(kvh)[::-1]
+    outs = [dec.reuse_decode(q, k, v, kv_len, idx, counts, hm, impl="pallas", interpret=True, tuning=t,
+                             return_lse=True) for t in (t0, t1)]
+    for a, c in zip(*outs):
+        np.testing.assert_allclose(np.asarray(c, np.float32), np.asarray(a, np.float32), rtol=1e-6, atol=1e-6)
+    assert np.isfinite(np.asarray(outs[1][0], np.float32)).all()
+    dense = [dec.anchor_decode(q, k, v, kv_len, topk_frac=0.1, min_k=16, k_max=k_max, impl="pallas",
+                               interpret=True, dense_out=True, tuning=t)[0] for t in (t0, t1)]
+    np.testing.assert_array_equal(np.asarray(dense[1], np.float32), np.asarray(dense[0], np.float32))
+    with pytest.raises(ValueError, match="fused_combine"):
+        dec.DecodeTuning(fused_combine=1)
+
+
+def test_fused_combine_lowers_for_sm90(triton_sm90_modules):
+    """The combine kernel (group 7: a [7, d] output block written through masked rows) verifies for sm_90 beside the
+    reuse kernel; the XLA combine is then gone from the reuse's HLO."""
+    verified = triton_sm90_modules
+    b, s, kvh, g, d, k_max = 32, 16384, 2, 7, 64, 1640
+    q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
+    kc = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b,), jnp.int32)
+    ix = jax.ShapeDtypeStruct((b, kvh, k_max), jnp.int32)
+    texts = []
+    for tuning in (dec.DEFAULT_TUNING, FUSED):
+        fn = lambda q, k, v, l, i: dec.reuse_decode(q, k, v, l, i, l // 10, jnp.arange(kvh),  # noqa: E731
+                                                    impl="pallas", tuning=tuning)
+        texts.append(jax.jit(fn).trace(q, kc, kc, kv, ix).lower(lowering_platforms=("cuda",)).as_text())
+    assert len(verified) == 1 + 2
+    assert "stablehlo.reduce" in texts[0] and "kascade_decode_combine" not in texts[0]
+    assert "stablehlo.reduce" not in texts[1] and "kascade_decode_combine" in texts[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("peaky", [False, True])
-@pytest.mark.parametrize("four", [False, True])
-def test_gpu_realistic(peaky, four):
+@pytest.mark.parametrize("tuning", ["default", "four", "fused"])
+def test_gpu_realistic(peaky, tuning):
     _check_anchor(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128, interpret=False,
-                  tuning=FOUR if four else dec.DEFAULT_TUNING)
+                  tuning=dict(default=dec.DEFAULT_TUNING, four=FOUR, fused=FUSED)[tuning])
