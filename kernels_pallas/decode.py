@@ -193,7 +193,13 @@ def _check_reuse(b: int, kvh: int, idx, counts, head_map_row):
         raise ValueError(f"head_map_row must have shape [kv_heads]=({kvh},), got {jnp.shape(head_map_row)}")
 
 
-def _group_rows(q, kvh: int):
+def row_view(ref, rows):
+    """ref [n, d] at the rows `rows` [r] (an array): a [r, d] view for a masked plgpu.load / store. Two index
+    arrays, not an array and a slice: interpret mode cannot mask an access that mixes them."""
+    return ref.at[rows[:, None], jnp.arange(ref.shape[1])[None, :]]
+
+
+def _flat_q(q, kvh: int):
     """q [batch, 1, q_heads, d] -> (q [batch, q_heads, d] (a bitcast), rows): a program loads its KV head's group
     padded to `rows` (>= 16, a power of two) rows with `_load_q`, so XLA pads nothing (a 1.3-1.5 us fusion a call
     at the Qwen shapes)."""
@@ -211,8 +217,7 @@ def _load_q(q_ref, group: int, rows: int):
     rows past the group read as 0 (a masked gather; the clamp keeps their addresses in bounds)."""
     r = jnp.arange(rows)
     heads = jnp.minimum(pl.program_id(1) * group + r, q_ref.shape[0] - 1)
-    return plgpu.load(q_ref.at[heads[:, None], jnp.arange(q_ref.shape[1])[None, :]], mask=(r < group)[:, None],
-                      other=0)
+    return plgpu.load(row_view(q_ref, heads), mask=(r < group)[:, None], other=0)
 
 
 def _pad_keys(x, min_len: int):
@@ -244,7 +249,7 @@ def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, lse_ref, *, splits: int, gro
     """`_combine` + `_ungroup` of one (sequence, KV head): m_ref/l_ref [splits, rows], acc_ref [splits, rows, d] ->
     out_ref [group, d] (the output dtype), lse_ref [group]. Rows past the group (never written by the split
     kernels) are computed on and not stored. The splits are unrolled: their loads are independent."""
-    rows, d = acc_ref.shape[1:]
+    rows = acc_ref.shape[1]
     ms = [m_ref[s, :] for s in range(splits)]
     ls = [l_ref[s, :] for s in range(splits)]
     m_all = functools.reduce(jnp.maximum, ms)
@@ -258,8 +263,7 @@ def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, lse_ref, *, splits: int, gro
     # GPU: masked lanes store nothing (their clamped addresses stay in bounds). Interpret mode's masked scatter writes
     # every addressed slot, so there the output has `rows` rows, each lane its own, and the caller slices.
     at = r if out_ref.shape[0] == rows else jnp.minimum(r, group - 1)
-    plgpu.store(out_ref.at[at[:, None], jnp.arange(d)[None, :]], (acc / l_safe[:, None]).astype(out_ref.dtype),
-                mask=real[:, None])
+    plgpu.store(row_view(out_ref, at), (acc / l_safe[:, None]).astype(out_ref.dtype), mask=real[:, None])
     plgpu.store(lse_ref.at[at], jnp.where(ok, m_all + jnp.log(l_safe), -jnp.inf), mask=real)
 
 
@@ -299,7 +303,7 @@ def _vector(n: int):
 
 def _operands(layout: Layout, table, scalars, qg, k, v=None):
     """(in_specs, operands) on the grid (batch, kv_heads, splits): the (spec, operand) pairs `scalars`, the layout's
-    table, q [batch, q_heads, d] (`_group_rows`), K (and V)."""
+    table, q [batch, q_heads, d] (`_flat_q`), K (and V)."""
     pairs = [*scalars, *layout.table_operands(table), (_q_spec(qg), qg)]
     pairs += [layout.operand(x) for x in (k, v) if x is not None]
     return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -367,7 +371,7 @@ def _reuse_pallas(q, k, v, table, kv_len, layout: Layout, idx, counts, head_map_
     b, _, hq, d = q.shape
     kvh = k.shape[2]
     group = hq // kvh
-    qg, rows = _group_rows(q, kvh)
+    qg, rows = _flat_q(q, kvh)
     block = tuning.reuse_block or (128 if b * kvh >= 256 else 64)
     warps = tuning.reuse_warps or (8 if block >= 128 else 4)
     k_max = idx.shape[2]
@@ -451,7 +455,7 @@ def candidate_logits(q, k_cache, kv_len, cand, *, scale=None, impl="auto", inter
         return ref.candidate_logits_reference(q, k_cache, kv_len, cand, scale=scale)
     k_cache = _pad_keys(k_cache, 16)
     group = hq // kvh
-    qg, rows = _group_rows(q, kvh)
+    qg, rows = _flat_q(q, kvh)
     c = cand.shape[2]
     c_pad = pl.cdiv(c, block) * block
     cand_p = jnp.pad(cand, ((0, 0), (0, 0), (0, c_pad - c)), constant_values=-1)
@@ -529,7 +533,7 @@ def _stream_pallas(q, k, v, table, kv_len, layout: Layout, scale, *, dense_out: 
     b, _, hq, d = q.shape
     s_len, kvh = layout.s_len, k.shape[2]
     group = hq // kvh
-    qg, rows = _group_rows(q, kvh)
+    qg, rows = _flat_q(q, kvh)
     block = min(tuning.stream_block, 1 << (s_len.bit_length() - 1))  # s_len >= 16 (padded by the caller)
     splits = _splits(tuning.stream_splits, b * kvh, s_len, block, tuning.target_programs)
     split_len = pl.cdiv(pl.cdiv(s_len, splits), block) * block

@@ -85,8 +85,8 @@ class PagedLayout(dec.Layout):
         not a jnp.where after the load (the select staged each tile through registers and a second shared buffer)."""
         if isinstance(rows, pl.Slice):  # a block within one page
             at = ref.at[rows, :]
-        else:  # gathered rows, indexed by two arrays: interpret mode cannot mask a load mixing an array and a slice
-            at = ref.at[rows[:, None], jnp.arange(ref.shape[1])[None, :]]
+        else:  # gathered rows
+            at = dec.row_view(ref, rows)
         return plgpu.load(at, mask=valid[:, None], other=0)
 
 
