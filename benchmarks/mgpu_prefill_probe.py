@@ -27,20 +27,62 @@ CEILING = 989e12  # H200 dense bf16 FLOP/s (datasheet)
 MEASURED = 819e12  # bf16 matmul measured on this H200 (../shared/docs/h200-baselines.md)
 
 
-def _mgpu_tuning(spec: str):
-    from kernels_pallas import prefill_mgpu as M
-
-    fields = {f.name: f for f in dataclasses.fields(M.MgpuTuning)}
+def parse_tuning(cls, spec: str, prog: str):
+    """'field=v,field=v' (integers, true, false, none) -> cls(**fields); a bad field or value exits naming it."""
+    fields = {f.name for f in dataclasses.fields(cls)}
     over = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, val = item.partition("=")
         if name not in fields:
-            raise SystemExit(f"mgpu_prefill_probe: unknown MgpuTuning field {name!r} (fields: {sorted(fields)})")
+            raise SystemExit(f"{prog}: unknown {cls.__name__} field {name!r} (fields: {sorted(fields)})")
         words = {"true": True, "false": False, "none": None}
         if not (val.isdigit() or val.lower() in words):
-            raise SystemExit(f"mgpu_prefill_probe: {name} takes an integer, true, false or none, got {val!r}")
+            raise SystemExit(f"{prog}: {name} takes an integer, true, false or none, got {val!r}")
         over[name] = int(val) if val.isdigit() else words[val.lower()]
-    return M.MgpuTuning(**over)
+    try:
+        return cls(**over)
+    except ValueError as e:
+        raise SystemExit(f"{prog}: {e}") from None
+
+
+def _mgpu_tuning(spec: str):
+    from kernels_pallas import prefill_mgpu as M
+
+    return parse_tuning(M.MgpuTuning, spec, "mgpu_prefill_probe")
+
+
+def shape_args(ap, iters=3):
+    """The arguments both probes share: contexts, head shapes, tile, iterations."""
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--shapes", default="32/8/128,14/2/64,12/2/128", help="q_heads/kv_heads/head_dim,...")
+    ap.add_argument("--tile", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=iters)
+
+
+def no_gpu(prog: str) -> bool:
+    """True (after one line on stderr) unless the JAX backend is a GPU."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return False
+    print(f"{prog}: needs an NVIDIA GPU (the JAX backend here is {jax.default_backend()!r})", file=sys.stderr)
+    return True
+
+
+def report(rows, text, path) -> int:
+    """Prints the table, writes the rows as JSON to `path` (if any); exit status 0."""
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 0
+
+
+def shapes(a):
+    """(context, q_heads, kv_heads, head_dim) for every --contexts x --shapes pair."""
+    for s in (int(x) for x in a.contexts.split(",")):
+        for shape in a.shapes.split(","):
+            yield (s, *(int(x) for x in shape.split("/")))
 
 
 def _flops(s, hq, d, tile, kind):
@@ -176,30 +218,17 @@ def table(rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="32768,131072")
-    ap.add_argument("--shapes", default="32/8/128,14/2/64,12/2/128", help="q_heads/kv_heads/head_dim,...")
-    ap.add_argument("--tile", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=3)
+    shape_args(ap)
     ap.add_argument("--mgpu", default="", help="MgpuTuning variants: 'field=v,field=v;field=v' (empty: defaults)")
     ap.add_argument("--json", default="", help="also write the rows here")
     a = ap.parse_args(argv)
-    import jax
-
-    if jax.default_backend() != "gpu":
-        print(f"mgpu_prefill_probe: needs an NVIDIA GPU (the JAX backend here is {jax.default_backend()!r})",
-              file=sys.stderr)
-        return 1
     tunings = [(spec.strip(), _mgpu_tuning(spec)) for spec in a.mgpu.split(";")]
+    if no_gpu("mgpu_prefill_probe"):
+        return 1
     rows = []
-    for s in (int(x) for x in a.contexts.split(",")):
-        for shape in a.shapes.split(","):
-            hq, kvh, d = (int(x) for x in shape.split("/"))
-            rows += probe(s, hq, kvh, d, a.tile, a.iters, tunings)
-    print(table(rows))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    return 0
+    for s, hq, kvh, d in shapes(a):
+        rows += probe(s, hq, kvh, d, a.tile, a.iters, tunings)
+    return report(rows, table(rows), a.json)
 
 
 if __name__ == "__main__":

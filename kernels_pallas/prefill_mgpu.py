@@ -74,24 +74,33 @@ def _interpret_params(interpret):
     return interpret or None
 
 
-def unsupported_reason(q, k, tile_size=None, *, q_start=None, tuning: MgpuTuning | None = None):
-    """None if these operands are in scope, else a one-line reason naming the parameter."""
-    tuning = tuning or DEFAULT_TUNING
+def _operand_reason(q, k):
+    """None if q [batch, len, q_heads, d] and k [batch, len, kv_heads, d] suit every kernel here, else why not."""
     if q.ndim != 4 or k.ndim != 4:
         return f"q and k must be 4-D [batch, len, heads, d], got {q.shape} and {k.shape}"
-    b, t, hq, d = q.shape
-    if b != 1:
-        return f"batch must be 1, got {b}"
+    b, _, hq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
         return f"k {k.shape} does not match q {q.shape} in batch or head_dim"
-    if k.shape[1] != t:
-        return f"kv_len (k.shape[1]={k.shape[1]}) must equal q_len ({t})"
     if hq % k.shape[2]:
         return f"q_heads ({hq}) must be a multiple of kv_heads ({k.shape[2]})"
     if d not in _HEAD_DIMS:
         return f"head_dim must be one of {_HEAD_DIMS}, got {d}"
     if jnp.dtype(q.dtype) not in _DTYPES or k.dtype != q.dtype:
         return f"dtype must be bfloat16 or float16 (q and k alike), got {q.dtype} / {k.dtype}"
+    return None
+
+
+def unsupported_reason(q, k, tile_size=None, *, q_start=None, tuning: MgpuTuning | None = None):
+    """None if these operands are in scope, else a one-line reason naming the parameter."""
+    tuning = tuning or DEFAULT_TUNING
+    why = _operand_reason(q, k)
+    if why is not None:
+        return why
+    b, t = q.shape[:2]
+    if b != 1:
+        return f"batch must be 1, got {b}"
+    if k.shape[1] != t:
+        return f"kv_len (k.shape[1]={k.shape[1]}) must equal q_len ({t})"
     blk = max(_COMPUTE_WGS * tuning.block_q, tuning.block_kv, tuning.scores_block_k * _COMPUTE_WGS)
     if t % blk:
         return f"q_len must be a multiple of {blk}, got {t}"
@@ -119,6 +128,33 @@ def _check(q, k, tile_size=None, tuning=None):
 
 def _swizzled(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def _p_operand(p, dtype, p_smem):
+    """P for the P.V wgmma: in registers, or through `p_smem` when given (the interpreter reads wgmma operands from
+    shared memory only)."""
+    p16 = p.astype(dtype)
+    if p_smem is None:
+        return p16
+    p_smem[...] = p16
+    plgpu.commit_smem()
+    return p_smem
+
+
+def _producer_ring(n_steps, steps: int, load, consumed):
+    """The producer warpgroup's ring: the first `steps` loads, then step j + steps into step j's slot once
+    `consumed(j)` has waited for it. The last phases are observed too: the interpreter checks, when a barrier is
+    freed, that every thread that waits on it saw all its phases."""
+    for i in range(steps):
+        pl.when(i < n_steps)(lambda i=i: load(jnp.int32(i), i))
+    last = jnp.maximum(n_steps - steps, 0)
+
+    @pl.loop(0, last)
+    def _(j):
+        consumed(j)
+        load(j + steps, lax.rem(j, steps))
+
+    pl.loop(last, n_steps)(consumed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,13 +238,7 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
                     pl.when(step + 1 < kv_steps)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(
                         step + 1, jnp.array(steps, step.dtype))]))
                     return acc, m_new, l_i
-                p16 = p.astype(dtype)
-                if p_regs:
-                    p_op = p16
-                else:  # the interpreter reads wgmma operands from shared memory only
-                    p_op = p_smem2.at[wg]
-                    p_op[...] = p16
-                    plgpu.commit_smem()
+                p_op = _p_operand(p, dtype, None if p_regs else p_smem2.at[wg])
                 acc, l_i, m_new = lax.optimization_barrier((acc, l_i, m_new))
                 if tuning.use_schedule_barrier:
                     plgpu.barrier_arrive(sched)
@@ -268,24 +298,12 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
                 if with_out:
                     plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
 
-            for i in range(steps):
-                pl.when(i < prog_kv_steps)(lambda i=i: load(jnp.int32(i), i))
-
             def consumed(j):  # wait until both compute warpgroups are done with step j's buffers
                 plgpu.barrier_wait(k_free.at[lax.rem(j, steps)])
                 if with_out:
                     plgpu.barrier_wait(v_free.at[lax.rem(j, steps)])
 
-            last = jnp.maximum(prog_kv_steps - steps, 0)
-
-            @pl.loop(0, last)
-            def _(j):
-                consumed(j)
-                load(j + steps, lax.rem(j, steps))
-
-            # Observe the last phases too: the interpreter checks, when a barrier is freed, that every thread that
-            # waits on it saw all its phases.
-            pl.loop(last, prog_kv_steps)(consumed)
+            _producer_ring(prog_kv_steps, steps, load, consumed)
 
     def entry(*refs):
         if with_out:
@@ -466,21 +484,11 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
                     plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(j * step_k + w * bk, bk), h], k_smem.at[w, slot],
                                             k_bar.at[w * steps + slot])
 
-            for i in range(steps):
-                pl.when(i < n_steps)(lambda i=i: load(jnp.int32(i), i))
-
             def consumed(j):
                 for w in range(wgs):
                     plgpu.barrier_wait(k_free.at[w * steps + lax.rem(j, steps)])
 
-            last = jnp.maximum(n_steps - steps, 0)
-
-            @pl.loop(0, last)
-            def _(j):
-                consumed(j)
-                load(j + steps, lax.rem(j, steps))
-
-            pl.loop(last, n_steps)(consumed)  # (observe the last phases, as in the flash pass)
+            _producer_ring(n_steps, steps, load, consumed)
 
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((b, kvh, n_w, width), jnp.float32),
@@ -492,3 +500,217 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
         grid=(n_w, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interp,
     )(first, qp, lsep, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (c) Sparse reuse prefill over selections of whole key blocks (`anchor_prefill(..., key_block=kb)`).
+
+
+@dataclasses.dataclass(frozen=True)
+class ReuseTuning:
+    """Pipeline of `reuse_blocks` (untuned: the GPU session picks it)."""
+
+    block_kv: int = 128  # keys per pipeline step (block_kv // key_block TMA copies each of K and V)
+    steps: int = 2  # K/V ring depth
+    p_in_regs: bool | None = None  # P as a register wgmma operand; None: yes on GPU, no in interpret mode
+
+    def __post_init__(self):
+        if self.block_kv not in (64, 128):
+            raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
+        if not 2 <= self.steps <= 4:
+            raise ValueError(f"steps must be in [2, 4], got {self.steps}")
+
+
+DEFAULT_REUSE_TUNING = ReuseTuning()
+_REUSE_ROWS = _COMPUTE_WGS * 64  # packed query rows (tile tokens x GQA heads) per program: 64 per warpgroup
+_KEY_BLOCKS = (8, 16, 32, 64)
+
+
+def reuse_unsupported_reason(q, k, tile_size, key_block, tuning: ReuseTuning | None = None):
+    """None if `reuse_blocks` takes these operands, else a one-line reason naming the parameter."""
+    tuning = tuning or DEFAULT_REUSE_TUNING
+    why = _operand_reason(q, k)
+    if why is not None:
+        return why
+    if tile_size not in _TILE_SIZES:
+        return f"tile_size must be one of {_TILE_SIZES}, got {tile_size}"
+    if key_block not in _KEY_BLOCKS or tile_size % key_block or tuning.block_kv % key_block:
+        return (f"key_block must be one of {_KEY_BLOCKS} and divide tile_size ({tile_size}) and block_kv "
+                f"({tuning.block_kv}), got {key_block}")
+    if k.shape[1] % key_block:
+        return f"the cache length ({k.shape[1]}) must be a multiple of key_block ({key_block})"
+    return None
+
+
+def _pack_rows(q, kv_heads, tile_size):
+    """[b, T, q_heads, d] -> [b, kv_heads, tiles, rows_pad, d]: row = tile token * group + head, zero rows past
+    tile * group up to a whole number of programs' rows."""
+    b, t, hq, d = q.shape
+    g = hq // kv_heads
+    nt = -(-t // tile_size)
+    n = tile_size * g
+    n_pad = -(-n // _REUSE_ROWS) * _REUSE_ROWS
+    x = jnp.pad(q, ((0, 0), (0, nt * tile_size - t), (0, 0), (0, 0)))
+    x = x.reshape(b, nt, tile_size, kv_heads, g, d).transpose(0, 3, 1, 2, 4, 5).reshape(b, kv_heads, nt, n, d)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, n_pad - n), (0, 0)))
+
+
+def _unpack_rows(o, q_shape, tile_size):
+    b, t, hq, d = q_shape
+    kvh, nt = o.shape[1], o.shape[2]
+    g = hq // kvh
+    x = o[:, :, :, : tile_size * g].reshape(b, kvh, nt, tile_size, g, d).transpose(0, 2, 3, 1, 4, 5)
+    return x.reshape(b, nt * tile_size, hq, d)[:, :t]
+
+
+def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size, key_block, *, scale=None,
+                 tuning: ReuseTuning | None = None, interpret=False):
+    """`prefill.reuse_prefill` for a selection of whole key blocks: every tile attends its selected keys plus its
+    causal diagonal tile, K/V moved by TMA copies of `key_block` rows.
+
+    idx [batch, idx_heads, tiles, W] as `anchor_prefill(..., key_block=kb)` writes it: lanes j*kb ... j*kb + kb - 1
+    hold one block's kb consecutive key ids, its first a multiple of kb; counts [batch, tiles] (keys, multiples of
+    kb, <= W). A lane past its tile's count, or an id outside [0, min(kv_len, tile start)), attends nothing. The
+    copies read whole blocks and the diagonal from rows clamped into the cache: masks, not loads, decide what a
+    row attends, so nothing is read outside the cache on the GPU or in interpret mode."""
+    tuning = tuning or DEFAULT_REUSE_TUNING
+    why = reuse_unsupported_reason(q, k, tile_size, key_block, tuning)
+    if why is not None:
+        raise ValueError(f"prefill_mgpu.reuse_blocks: {why}")
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"prefill_mgpu.reuse_blocks: v {v.shape} {v.dtype} must match k {k.shape} {k.dtype}")
+    b, t, hq, d = q.shape
+    s_len, kvh = k.shape[1], k.shape[2]
+    g = hq // kvh
+    nt = -(-t // tile_size)
+    if idx.ndim != 4 or idx.shape[0] != b or idx.shape[2] != nt or idx.shape[3] % key_block:
+        raise ValueError(f"prefill_mgpu.reuse_blocks: idx must be [batch={b}, idx_heads, tiles={nt}, W] with W a "
+                         f"multiple of key_block={key_block}, got {idx.shape}")
+    bkv, kb, steps = tuning.block_kv, key_block, tuning.steps
+    runs = bkv // kb
+    w = max(-(-idx.shape[3] // bkv), 1) * bkv  # the consumers read whole steps of ids
+    idx = jnp.pad(idx.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, w - idx.shape[3])), constant_values=-1)
+    counts = jnp.clip(-(-jnp.asarray(counts, jnp.int32) // kb) * kb, 0, idx.shape[3])  # whole runs (lanes past a
+    # block's ids are -1)
+    scale2 = (1.0 / math.sqrt(d) if scale is None else float(scale)) * _LOG2E
+    qp = _pack_rows(q, kvh, tile_size)
+    n_sub = qp.shape[3] // _REUSE_ROWS
+    interp = _interpret_params(interpret)
+    p_regs = tuning.p_in_regs if tuning.p_in_regs is not None else interp is None
+    wgs, bq = _COMPUTE_WGS, 64
+    col = plgpu.Layout.WGMMA.reduce(0)
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    def kernel(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref, out_ref,
+               q_smem, k_smem, v_smem, id_smem, p_smem, q_bar, k_bar, v_bar, k_free, v_free):
+        bi = lax.axis_index("batch")
+        h = lax.axis_index("kvh")
+        prog = lax.axis_index("tile")
+        tt = nt - 1 - lax.div(prog, jnp.int32(n_sub))  # later tiles attend more keys: they start first
+        sub = lax.rem(prog, jnp.int32(n_sub))
+        wg = lax.axis_index("wg")
+        src = hm_ref[h]
+        ts = qs_ref[bi] + tt * tile_size
+        kvl = kvl_ref[bi]
+        cnt = cnt_ref[bi, tt]
+        # The diagonal as whole blocks from d0 (TMA boxes into the tiled ring must start at a multiple of the
+        # tiling's 8 rows): one block more when the tile does not start on a block boundary.
+        d0 = lax.div(ts, jnp.int32(kb)) * kb
+        d_len = ts + tile_size - d0 + lax.rem(kb - lax.rem(ts + tile_size, jnp.int32(kb)), jnp.int32(kb))
+        n_steps = lax.div(cnt + d_len + bkv - 1, jnp.int32(bkv))
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            r0 = sub * _REUSE_ROWS + wg * bq
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, h, tt, pl.ds(r0, bq)], q_smem.at[wg], q_bar.at[wg])
+            pos = ts + lax.div(r0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row), jnp.int32(g))
+            lim = jnp.minimum(kvl, ts)
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            def step(j, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(j, jnp.int32(steps))
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+                ids = plgpu.load(id_smem.at[slot], layout=col)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bkv,), 0, layout=col)
+                act = d0 + (p - cnt)  # the diagonal's key in this lane (a run clamped at the cache end holds
+                # rows before its own: those keys are >= s_len >= kv_len, so masked)
+                sel = (p < cnt) & (ids >= 0) & (ids < lim)
+                diag = (p >= cnt) & (act >= ts) & (act < jnp.minimum(ts + tile_size, kvl))
+                key = jnp.where(p < cnt, ids, act)
+                ok = lax.broadcast_in_dim(sel | diag, (bq, bkv), [1]) & (
+                    lax.broadcast_in_dim(key, (bq, bkv), [1]) <= lax.broadcast_in_dim(pos, (bq, bkv), [0]))
+                s = jnp.where(ok, s * scale2, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + pr.sum(axis=1)
+                p_op = _p_operand(pr, q.dtype, None if p_regs else p_smem.at[wg])
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
+                    return acc_ref[...]
+
+                o = pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o, m_new, l_i
+
+            init = (plgpu.layout_cast(jnp.full((bq, d), 0, jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((bq,), -1e30, jnp.float32), row),
+                    plgpu.layout_cast(jnp.full((bq,), 0, jnp.float32), row))
+            acc, _, l_i = lax.fori_loop(0, n_steps, step, init)
+            l_i = jnp.where(l_i > 0, l_i, 1.0)
+            q_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(q.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], out_ref.at[bi, h, tt, pl.ds(r0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load(j, slot):
+                off = pl.multiple_of(jnp.minimum(j * bkv, w - bkv), bkv)  # (a step past the selection reads no
+                # selected id)
+                plgpu.copy_gmem_to_smem(idx_ref.at[bi, src, tt, pl.ds(off, bkv)], id_smem.at[slot], k_bar.at[slot])
+                for r in range(runs):
+                    p0 = j * bkv + r * kb
+                    chosen = jnp.clip(lax.div(idx_ref[bi, src, tt, jnp.minimum(p0, w - 1)], jnp.int32(kb)) * kb, 0,
+                                      s_len - kb)
+                    diag = jnp.minimum(d0 + jnp.maximum(p0 - cnt, 0), s_len - kb)
+                    start = jnp.where(p0 < cnt, chosen, jnp.where(p0 < cnt + d_len, diag, 0))
+                    rows = (bi, pl.ds(pl.multiple_of(start, kb), kb), h)  # (every branch is a multiple of kb)
+                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot, pl.ds(r * kb, kb)], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot, pl.ds(r * kb, kb)], v_bar.at[slot])
+
+            def consumed(j):  # both compute warpgroups are done with step j's buffers
+                plgpu.barrier_wait(k_free.at[lax.rem(j, steps)])
+                plgpu.barrier_wait(v_free.at[lax.rem(j, steps)])
+
+            _producer_ring(n_steps, steps, load, consumed)
+
+    out = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        scratch_types=dict(
+            q_smem=_swizzled((wgs, bq, d), q.dtype), k_smem=_swizzled((steps, bkv, d), q.dtype),
+            v_smem=_swizzled((steps, bkv, d), q.dtype), id_smem=plgpu.SMEM((steps, bkv), jnp.int32),
+            p_smem=None if p_regs else _swizzled((wgs, bq, bkv), q.dtype),
+            q_bar=plgpu.Barrier(num_barriers=wgs),
+            k_bar=plgpu.Barrier(num_arrivals=runs + 1, num_barriers=steps),
+            v_bar=plgpu.Barrier(num_arrivals=runs, num_barriers=steps),
+            k_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
+            v_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps)),
+        grid=(nt * n_sub, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interp,
+    )(jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32), counts,
+      jnp.asarray(head_map_row, jnp.int32), qp, k, v, idx)
+    return _unpack_rows(out, q.shape, tile_size)

@@ -447,6 +447,130 @@ def test_set_default_anchor_backend(monkeypatch):
     assert P.DEFAULT_TUNING.anchor_backend == "mgpu"
 
 
+# ---------------------------------------------------------------- reuse over key blocks (`reuse_blocks`), interpret
+
+
+def _block_selection(rng, b, idx_heads, n_tiles, tile, kb, q_start, kv_len, frac):
+    """A random selection of whole key blocks in `anchor_prefill(key_block=kb)`'s layout: per tile, distinct blocks
+    whose first key is before min(tile start, kv_len), lanes j*kb ... j*kb + kb - 1 = one block's ids, -1 after; the
+    tiles' counts are their largest over the heads (a head with fewer blocks has -1 lanes inside the count)."""
+    chosen = {}
+    for bi in range(b):
+        for h in range(idx_heads):
+            for t in range(n_tiles):
+                lim = min(q_start[bi] + t * tile, kv_len[bi])
+                n_elig = -(-lim // kb) if lim > 0 else 0
+                n = min(n_elig, int(np.ceil(frac * n_elig)))
+                chosen[bi, h, t] = rng.permutation(n_elig)[:n]
+    w = max(kb, max(len(c) for c in chosen.values()) * kb)
+    idx = np.full((b, idx_heads, n_tiles, w), -1, np.int32)
+    counts = np.zeros((b, n_tiles), np.int32)
+    for (bi, h, t), c in chosen.items():
+        if len(c):
+            idx[bi, h, t, : len(c) * kb] = (c[:, None] * kb + np.arange(kb)).reshape(-1)
+        counts[bi, t] = max(counts[bi, t], len(c) * kb)
+    return jnp.asarray(idx), jnp.asarray(counts)
+
+
+def _check_reuse_blocks(b, t, max_len, hq, kvh, d, tile, kb, q_start, kv_len, dtype, *, pool_all=False, seed=0,
+                        tuning=None, interpret=True, peaky=False, frac=0.3):
+    rng = np.random.default_rng(SEED + seed)
+    q, k, v = _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky=peaky)
+    nt = -(-t // tile)
+    idx, counts = _block_selection(rng, b, 1 if pool_all else kvh, nt, tile, kb, q_start, kv_len, frac)
+    hm = jnp.zeros((kvh,), jnp.int32) if pool_all else jnp.arange(kvh, dtype=jnp.int32)
+    qs, kl = jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    out = M.reuse_blocks(q, k, v, qs, kl, idx, counts, hm, tile, kb, tuning=tuning, interpret=interpret)
+    ref = R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, tile)
+    rows = np.arange(t)[None, :] < (np.asarray(kv_len) - np.asarray(q_start))[:, None]  # queries inside kv_len
+    return _row_err(np.asarray(out)[rows], np.asarray(ref)[rows])
+
+
+@pytest.mark.parametrize("case", [
+    # group 7 at tile 32: 224 packed rows, two programs per tile; ragged q_start / kv_len, pool 'gqa'
+    dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
+         dtype=jnp.bfloat16),
+    # q_start not on a block boundary (the diagonal takes an extra block), the last tile's diagonal past the cache
+    # end (clamped copies), fp16 d 128, 128-key steps
+    dict(b=1, t=100, max_len=160, hq=4, kvh=1, d=128, tile=32, kb=32, q_start=[60], kv_len=[160],
+         dtype=jnp.float16, tuning=M.ReuseTuning(block_kv=128)),
+    # one selection shared by all KV heads (head map of zeros); blocks of 8; the 2-deep ring wraps many times
+    dict(b=2, t=64, max_len=320, hq=6, kvh=2, d=64, tile=16, kb=8, q_start=[256, 200], kv_len=[320, 250],
+         dtype=jnp.bfloat16, pool_all=True, frac=0.6, tuning=M.ReuseTuning(block_kv=64)),
+])
+def test_reuse_blocks_interpret(interp, case):
+    """Against `reference.sparse_prefill_reference` on the same expanded ids (rows of queries inside kv_len)."""
+    err = _check_reuse_blocks(**case)
+    assert err < _tol(case["dtype"]), err
+
+
+def test_reuse_blocks_races():
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, interpret_pallas_call as mi
+
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+    err = _check_reuse_blocks(1, 64, 192, 4, 2, 64, 16, 16, [96], [192], jnp.bfloat16, seed=5, peaky=True,
+                              interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not mi.get_races().races_found
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+    assert err < _tol(jnp.bfloat16), err
+
+
+@pytest.mark.parametrize("case,needle", [
+    (dict(kb=4), "key_block"), (dict(kb=32, tile=16), "key_block"), (dict(d=96), "head_dim"),
+    (dict(dtype=jnp.float32), "dtype"), (dict(max_len=200), "cache length"), (dict(tile=8, kb=8), "tile_size"),
+    (dict(w=20), "idx must be"),
+])
+def test_reuse_blocks_unsupported_raises_one_line(case, needle):
+    kb, tile, d = case.get("kb", 16), case.get("tile", 32), case.get("d", 64)
+    dtype, max_len = case.get("dtype", jnp.bfloat16), case.get("max_len", 256)
+    q = jnp.zeros((1, 64, 4, d), dtype)
+    k = jnp.zeros((1, max_len, 2, d), dtype)
+    idx = jnp.zeros((1, 2, 64 // tile, case.get("w", 32)), jnp.int32)
+    z = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match=needle) as e:
+        M.reuse_blocks(q, k, k, z, z + 64, idx, jnp.zeros((1, 64 // tile), jnp.int32), jnp.arange(2), tile, kb)
+    assert "\n" not in str(e.value)
+
+
+def test_reuse_blocks_probe_selection_follows_the_contract():
+    """`benchmarks/reuse_blocks_probe.py`'s synthetic selections: distinct whole blocks before each tile, -1 after."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "reuse_blocks_probe.py"
+    spec = importlib.util.spec_from_file_location("reuse_blocks_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    for kb in (1, 16):
+        idx, counts, _ = probe.selection(2048, 2, 32, kb)
+        idx, counts = np.asarray(idx)[0], np.asarray(counts)[0]
+        lane = np.arange(idx.shape[-1])
+        inside = lane[None, None, :] < counts[None, :, None]
+        assert np.all((idx == -1) == ~inside)
+        start = (np.arange(idx.shape[1]) * 32)[None, :, None]
+        blocks = np.where(inside, idx // kb, -1)
+        assert np.all(np.where(inside, (blocks * kb < start) & (idx % kb == lane % kb), True))
+        srt = np.sort(blocks, axis=-1)[..., ::kb]
+        assert np.all((np.diff(srt, axis=-1) != 0) | (srt[..., 1:] == -1)), "a block chosen twice"
+
+
+@pytest.mark.parametrize("hq,kvh,d,tile,kb,block_kv,steps,dtype", [
+    (32, 8, 128, 32, 16, 128, 2, jnp.bfloat16), (14, 2, 64, 32, 16, 128, 2, jnp.bfloat16),
+    (12, 2, 128, 64, 8, 64, 3, jnp.float16), (14, 2, 64, 16, 16, 64, 4, jnp.bfloat16)])
+def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtype):
+    """The Mosaic GPU lowering on the CPU at realistic shapes (it once refused a TMA box whose start was not provably
+    a multiple of the ring's 8-row tiling: the diagonal now starts on a block boundary)."""
+    t = 4096
+    q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    f = lambda q, k, v, qs, kl, idx, c, hm: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
+                                                           tuning=M.ReuseTuning(block_kv=block_kv, steps=steps))
+    args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
+    assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 # ------------------------------------------------------------------------------------------ GPU tier (H200)
 
 
@@ -563,3 +687,37 @@ def test_gpu_anchor_padded_chunk_4k(hq, kvh, d, dense_out):
     _, same = _anchor_both(SEED + 73, 1, t, hq, kvh, d, 32, jnp.bfloat16, dense_out, [0], [t - 100], t,
                            interpret=False, chunk_at_zero=True)
     assert same > 0.99, same
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peaky", [False, True])
+@pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
+@pytest.mark.parametrize("kb", [8, 16])
+def test_gpu_reuse_blocks_4k(peaky, hq, kvh, d, kb):
+    """The block reuse on the GPU (P in registers, TMA block copies) against the reference, at 4K from position 0."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    err = _check_reuse_blocks(1, 4096, 4096, hq, kvh, d, 32, kb, [0], [4096], jnp.bfloat16, seed=kb, peaky=peaky,
+                              interpret=False, frac=0.1)
+    assert err < _tol(jnp.bfloat16), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
+def test_gpu_reuse_blocks_32k_matches_triton(hq, kvh, d):
+    """At 32K, batch 2 with a ragged second sequence (a chunk at 8200, not on a block boundary): the block reuse
+    equals the Triton reuse kernel on the same expanded ids."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    t, tile, kb = 16384, 32, 16
+    rng = np.random.default_rng(SEED + 99)
+    q, k, v = _inputs(rng, 2, t, hq, kvh, d, 32768, jnp.bfloat16, peaky=True)
+    q_start, kv_len = [16384, 8200], [32768, 8200 + t - 100]
+    idx, counts = _block_selection(rng, 2, kvh, t // tile, tile, kb, q_start, kv_len, 0.1)
+    qs, kl, hm = jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32), jnp.arange(kvh, dtype=jnp.int32)
+    out = jax.jit(lambda *a: M.reuse_blocks(*a, tile, kb))(q, k, v, qs, kl, idx, counts, hm)
+    tri = jax.jit(lambda *a: P.reuse_prefill(*a, tile, impl="pallas"))(q, k, v, qs, kl, idx, counts, hm)
+    rows = np.arange(t)[None, :] < (np.asarray(kv_len) - np.asarray(q_start))[:, None]
+    err = _row_err(np.asarray(out)[rows], np.asarray(tri)[rows])
+    print(f"32K {hq}/{kvh}/{d} kb {kb}: row error vs Triton {err:.2e}")
+    assert err < _tol(jnp.bfloat16), err
