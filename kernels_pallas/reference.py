@@ -274,7 +274,7 @@ def decode_counts(kv_len, topk_frac: float, min_k: int):
 
 
 def prefill_eligible(q_start, kv_len, q_len: int, tile_size: int):
-    """(tile_start, eligible) [batch, tiles]: each tile's first position and its eligible keys min(tile_start, kv_len)."""
+    """(tile_start, eligible) [batch, tiles]: each tile's first position and eligible keys min(tile_start, kv_len)."""
     n_tiles = -(-q_len // tile_size)
     tile_start = q_start[:, None] + jnp.arange(n_tiles)[None, :] * tile_size
     return tile_start, jnp.minimum(tile_start, kv_len[:, None])

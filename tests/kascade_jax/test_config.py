@@ -69,7 +69,7 @@ def test_bad_configs_raise(kwargs, match):
 
 
 def test_prefill_key_block_checks():
-    """prefill_key_block: one of 1, 8, 16, 32, 64 that divides tile_size (one-line errors naming it); JSON round trip."""
+    """prefill_key_block: one of 1, 8, 16, 32, 64 dividing tile_size (one-line errors naming it); JSON round trip."""
     for kb in (1, 8, 16, 32):
         assert KascadeConfig(num_layers=2, kv_heads=1, prefill_key_block=kb).prefill_key_block == kb
     cfg = KascadeConfig(num_layers=2, kv_heads=1, tile_size=64, prefill_key_block=64)

@@ -336,13 +336,14 @@ def test_select_blocks_reference_matches_numpy(kb):
 @pytest.mark.parametrize("pool", ["gqa", "all"])
 def test_anchor_key_blocks_interpret(pool):
     """key_block=16: the Pallas select on block scores picks the reference's blocks (the same sets per tile), with
-    the same counts and output; ragged kv_len (a tile past it), a chunk at an offset that is no multiple of 16."""
+    the same counts and output; ragged kv_len (a tile past it), a chunk at an offset that is no multiple of 16, and
+    min_k above most prefixes, so the partial blocks at a tile start or at kv_len are selected."""
     rng = np.random.default_rng(SEED + 62)
     b, t, kvh, g, d, tile, kb = 2, 96, 2, 2, 64, 32, 16
     max_len = 40 + t + 8
     q, k, v = _inputs(rng, b, t, kvh * g, kvh, d, max_len, jnp.float32, peaky=True)
     qs, kl = jnp.asarray([0, 40], jnp.int32), jnp.asarray([60, 110], jnp.int32)
-    kw = dict(topk_frac=0.5, min_k=8, k_max=R.max_budget(max_len, 0.5, 8), pool=pool, key_block=kb)
+    kw = dict(topk_frac=0.5, min_k=60, k_max=R.max_budget(max_len, 0.5, 60), pool=pool, key_block=kb)
     def run(impl):  # (jitted: the eager reference alone takes seconds)
         return jax.jit(lambda *a: P.anchor_prefill(*a, tile, impl=impl, interpret=True, **kw))(q, k, v, qs, kl, kl)
 
@@ -354,6 +355,40 @@ def test_anchor_key_blocks_interpret(pool):
         n = c_r[bi, ti] // kb
         assert _block_groups(i_p[bi, hi, ti], n, kb) == _block_groups(i_r[bi, hi, ti], n, kb), (bi, hi, ti)
     assert _row_err(o_p, o_r) < _tol(jnp.float32)
+
+
+def test_block_rows_ignore_unwritten_keys():
+    """_block_rows (the Pallas path's block sums) reads only each tile's eligible keys (the score kernels leave the
+    rest unwritten: NaN here) and equals reference.block_scores on the eligible blocks, padded to whole select
+    blocks; a window's padding tiles past the chunk have none."""
+    rng = np.random.default_rng(SEED + 64)
+    b, t, kvh, tile, kb, block_s, chunk = 2, 96, 2, 32, 16, 32, 2
+    q, k, _ = _inputs(rng, b, t, 4, kvh, 64, 150, jnp.float32)
+    lay = P._layout(q, k, tile)
+    qs, kl = jnp.asarray([0, 40], jnp.int32), jnp.asarray([60, 130], jnp.int32)
+    for c in range(2):  # tiles 0-1, then tile 2 and a padding tile
+        t_ids = c * chunk + np.arange(chunk)
+        e = np.minimum(np.asarray(qs)[:, None] + t_ids * tile, np.asarray(kl)[:, None])
+        e = np.where(t_ids < lay.n_tiles, e, 0)  # [batch, chunk] eligible keys
+        sc = rng.random((b, kvh, chunk, 150)).astype(np.float32)
+        mine = np.asarray(P._block_rows(jnp.asarray(np.where(np.arange(150) < e[:, None, :, None], sc, np.nan)),
+                                        jnp.asarray([c], jnp.int32), qs, kl, lay, chunk, kb, block_s))
+        want = np.asarray(R.block_scores(jnp.asarray(np.where(np.arange(150) < e[:, None, :, None], sc, -np.inf)), kb))
+        assert mine.shape[-1] == block_s and want.shape[-1] == 10
+        fin = np.isfinite(want)
+        assert np.array_equal(fin.sum(-1), np.broadcast_to(-(-e[:, None, :] // kb), fin.shape[:-1]))
+        np.testing.assert_allclose(mine[..., :10][fin], want[fin], rtol=1e-6)
+
+
+def test_key_blocks_triton_lowering_verifies_for_sm90(triton_sm90_modules):
+    """The anchor pipeline with key_block=16 (the select on block rows) lowers for CUDA; its Triton modules verify."""
+    q = jax.ShapeDtypeStruct((1, 2048, 14, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2048, 2, 64), jnp.bfloat16)
+    i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
+    f = lambda q, k, v, qs, kl: P.anchor_prefill(q, k, v, qs, kl, kl, 32, topk_frac=0.1, min_k=128, k_max=205,
+                                                 impl="pallas", key_block=16)
+    jax.jit(f).trace(q, k, k, i32, i32).lower(lowering_platforms=("cuda",))
+    assert len(triton_sm90_modules) >= 3  # LSE pass, pooled scores, select (+ reuse)
 
 
 def test_reuse_expanded_blocks_interpret():
@@ -378,7 +413,8 @@ def test_reuse_expanded_blocks_interpret():
     hm = jnp.asarray([1, 0], jnp.int32)
     out = jax.jit(lambda *a: P.reuse_prefill(*a, tile, impl="pallas", interpret=True, key_block=kb))(
         q, k, v, qs, kl, idx, counts, hm)
-    assert _row_err(out, R.sparse_prefill_reference(q, k, v, qs, kl, idx, hm, tile)) < _tol(jnp.bfloat16)
+    want = jax.jit(lambda *a: R.sparse_prefill_reference(*a, tile))(q, k, v, qs, kl, idx, hm)
+    assert _row_err(out, want) < _tol(jnp.bfloat16)
     with pytest.raises(ValueError, match="key_block"):
         P.reuse_prefill(q, k, v, qs, kl, idx[..., :-8], counts, hm, tile, key_block=kb)
     with pytest.raises(ValueError, match="key_block"):
