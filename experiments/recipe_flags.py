@@ -3,11 +3,11 @@
 A flag has the name of the recipe field it sets (`kascade_jax.recipes.Recipe`): `--num_anchors`, `--calib_k`,
 `--calib_reduce`, `--calib_importance`, `--calib_num_prompts`, `--calib_max_tokens`, `--calib_dtype`, `--calib_dataset`,
 `--sink_tokens`, `--recent_window`, `--dense_suffix`, `--local_window`, `--prefill_topk_frac`, `--decode_topk_frac`,
-`--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`, `--decode_tail_stride`,
-`--decode_tail_cap`, `--pool`, `--decode_dense_layers`, `--decode_prefill_keys`; each defaults to None, "the recipe's", and an explicitly
-given value wins over the `--recipe`. `--anchors` is defined here too, so it parses and means the same everywhere
-(`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a deprecated spelling of
-`--calib_num_prompts` (it warns; see `experiments.cli.deprecated_alias`).
+`--prefill_key_block`, `--prefill_dense_anchors`, `--decode_only`, `--decode_rerank`, `--decode_rerank_worst`,
+`--decode_tail_stride`, `--decode_tail_cap`, `--pool`, `--decode_dense_layers`, `--decode_prefill_keys`; each defaults
+to None, "the recipe's", and an explicitly given value wins over the `--recipe`. `--anchors` is defined here too, so
+it parses and means the same everywhere (`kascade_jax.calibration.resolve.parse_anchors`). `--calib_prompts` is a
+deprecated spelling of `--calib_num_prompts` (it warns; see `experiments.cli.deprecated_alias`).
 
 Deliberately not here: the model flags (`experiments.common`), building strategies.
 """
@@ -48,6 +48,8 @@ LOCAL = flags.DEFINE_integer("local_window", None, "recipe lever (prefill): keys
                              "top of the Top-k budget")
 PREFILL_FRAC = flags.DEFINE_float("prefill_topk_frac", None, "recipe lever: prefill budget fraction (default: "
                                   "--topk_frac; decode keeps --topk_frac)")
+KEY_BLOCK = flags.DEFINE_integer("prefill_key_block", None, "recipe lever (prefill): anchors select aligned blocks "
+                                  "of this many keys (1, 8, 16, 32 or 64, dividing the tile) instead of single keys")
 DECODE_FRAC = flags.DEFINE_float("decode_topk_frac", None, "recipe lever: decode budget fraction (default: "
                                  "--topk_frac; prefill keeps --topk_frac)")
 RERANK = flags.DEFINE_integer("decode_rerank", None, "recipe lever (decode): anchors select C x the budget and each "
@@ -123,6 +125,7 @@ def _apply_flags(recipe):
     return recipe.replace(  # another --num_anchors than a pinned set's size drops the pins (Recipe.replace)
         num_anchors=_given(NUM_ANCHORS), sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
         local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
+        prefill_key_block=KEY_BLOCK.value,
         prefill_dense_anchors=DENSE_ANCHORS.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
         decode_rerank_worst=RERANK_WORST.value, decode_tail_stride=TAIL.value,
         decode_tail_cap=TAIL_CAP.value, pool=POOL.value, decode_dense_layers=_int_list(DENSE_LAYERS),

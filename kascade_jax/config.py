@@ -28,6 +28,8 @@ results/accuracy/NOTES.md.
   selection *on top of* the budget, so every reuse layer attends a dense neighbourhood plus the anchor's Top-k.
 - `prefill_topk_frac` / `decode_topk_frac`: the budget fraction of one phase (None = `topk_frac`), so one phase's
   quality can be bought without slowing the other.
+- `prefill_key_block` (kb in 1, 8, 16, 32, 64; a divisor of `tile_size`): prefill anchors select aligned blocks of
+  kb keys (ceil(k / kb) blocks by summed pooled score) instead of single keys, so a kernel can copy whole blocks.
 - `prefill_dense_anchors`: in prefill every anchor outputs dense causal attention (as layer 0) and still selects
   its Top-k for the reuse layers (one P.V product more; the full softmax is computed anyway).
 - `decode_rerank` (C, 1 = off): in decode each anchor selects C x the budget as candidates, and each reuse layer
@@ -57,6 +59,7 @@ from typing import Any
 from kernels_pallas.reference import frac_numerator
 
 POOLS = ("gqa", "all", "pre_softmax")
+KEY_BLOCKS = (1, 8, 16, 32, 64)  # prefill_key_block
 
 
 def _as_int_tuple(values, what: str) -> tuple[int, ...]:
@@ -97,6 +100,7 @@ class KascadeConfig:
     decode_tail_cap: bool = False  # the tail: a sampled key as heavy as the lightest selected one counts once
     decode_dense_layers: tuple[int, ...] | None = None  # decode: layers that output dense attention (-1: the last)
     decode_prefill_keys: float = 0.0  # decode: each reuse layer also attends its own Top-s from the prefill's last tile
+    prefill_key_block: int = 1  # prefill: anchors select aligned blocks of this many keys (1: single keys)
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size", "decode_rerank"):
@@ -118,6 +122,10 @@ class KascadeConfig:
                 raise ValueError(f"{name} must be None or in (0, 1] and a multiple of 1e-4, got {value!r}") from None
         if self.pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        kb = self.prefill_key_block
+        if isinstance(kb, bool) or not isinstance(kb, int) or kb not in KEY_BLOCKS or self.tile_size % kb:
+            raise ValueError(f"prefill_key_block must be one of {KEY_BLOCKS} and divide tile_size "
+                             f"({self.tile_size}), got {kb!r}")
         if self.decode_rerank > 1 and self.pool == "all":
             raise ValueError("decode_rerank ranks candidates per KV head, and pool='all' shares one index set between "
                              "all heads: use pool 'gqa' or 'pre_softmax' with decode_rerank > 1")

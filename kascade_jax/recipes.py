@@ -3,7 +3,8 @@
 A recipe fixes everything the user does not pass explicitly: the calibration that chooses anchors and head maps
 (k, reduction over tiles, DP importance weighting, development prompts), the anchor count M, and the
 `KascadeConfig` levers (`recipes.LEVERS`: forced keys, dense suffix, budgets, dense anchor outputs, dense prefill,
-the rerank, the selection pool, the dense decode layers, each reuse layer's own keys from the prefill).
+the rerank, the selection pool, the dense decode layers, each reuse layer's own keys from the prefill, the prefill's
+key blocks).
 Two names exist for every model:
 - `paper`: the paper's method exactly (DP over k = 64 similarity, min over tiles, importance-weighted, M = 5, no
   levers);
@@ -28,7 +29,7 @@ from typing import Any
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
           "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank", "decode_tail_stride", "decode_tail_cap",
-          "pool", "decode_dense_layers", "decode_prefill_keys")
+          "pool", "decode_dense_layers", "decode_prefill_keys", "prefill_key_block")
 BOOL_LEVERS = ("prefill_dense_anchors", "decode_only", "decode_tail_cap")
 
 
@@ -50,6 +51,7 @@ class Recipe:
     prefill_topk_frac: float | None = None  # prefill budget fraction (None: the run's topk_frac)
     decode_topk_frac: float | None = None  # decode budget fraction (None: the run's topk_frac)
     tile_size: int | None = None  # prefill query tile (None: KascadeConfig's 32)
+    prefill_key_block: int | None = None  # prefill: anchors select aligned blocks of this many keys (None: 1)
     prefill_dense_anchors: bool = False  # prefill: anchor layers output dense attention (they still select)
     decode_only: bool = False  # dense prefill, Kascade decode
     decode_rerank: int | None = None  # decode: anchors select C x the budget, each reuse layer keeps its own Top-k
@@ -68,7 +70,7 @@ class Recipe:
 
     def __post_init__(self):
         from kascade_jax.calibration.stats import IMPORTANCE, REDUCES  # noqa: PLC0415
-        from kascade_jax.config import POOLS  # noqa: PLC0415
+        from kascade_jax.config import KEY_BLOCKS, POOLS  # noqa: PLC0415
 
         for f in ("num_anchors", "calib_k", "calib_num_prompts", "calib_max_tokens"):
             v = getattr(self, f)
@@ -140,6 +142,9 @@ class Recipe:
         ts = self.tile_size
         if ts is not None and (isinstance(ts, bool) or ts not in (16, 32, 64)):
             raise ValueError(f"recipe {self.name!r}: tile_size must be null, 16, 32 or 64, got {ts!r}")
+        kb = self.prefill_key_block
+        if kb is not None and (isinstance(kb, bool) or not isinstance(kb, int) or kb not in KEY_BLOCKS):
+            raise ValueError(f"recipe {self.name!r}: prefill_key_block must be null or one of {KEY_BLOCKS}, got {kb!r}")
         if self.calib_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"recipe {self.name!r}: calib_dtype must be float32, bfloat16, float16 or null, "
                              f"got {self.calib_dtype!r}")
@@ -290,6 +295,9 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "pf20": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, prefill_topk_frac=0.2),
     "ds512s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=512),
     "t16": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, tile_size=16),
+    # issue 22 item 2, to measure (hypothesis): the paper recipe with each prefill tile selecting aligned blocks of 16
+    # keys, which a Hopper kernel gathers by whole-block copies; the accuracy cost of the coarser selection
+    "kb16": dict(num_anchors=5, prefill_key_block=16),
     "m7s": dict(num_anchors=7, sink_tokens=4, recent_window=60, dense_suffix=128),
     "imp_none_s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, calib_importance="none"),
     "imp_sqrt_s": dict(num_anchors=5, sink_tokens=4, recent_window=60, dense_suffix=128, calib_importance="sqrt"),

@@ -22,8 +22,8 @@ idx_heads, s_max], "scores" [batch, idx_heads, max_len] fp32, the tile's pooled 
 spans}) and in decode attends the union of its anchor's indices and those (`union_indices`, duplicates once).
 The attended set is the indices plus the causal diagonal tile in prefill, the indices alone in decode; softmax
 is renormalised over it. The state threaded between layers is `{"idx", "counts"}` of the most recent anchor
-(`None` before layer 0): prefill idx [batch, idx_heads, tiles, k_max] + counts [batch, tiles], decode idx
-[batch, idx_heads, k_max] + counts [batch].
+(`None` before layer 0): prefill idx [batch, idx_heads, tiles, k_max] (`prefill_width`: whole blocks with
+`prefill_key_block`) + counts [batch, tiles], decode idx [batch, idx_heads, k_max] + counts [batch].
 
 Kernel seam: every array computation goes through one `Kernels` bundle looked up by name (`strategy.kernels`):
 "reference" (default) = the pure-JAX references, which materialise one layer's scores for the query rows of the
@@ -69,6 +69,8 @@ from kernels_pallas.reference import (
     pooled_scores_prefill_reference,
     pooled_scores_rows_reference,
     prefill_counts,
+    prefill_eligible,
+    select_blocks_reference,
     select_topk_reference,
     sparse_decode_reference,
     topk_budget,
@@ -88,10 +90,11 @@ class Kernels:
         -> (out, idx [batch, idx_heads, k_max], counts [batch])
     reuse_decode(q, k, v, kv_len, idx, counts, head_map_row[, return_lse=True]) -> out[, lse [batch, 1, q_heads]]
     anchor_prefill(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero)
-        -> (out, idx [batch, idx_heads, tiles, k_max], counts [batch, tiles])
-    reuse_prefill(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size) -> out
+        -> (out, idx [batch, idx_heads, tiles, prefill_width(cfg, k_max)], counts [batch, tiles])
+    reuse_prefill(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size, *, key_block) -> out
     The anchors compute the budgets (`decode_budget` / `prefill_budget` below) from `cfg` (a KascadeConfig: topk_frac,
-    min_k, k_multiple, rolling_prefill, tile_size, pool). `head_map_row` is a static tuple of ints [kv_heads];
+    min_k, k_multiple, rolling_prefill, tile_size, pool, prefill_key_block: the prefill selects blocks of that many
+    keys, `kernels_pallas.reference.select_blocks_reference`). `head_map_row` is a static tuple of ints [kv_heads];
     `dense`: output dense attention, still select (anchor layer 0).
     query_block: longer prefill chunks are fed to the prefill calls in static blocks of this many queries (a
     multiple of tile_size), so a kernel that materialises scores holds [batch, q_heads, query_block, keys] at
@@ -137,7 +140,12 @@ def _anchor_prefill_reference(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, 
     counts = prefill_budget(cfg, q_start, kv_len, seq_len, q.shape[1])  # [batch, tiles]
     scores, _ = pooled_scores_prefill_reference(q, k, q_start, kv_len, cfg.tile_size, pool=cfg.pool,
                                                 sinks=cfg.sink_tokens, window=cfg.recent_window + cfg.local_window)
-    idx = select_topk_reference(scores, counts[:, None, :], k_max)  # [batch, idx_heads, tiles, k_max]
+    if cfg.prefill_key_block > 1:
+        eligible = prefill_eligible(q_start, kv_len, q.shape[1], cfg.tile_size)[1]
+        idx, counts = select_blocks_reference(scores, jnp.minimum(counts, k_max), eligible, k_max,
+                                              cfg.prefill_key_block)
+    else:
+        idx = select_topk_reference(scores, counts[:, None, :], k_max)  # [batch, idx_heads, tiles, k_max]
     if dense:
         out = dense_attention(q, k, v, q_start, kv_len, phase="prefill", chunk_at_zero=chunk_at_zero)
     else:
@@ -145,8 +153,8 @@ def _anchor_prefill_reference(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, 
     return out, idx, counts
 
 
-def _reuse_prefill_reference(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size):
-    del counts
+def _reuse_prefill_reference(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size, *, key_block=1):
+    del counts, key_block  # blocks come expanded to key ids; a partial block's keys past the prefix are masked
     return sparse_prefill_reference(q, k, v, q_start, kv_len, idx, head_map_row, tile_size)
 
 
@@ -193,7 +201,8 @@ def _pallas_kernels() -> Kernels:
         return pp.anchor_prefill(q, k, v, q_start, kv_len, seq_len, cfg.tile_size, topk_frac=cfg.prefill_frac,
                                  min_k=cfg.min_k, k_max=k_max, rolling=cfg.rolling_prefill, dense_out=dense,
                                  pool=cfg.pool, chunk_at_zero=chunk_at_zero, sinks=cfg.sink_tokens,
-                                 window=cfg.recent_window + cfg.local_window, extra_k=cfg.local_window)
+                                 window=cfg.recent_window + cfg.local_window, extra_k=cfg.local_window,
+                                 key_block=cfg.prefill_key_block)
 
     def paged_anchor_decode(q, k, v, page_table, kv_len, *, cfg, k_max, dense, head_map_row):
         check(cfg)
@@ -252,6 +261,13 @@ def static_k_max(cfg: KascadeConfig, max_len: int, phase: str = "decode") -> int
     return max(1, min(-(-k // cfg.k_multiple) * cfg.k_multiple, max_len))
 
 
+def prefill_width(cfg: KascadeConfig, k_max: int) -> int:
+    """Width of the prefill index buffers for a key budget of at most k_max: ceil(k_max / kb) blocks of
+    `prefill_key_block` kb ids each (k_max itself for kb = 1)."""
+    kb = cfg.prefill_key_block
+    return -(-k_max // kb) * kb
+
+
 def decode_budget(cfg: KascadeConfig, kv_len):
     """[batch] int32: k = min(max(floor(topk_frac * kv_len), min_k), kv_len), rounded up to k_multiple (<= kv_len)."""
     counts = decode_counts(kv_len, cfg.decode_frac, cfg.min_k).astype(jnp.int32)
@@ -262,8 +278,7 @@ def prefill_budget(cfg: KascadeConfig, q_start, kv_len, seq_len, q_len: int):
     """[batch, tiles] int32: per-tile budget over the keys strictly before the tile (see reference.prefill_counts)."""
     counts = prefill_counts(q_start, kv_len, seq_len, q_len, cfg.tile_size, cfg.prefill_frac, cfg.min_k,
                             rolling=cfg.rolling_prefill, extra=cfg.local_window)
-    n_tiles = counts.shape[1]
-    eligible = jnp.minimum(q_start[:, None] + jnp.arange(n_tiles)[None, :] * cfg.tile_size, kv_len[:, None])
+    eligible = prefill_eligible(q_start, kv_len, q_len, cfg.tile_size)[1]
     # Rounding after clamping to the eligible keys equals clamping after rounding, since eligible <= base L.
     return _round_up(counts, cfg.k_multiple, eligible)
 
@@ -746,11 +761,14 @@ class KascadeStrategy:
                 out, idx, counts = kern.anchor_prefill(qb, k, v, q_start, inputs.kv_len, inputs.seq_len, cfg=cfg,
                                                        k_max=k_max, dense=dense, head_map_row=row,
                                                        chunk_at_zero=inputs.chunk_at_zero and b0 == 0)
+                if cfg.prefill_key_block > 1 and idx.shape[-1] != prefill_width(cfg, k_max):
+                    raise ValueError(f"kernels {self.kernels!r} ignore prefill_key_block={cfg.prefill_key_block}: "
+                                     f"anchor idx width {idx.shape[-1]}, want {prefill_width(cfg, k_max)}")
                 idxs.append(idx)
                 counts_all.append(counts)
             else:
                 out = kern.reuse_prefill(qb, k, v, q_start, inputs.kv_len, reuse_idx[:, :, t0:t1],
-                                         state["counts"][:, t0:t1], row, ts)
+                                         state["counts"][:, t0:t1], row, ts, key_block=cfg.prefill_key_block)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
         if cfg.dense_suffix and not dense:

@@ -14,6 +14,8 @@ Design (all kernels are Pallas `pallas_call`s with the Triton lowering, the only
   (tile, head): a `select_nb`-way (16) bisection on the fp32 bit patterns (non-negative floats order like their int32 bits),
   stopping as soon as the bracket holds exactly the budget, then one compaction pass (cumsum + scatter) that takes
   every key above the bracket and, among exact ties at the threshold, the lowest positions. No sort, no lax.top_k.
+  With `key_block` kb > 1 it selects among block scores (XLA sums of kb aligned keys) and the blocks are expanded
+  to kb ids each (`reference.select_blocks_reference`).
   Options: start from the row's [min, max] bits (`select_range`), and once the bracket holds <= `select_cand` keys,
   compact them into a small buffer so the remaining passes skip the full row (same result, fewer full-row reads).
   (4) The reuse kernel on its own indices (identity head map), unless `dense_out`.
@@ -542,13 +544,33 @@ def _score_chunking(lay: _Layout, tuning) -> tuple[int, int, int]:
     return width_s, chunk, -(-lay.n_tiles // chunk)
 
 
+def _block_rows(sc, cv, q_start, kv_len, lay: _Layout, chunk, key_block, block_s):
+    """A window's key scores [batch, heads, chunk, width] -> block scores [batch, heads, chunk, width_b]: each tile's
+    eligible keys summed over aligned blocks of key_block keys (the rest, unwritten by the score kernels, counts 0;
+    the select masks blocks past the eligible ones), rows padded to whole select blocks of block_s."""
+    t = cv[0] * chunk + jnp.arange(chunk)
+    e = _eligible(lay, q_start[:, None], kv_len[:, None], t[None, :])  # [batch, chunk]
+    sc = jnp.where(jnp.arange(sc.shape[-1]) < e[:, None, :, None], sc, 0.0)
+    n_blk = -(-sc.shape[-1] // key_block)
+    sc = jnp.pad(sc, ((0, 0),) * 3 + ((0, n_blk * key_block - sc.shape[-1]),))
+    sc = sc.reshape(sc.shape[:3] + (n_blk, key_block)).sum(-1)
+    return jnp.pad(sc, ((0, 0),) * 3 + ((0, -(-n_blk // block_s) * block_s - n_blk),))
+
+
 def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scale, k_max, pool, tuning, interpret,
-                   sinks=0, window=0, mgpu_scores=None):
+                   sinks=0, window=0, mgpu_scores=None, key_block=1):
     """Exact per-tile top-k in chunks of tiles -> idx [batch, idx_heads, tiles, k_max]. mgpu_scores: a window of
     tiles' pooled scores from `prefill_mgpu` (a chunk at position 0: `_mgpu_keys`), (first tile [1], tiles,
-    width) -> [1, kv_heads, tiles, width], instead of the Triton kernel on the packed `lse`."""
+    width) -> [1, kv_heads, tiles, width], instead of the Triton kernel on the packed `lse`. key_block = kb > 1:
+    counts are blocks, the select runs on block scores (`_block_rows`) and idx is [..., ceil(k_max / kb) kb] of
+    expanded blocks; the select kernel gets positions in blocks, as ceil(min(tile_start, kv_len) / kb) =
+    min(ceil(q_start / kb) + t tile / kb, ceil(kv_len / kb)) when kb divides the tile."""
     width_s, chunk, n_chunks = _score_chunking(lay, tuning)
     block_s = tuning.select_block
+    kb = key_block
+    lay_s = lay if kb == 1 else dataclasses.replace(lay, tile=lay.tile // kb)
+    qs_s, kvl_s = (q_start, kv_len) if kb == 1 else (-(-q_start // kb), -(-kv_len // kb))
+    k_max = -(-k_max // kb)  # the select's width, in blocks
     idx_heads = lay.kv_heads if pool == "gqa" else 1
     n_pad = n_chunks * chunk
     counts_p = jnp.pad(counts, ((0, 0), (0, n_pad - lay.n_tiles)))
@@ -570,7 +592,7 @@ def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scal
     cap = tuning.select_cand
     cand_shape = [jax.ShapeDtypeStruct((lay.batch, idx_heads, chunk, cap), jnp.int32)] * (2 if cap else 0)
     select_call = pl.pallas_call(
-        lambda *r: _select_kernel(*r, lay=lay, block=block_s, chunk=chunk, width=k_max, nb=tuning.select_nb,
+        lambda *r: _select_kernel(*r, lay=lay_s, block=block_s, chunk=chunk, width=k_max, nb=tuning.select_nb,
                                   cap=cap, use_range=tuning.select_range, interpret=interpret),
         grid=(lay.batch, idx_heads, chunk),
         out_shape=[jax.ShapeDtypeStruct((lay.batch, idx_heads, n_pad, k_max), jnp.int32)] + cand_shape,
@@ -583,11 +605,13 @@ def _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay: _Layout, scal
         sc = chunk_scores(cv)
         if pool == "all":
             sc = jnp.sum(sc, axis=1, keepdims=True)
-        return select_call(cv, q_start, kv_len, counts_p, sc, idx)[0]  # (candidate buffers: scratch)
+        if kb > 1:
+            sc = _block_rows(sc, cv, q_start, kv_len, lay, chunk, kb, block_s)
+        return select_call(cv, qs_s, kvl_s, counts_p, sc, idx)[0]  # (candidate buffers: scratch)
 
     idx = jnp.full((lay.batch, idx_heads, n_pad, k_max), -1, jnp.int32)
     idx = lax.fori_loop(0, n_chunks, one_chunk, idx)
-    return idx[:, :, : lay.n_tiles]
+    return ref.expand_blocks(idx[:, :, : lay.n_tiles], kb)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -742,18 +766,23 @@ def _ints(x, name, b):
 
 
 def reuse_prefill(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_row, tile_size, *, scale=None,
-                  impl="auto", interpret=False, tuning: PrefillTuning | None = None):
+                  impl="auto", interpret=False, tuning: PrefillTuning | None = None, key_block: int = 1):
     """Sparse prefill: each query tile attends its selected keys (through head_map_row) plus its causal diagonal tile.
 
     q [batch, q_len, q_heads, d]; caches [batch, max_len, kv_heads, d] with this chunk written; q_start, kv_len
     [batch]; idx [batch, idx_heads, tiles, k_max] (distinct keys strictly before each tile, -1 past counts);
-    counts [batch, tiles]; head_map_row [kv_heads] int32. Returns out [batch, q_len, q_heads, d].
+    counts [batch, tiles]; head_map_row [kv_heads] int32. Returns out [batch, q_len, q_heads, d]. key_block: the
+    anchor's (`anchor_prefill`); its expanded blocks are ordinary key ids (ids at or past min(tile_start, kv_len)
+    are masked), so it is only checked here.
     """
     _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
+    ref.check_key_block(key_block, tile_size)
     b = q.shape[0]
     n_tiles = -(-q.shape[1] // tile_size)
     if idx.ndim != 4 or idx.shape[0] != b or idx.shape[2] != n_tiles:
         raise ValueError(f"idx must be [batch={b}, idx_heads, tiles={n_tiles}, k_max], got {idx.shape}")
+    if idx.shape[-1] % key_block:
+        raise ValueError(f"key_block ({key_block}) must divide the idx width, got idx {idx.shape}")
     if jnp.shape(counts) != (b, n_tiles):
         raise ValueError(f"counts must be [batch, tiles] = ({b}, {n_tiles}), got {jnp.shape(counts)}")
     if jnp.shape(head_map_row) != (k_cache.shape[2],):
@@ -803,11 +832,13 @@ def dense_prefill(q, k_cache, v_cache, q_start, kv_len, *, tile_size: int = 32, 
 def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, topk_frac, min_k, k_max, rolling=True,
                    dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
                    tuning: PrefillTuning | None = None, chunk_at_zero=False, sinks: int = 0, window: int = 0,
-                   extra_k: int = 0):
+                   extra_k: int = 0, key_block: int = 1):
     """Anchor prefill: pooled post-softmax scores per (tile, head), exact rolling top-k, then attention.
 
     Returns (out [batch, q_len, q_heads, d], idx [batch, idx_heads, tiles, k_max], counts [batch, tiles]); out is
     the sparse output on the layer's own indices, or the dense causal output with dense_out=True (anchor layer 0).
+    key_block = kb > 1 (a divisor of tile_size): select aligned blocks of kb keys (`reference.select_blocks_reference`):
+    idx is then [..., ceil(k_max / kb) kb] wide, each block's kb consecutive ids, and counts are blocks x kb.
     chunk_at_zero (static): the caller guarantees q_start == 0 for every sequence, which lets anchor layer 0 take
     its dense output and LSE from cuDNN (tuning.anchor0_cudnn, GPU only). `sinks` / `window`: forced keys of every
     tile (the first `sinks` keys and the `window` keys before the tile score `reference.FORCED_SCORE`). `extra_k`:
@@ -817,6 +848,7 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     """
     ref.check_forced(sinks, window)
     _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
+    ref.check_key_block(key_block, tile_size)
     if chunk_at_zero and not isinstance(q_start, jax.core.Tracer) and np.any(np.asarray(q_start) != 0):
         raise ValueError(f"chunk_at_zero=True needs q_start == 0 for every sequence, got {q_start}")
     if pool not in ("gqa", "all", "pre_softmax"):
@@ -833,13 +865,17 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     seq_len = _ints(jnp.broadcast_to(jnp.asarray(seq_len), (b,)), "seq_len", b)
     counts = ref.prefill_counts(q_start, kv_len, seq_len, t, tile_size, topk_frac, min_k, rolling, extra=extra_k)
     counts = jnp.minimum(counts, k_max)
+    eligible = ref.prefill_eligible(q_start, kv_len, t, tile_size)[1]  # [batch, tiles]
     idx_heads = k_cache.shape[2] if pool != "all" else 1
     identity = jnp.arange(k_cache.shape[2], dtype=jnp.int32) if pool != "all" else jnp.zeros(k_cache.shape[2], jnp.int32)
     if not use_pallas(impl, interpret):
         scores, _ = ref.pooled_scores_prefill_reference(q, k_cache, q_start, kv_len, tile_size, pool=pool, scale=scale,
                                                         sinks=sinks, window=window)
-        idx = ref.select_topk_reference(scores, counts[:, None, :], k_max)
-        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, 0), (0, k_max - idx.shape[-1])), constant_values=-1)
+        if key_block > 1:
+            idx, counts = ref.select_blocks_reference(scores, counts, eligible, k_max, key_block)
+        else:
+            idx = ref.select_topk_reference(scores, counts[:, None, :], k_max)
+            idx = jnp.pad(idx, ((0, 0), (0, 0), (0, 0), (0, k_max - idx.shape[-1])), constant_values=-1)
         if dense_out:
             out = ref.attention_reference(q, k_cache, v_cache, q_start, kv_len, scale=scale)
         else:
@@ -876,8 +912,11 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
         mgpu_scores = lambda first, n, width: M.pooled_scores(q, keys[0], lse2, tile_size, scale=scale,
                                                               interpret=interpret, first_tile=first, n_tiles=n,
                                                               width=width, packed=packed)
-    idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, counts, lay, scale, k_max, pool, tuning, interpret,
-                         sinks, window, mgpu_scores)
+    sel_counts = counts if key_block == 1 else ref.block_counts(counts, eligible, key_block)  # keys or blocks
+    idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, sel_counts, lay, scale, k_max, pool, tuning, interpret,
+                         sinks, window, mgpu_scores, key_block)
+    if key_block > 1:
+        counts = sel_counts * key_block
     assert idx.shape[1] == idx_heads
     if dense_out:
         return out, idx, counts

@@ -21,6 +21,9 @@ Rules fixed here and used by the kernels too:
   before the tile) get the score `FORCED_SCORE` before the Top-k, so they are always selected and count against
   the budget (callers keep sinks + window <= min_k, so they always fit). FORCED_SCORE = 2**20 exceeds every
   post-softmax pooled score (a sum of at most q_heads * tile_size <= 2**20 probabilities).
+- Key blocks (prefill, `key_block` kb > 1): tiles select aligned blocks of kb keys instead of keys. A block scores
+  the sum of its eligible keys' pooled scores, the budget is min(ceil(k / kb), eligible blocks) blocks, and idx
+  holds each selected block's kb consecutive ids (`select_blocks_reference`); kb = 1 is the key selection.
 """
 
 from __future__ import annotations
@@ -270,17 +273,67 @@ def decode_counts(kv_len, topk_frac: float, min_k: int):
     return topk_budget(kv_len, topk_frac, min_k)
 
 
+def prefill_eligible(q_start, kv_len, q_len: int, tile_size: int):
+    """(tile_start, eligible) [batch, tiles]: each tile's first position and eligible keys min(tile_start, kv_len)."""
+    n_tiles = -(-q_len // tile_size)
+    tile_start = q_start[:, None] + jnp.arange(n_tiles)[None, :] * tile_size
+    return tile_start, jnp.minimum(tile_start, kv_len[:, None])
+
+
 def prefill_counts(q_start, kv_len, seq_len, q_len: int, tile_size: int, topk_frac: float, min_k: int, rolling=True,
                    extra: int = 0):
     """[batch, tiles] prefill budgets: over the tile's prefix (rolling) or the whole sequence, plus `extra` keys (a
     local window selected on top of the budget), clamped to the eligible keys."""
     if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
         raise ValueError(f"extra must be an int >= 0, got {extra!r}")
-    n_tiles = -(-q_len // tile_size)
-    tile_start = q_start[:, None] + jnp.arange(n_tiles)[None, :] * tile_size
-    eligible = jnp.minimum(tile_start, kv_len[:, None])
+    tile_start, eligible = prefill_eligible(q_start, kv_len, q_len, tile_size)
     base = tile_start if rolling else jnp.broadcast_to(seq_len[:, None], tile_start.shape)
     return jnp.minimum(topk_budget(base, topk_frac, min_k) + extra, eligible).astype(jnp.int32)
+
+
+def check_key_block(key_block: int, tile_size: int) -> None:
+    if isinstance(key_block, bool) or not isinstance(key_block, int) or key_block < 1 or tile_size % key_block:
+        raise ValueError(f"key_block must be an int >= 1 dividing tile_size ({tile_size}), got {key_block!r}")
+
+
+def block_scores(scores, key_block: int):
+    """Key scores [..., keys] (-inf = ineligible) -> block scores [..., ceil(keys / key_block)]: the sum of each
+    aligned block's eligible keys, -inf for a block with none (so it is never selected)."""
+    n = scores.shape[-1]
+    n_blk = -(-n // key_block)
+    x = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, n_blk * key_block - n)], constant_values=-jnp.inf)
+    x = x.reshape(scores.shape[:-1] + (n_blk, key_block))
+    fin = jnp.isfinite(x)
+    return jnp.where(fin.any(-1), jnp.where(fin, x, 0.0).sum(-1), -jnp.inf)
+
+
+def block_counts(counts, eligible, key_block: int):
+    """Key budgets and eligible keys [batch, tiles] -> block budgets min(ceil(counts / kb), ceil(eligible / kb))."""
+    return jnp.minimum(-(-counts // key_block), -(-eligible // key_block)).astype(jnp.int32)
+
+
+def expand_blocks(blk, key_block: int):
+    """Block ids [..., n] (-1 = none) -> key ids [..., n * key_block]: block b's lanes hold b * kb + 0 .. kb - 1, a
+    -1 block's lanes -1."""
+    if key_block == 1:
+        return blk
+    ids = blk[..., None] * key_block + jnp.arange(key_block, dtype=jnp.int32)
+    return jnp.where(blk[..., None] >= 0, ids, -1).reshape(blk.shape[:-1] + (-1,)).astype(jnp.int32)
+
+
+def select_blocks_reference(scores, counts, eligible, k_max: int, key_block: int):
+    """Prefill Top-k in aligned blocks of `key_block` keys (block b = keys [b kb, b kb + kb)).
+
+    scores [batch, idx_heads, tiles, keys] (-inf = ineligible); counts [batch, tiles] key budgets (<= k_max);
+    eligible [batch, tiles] = min(tile_start, kv_len). Returns (idx [batch, idx_heads, tiles, ceil(k_max / kb) kb]
+    int32: the selected blocks expanded by `expand_blocks`, -1 past the count; counts [batch, tiles] = selected
+    blocks x kb, in keys, which may include a partial block's ineligible keys: the reuse masks them).
+    """
+    n_blk = block_counts(counts, eligible, key_block)
+    width = -(-k_max // key_block)
+    blk = select_topk_reference(block_scores(scores, key_block), n_blk[:, None], width)
+    blk = jnp.pad(blk, ((0, 0), (0, 0), (0, 0), (0, width - blk.shape[-1])), constant_values=-1)
+    return expand_blocks(blk, key_block), n_blk * key_block
 
 
 def _index_mask(idx, num_keys: int):

@@ -240,7 +240,8 @@ def config_fields(config: str) -> dict:
     return out
 
 
-_PREFILL_ONLY = ("dense_suffix", "local_window", "prefill_topk_frac", "tile_size", "prefill_dense_anchors")
+_PREFILL_ONLY = ("dense_suffix", "local_window", "prefill_topk_frac", "tile_size", "prefill_dense_anchors",
+                 "prefill_key_block")
 
 
 def _decode_side(fields: dict) -> dict:

@@ -76,6 +76,24 @@ def test_pool_flag_reaches_the_recipe_and_is_refused_with_the_rerank():
             recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
 
 
+def test_prefill_key_block_flag_reaches_the_recipe_and_the_config_string():
+    from kascade_jax.eval import accuracy
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--recipe=paper", "--prefill_key_block=16"])
+        r = recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+    assert r.name == "paper*" and r.levers()["prefill_key_block"] == 16
+    assert accuracy.config_fields(r.describe())["prefill_key_block"] == 16
+    assert recipes.candidate("kb16").levers()["prefill_key_block"] == 16
+    assert "prefill_key_block" not in recipes.PAPER.levers()  # not named: KascadeConfig's 1
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--prefill_key_block=12"])
+        with pytest.raises(ValueError, match="prefill_key_block must be null or one of"):
+            recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+
+
 # experiments.eval defines flags another entry point also defines: it runs in a subprocess of its own
 EVAL_ANCHORS = """
 from experiments import cli, eval as ev, recipe_flags

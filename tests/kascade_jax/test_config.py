@@ -68,6 +68,21 @@ def test_bad_configs_raise(kwargs, match):
         KascadeConfig(**base)
 
 
+def test_prefill_key_block_checks():
+    """prefill_key_block: one of 1, 8, 16, 32, 64 dividing tile_size (one-line errors naming it); JSON round trip."""
+    for kb in (1, 8, 16, 32):
+        assert KascadeConfig(num_layers=2, kv_heads=1, prefill_key_block=kb).prefill_key_block == kb
+    cfg = KascadeConfig(num_layers=2, kv_heads=1, tile_size=64, prefill_key_block=64)
+    assert KascadeConfig.from_json(cfg.to_json()) == cfg
+    assert KascadeConfig(num_layers=2, kv_heads=1).prefill_key_block == 1
+    for bad in (dict(prefill_key_block=4), dict(prefill_key_block=0), dict(prefill_key_block=64),
+                dict(tile_size=16, prefill_key_block=32), dict(tile_size=24, prefill_key_block=16),
+                dict(prefill_key_block=16.0), dict(prefill_key_block=True)):
+        with pytest.raises(ValueError, match=r"^prefill_key_block must be one of \(1, 8, 16, 32, 64\) and divide "
+                                             r"tile_size \(\d+\), got \S+$"):
+            KascadeConfig(num_layers=2, kv_heads=1, **bad)
+
+
 def test_bad_json_and_layer():
     with pytest.raises(ValueError, match="unknown KascadeConfig fields"):
         KascadeConfig.from_dict({"num_layers": 2, "kv_heads": 1, "anchorz": [0]})

@@ -307,6 +307,64 @@ def test_dense_suffix_across_prefill_chunks(tiny_model, rng):
     assert np.abs(sparse[0, 50:64] - whole[0, 50:64]).max() > 1e-3
 
 
+def test_strategy_prefill_key_block(rng):
+    """prefill_key_block=16 through the strategy (reference and pallas bundles, the latter its reference on CPU):
+    the anchor's state holds whole blocks of 16 ids, ceil(k_max / 16) of them wide, every reuse layer attends them,
+    and the selection differs from single keys'. A bundle that ignores the lever is refused by name."""
+    from kascade_jax.strategies import get_kernels, prefill_width, register_kernels, static_k_max
+
+    num_layers, kvh, group, d, max_len, tile, kb = 3, 2, 2, 16, 160, 32, 16
+    layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    lens = [max_len, 121]
+    kw = dict(anchors=(0,), topk_frac=0.25, min_k=12, tile_size=tile, sink_tokens=2, recent_window=4)
+    pre_in = [prefill_inputs(lay, 0, max_len, lens) for lay in layers]
+    outs = {}
+    for kernels in ("reference", "pallas"):
+        st = make_strategy("kascade", num_layers, kvh, kernels=kernels, prefill_key_block=kb, **kw)
+        outs[kernels], states = run_layers(st, pre_in)
+        idx, counts = np.asarray(states[-1]["idx"]), np.asarray(states[-1]["counts"])
+        k_max = static_k_max(st.config, max_len, "prefill")
+        assert idx.shape[-1] == prefill_width(st.config, k_max) == 48 and k_max == 40
+        assert np.all(counts % kb == 0)
+        groups = idx.reshape(idx.shape[:-1] + (-1, kb))
+        valid = groups[..., 0] >= 0
+        assert np.all(groups[valid] == groups[valid][:, :1] + np.arange(kb)) and np.all(groups[valid][:, 0] % kb == 0)
+        np.testing.assert_array_equal(valid.sum(-1) * kb, np.broadcast_to(counts[:, None], valid.shape[:-1]))
+        ref_out = ref.sparse_prefill_reference(pre_in[1].q, pre_in[1].k_cache, pre_in[1].v_cache, pre_in[1].q_start,
+                                               pre_in[1].kv_len, states[1]["idx"], jnp.arange(kvh), tile)
+        np.testing.assert_allclose(valid_rows(outs[kernels][1], 0, lens), valid_rows(ref_out, 0, lens), atol=1e-5)
+    for a, b in zip(outs["reference"], outs["pallas"]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    plain, _ = run_layers(make_strategy("kascade", num_layers, kvh, **kw), pre_in)
+    assert float(jnp.max(jnp.abs(valid_rows(plain[2] - outs["reference"][2], 0, lens)))) > 1e-3
+    base = get_kernels("reference")
+    register_kernels("key_block_ignored", dataclasses.replace(base, anchor_prefill=lambda *a, cfg, **k: (
+        base.anchor_prefill(*a, cfg=dataclasses.replace(cfg, prefill_key_block=1), **k))))
+    st = make_strategy("kascade", num_layers, kvh, kernels="key_block_ignored", prefill_key_block=kb, **kw)
+    with pytest.raises(ValueError, match="ignore prefill_key_block=16: anchor idx width 40, want 48"):
+        jax.jit(lambda x: st.attend(0, x, None))(pre_in[0])  # (raised while tracing)
+
+
+def test_prefill_key_block_through_a_model_prefill(tiny_model, rng):
+    """A model's prefill with prefill_key_block=16 runs (finite logits) and differs from single-key selection."""
+    from models import generate as gen
+    from models.cache import KVCache
+
+    cfg = tiny_model.config
+    kw = dict(anchors=(0,), topk_frac=0.1, min_k=16, tile_size=32)
+    toks = rng.integers(5, 128, (2, 160))
+    lens = np.array([160, 100], np.int32)
+
+    def logits(**extra):
+        st = make_strategy("kascade", cfg.num_layers, cfg.kv_heads, **kw, **extra)
+        out, _ = gen.prefill(tiny_model, toks, lens, KVCache.init(cfg, 2, 160, jnp.float32), st, all_logits=True)
+        return np.asarray(out)
+
+    blocks, plain = logits(prefill_key_block=16), logits()
+    assert np.all(np.isfinite(blocks))
+    assert np.abs(blocks[0] - plain[0]).max() > 1e-3
+
+
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 @pytest.mark.parametrize("q_start", [0, 64])
 def test_strategy_prefill_dense_anchors(rng, kernels, q_start):

@@ -288,6 +288,141 @@ def test_select_candidates_interpret(spec, peaky):
     assert exact > 0.9
 
 
+def _block_groups(row, n, kb):
+    """The n selected blocks of one idx row (lanes j kb .. j kb + kb - 1 hold b kb + 0 .. kb - 1, -1 after)."""
+    row = np.asarray(row)
+    assert np.all(row[n * kb:] == -1), "lanes past the count must be -1"
+    groups = row[: n * kb].reshape(n, kb)
+    assert np.all(groups[:, 0] % kb == 0) and np.all(groups == groups[:, :1] + np.arange(kb)), groups
+    return set((groups[:, 0] // kb).tolist())
+
+
+@pytest.mark.parametrize("kb", [1, 8, 16])
+def test_select_blocks_reference_matches_numpy(kb):
+    """reference.select_blocks_reference against a brute-force block Top-k on random integer pooled scores (exact
+    sums, exact ties in one row): ragged kv_len with tiles past it, a chunk at an offset that is not a multiple of kb,
+    forced sink / window keys, min_k above the early tiles' prefixes. kb = 1 is the key select."""
+    rng = np.random.default_rng(SEED + 61)
+    b, h, tile, t, max_len, frac, min_k = 3, 2, 32, 160, 200, 0.25, 40
+    qs, kl = jnp.asarray([0, 32, 12], jnp.int32), jnp.asarray([150, 101, 90], jnp.int32)
+    tile_start, eligible = R.prefill_eligible(qs, kl, t, tile)
+    k_max = R.max_budget(max_len, frac, min_k)
+    counts = jnp.minimum(R.prefill_counts(qs, kl, kl, t, tile, frac, min_k), k_max)
+    scores = rng.integers(0, 1000, (b, h, tile_start.shape[1], max_len)).astype(np.float32)
+    scores[:, 1, 2] = 7.0  # equal scores: ties between blocks, lowest first
+    forced = np.asarray(R.forced_prefill_mask(tile_start, eligible, max_len, 2, 5))[:, None]
+    scores = np.where(forced, R.FORCED_SCORE, scores)
+    scores = np.where(np.arange(max_len) < np.asarray(eligible)[:, None, :, None], scores, -np.inf)
+    idx, cnt = R.select_blocks_reference(jnp.asarray(scores), counts, eligible, k_max, kb)
+    idx, cnt = np.asarray(idx), np.asarray(cnt)
+    assert idx.shape == (b, h, tile_start.shape[1], -(-k_max // kb) * kb)
+    partial = 0
+    for bi, hi, ti in np.ndindex(idx.shape[:3]):
+        e, c = int(eligible[bi, ti]), int(counts[bi, ti])
+        sc = scores[bi, hi, ti]
+        blocks = [sc[x * kb:(x + 1) * kb][np.isfinite(sc[x * kb:(x + 1) * kb])].sum() for x in range(-(-e // kb))]
+        n = min(-(-c // kb), len(blocks))
+        want = sorted(range(len(blocks)), key=lambda x: (-blocks[x], x))[:n]
+        assert cnt[bi, ti] == n * kb
+        assert _block_groups(idx[bi, hi, ti], n, kb) == set(want), (bi, hi, ti)
+        partial += any((x + 1) * kb > e for x in want)
+    assert partial > 0 or kb == 1  # a block with ineligible keys was selected somewhere
+    if kb == 1:
+        plain = R.select_topk_reference(jnp.asarray(scores), counts[:, None], k_max)
+        np.testing.assert_array_equal(idx, np.asarray(plain))
+        np.testing.assert_array_equal(cnt, np.asarray(counts))
+
+
+@pytest.mark.parametrize("pool", ["gqa", "all"])
+def test_anchor_key_blocks_interpret(pool):
+    """key_block=16: the Pallas select on block scores picks the reference's blocks (the same sets per tile), with
+    the same counts and output; ragged kv_len (a tile past it), a chunk at an offset that is no multiple of 16, and
+    min_k above most prefixes, so the partial blocks at a tile start or at kv_len are selected."""
+    rng = np.random.default_rng(SEED + 62)
+    b, t, kvh, g, d, tile, kb = 2, 96, 2, 2, 64, 32, 16
+    max_len = 40 + t + 8
+    q, k, v = _inputs(rng, b, t, kvh * g, kvh, d, max_len, jnp.float32, peaky=True)
+    qs, kl = jnp.asarray([0, 40], jnp.int32), jnp.asarray([60, 110], jnp.int32)
+    kw = dict(topk_frac=0.5, min_k=60, k_max=R.max_budget(max_len, 0.5, 60), pool=pool, key_block=kb)
+    def run(impl):  # (jitted: the eager reference alone takes seconds)
+        return jax.jit(lambda *a: P.anchor_prefill(*a, tile, impl=impl, interpret=True, **kw))(q, k, v, qs, kl, kl)
+
+    (o_r, i_r, c_r), (o_p, i_p, c_p) = run("reference"), run("pallas")
+    np.testing.assert_array_equal(np.asarray(c_p), np.asarray(c_r))
+    assert i_p.shape == i_r.shape and i_r.shape[-1] % kb == 0
+    i_p, i_r, c_r = np.asarray(i_p), np.asarray(i_r), np.asarray(c_r)
+    for bi, hi, ti in np.ndindex(i_r.shape[:3]):
+        n = c_r[bi, ti] // kb
+        assert _block_groups(i_p[bi, hi, ti], n, kb) == _block_groups(i_r[bi, hi, ti], n, kb), (bi, hi, ti)
+    assert _row_err(o_p, o_r) < _tol(jnp.float32)
+
+
+def test_block_rows_ignore_unwritten_keys():
+    """_block_rows (the Pallas path's block sums) reads only each tile's eligible keys (the score kernels leave the
+    rest unwritten: NaN here) and equals reference.block_scores on the eligible blocks, padded to whole select
+    blocks; a window's padding tiles past the chunk have none."""
+    rng = np.random.default_rng(SEED + 64)
+    b, t, kvh, tile, kb, block_s, chunk = 2, 96, 2, 32, 16, 32, 2
+    q, k, _ = _inputs(rng, b, t, 4, kvh, 64, 150, jnp.float32)
+    lay = P._layout(q, k, tile)
+    qs, kl = jnp.asarray([0, 40], jnp.int32), jnp.asarray([60, 130], jnp.int32)
+    for c in range(2):  # tiles 0-1, then tile 2 and a padding tile
+        t_ids = c * chunk + np.arange(chunk)
+        e = np.minimum(np.asarray(qs)[:, None] + t_ids * tile, np.asarray(kl)[:, None])
+        e = np.where(t_ids < lay.n_tiles, e, 0)  # [batch, chunk] eligible keys
+        sc = rng.random((b, kvh, chunk, 150)).astype(np.float32)
+        mine = np.asarray(P._block_rows(jnp.asarray(np.where(np.arange(150) < e[:, None, :, None], sc, np.nan)),
+                                        jnp.asarray([c], jnp.int32), qs, kl, lay, chunk, kb, block_s))
+        want = np.asarray(R.block_scores(jnp.asarray(np.where(np.arange(150) < e[:, None, :, None], sc, -np.inf)), kb))
+        assert mine.shape[-1] == block_s and want.shape[-1] == 10
+        fin = np.isfinite(want)
+        assert np.array_equal(fin.sum(-1), np.broadcast_to(-(-e[:, None, :] // kb), fin.shape[:-1]))
+        np.testing.assert_allclose(mine[..., :10][fin], want[fin], rtol=1e-6)
+
+
+def test_key_blocks_triton_lowering_verifies_for_sm90(triton_sm90_modules):
+    """The anchor pipeline with key_block=16 (the select on block rows) lowers for CUDA; its Triton modules verify."""
+    q = jax.ShapeDtypeStruct((1, 2048, 14, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2048, 2, 64), jnp.bfloat16)
+    i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
+    f = lambda q, k, v, qs, kl: P.anchor_prefill(q, k, v, qs, kl, kl, 32, topk_frac=0.1, min_k=128, k_max=205,
+                                                 impl="pallas", key_block=16)
+    jax.jit(f).trace(q, k, k, i32, i32).lower(lowering_platforms=("cuda",))
+    assert len(triton_sm90_modules) >= 3  # LSE pass, pooled scores, select (+ reuse)
+
+
+def test_reuse_expanded_blocks_interpret():
+    """reuse_prefill on expanded blocks of 16 (partial blocks at the tile start and past kv_len included) equals
+    sparse_prefill_reference; a key_block that does not divide the tile or the idx width is refused."""
+    rng = np.random.default_rng(SEED + 63)
+    b, t, kvh, g, d, tile, kb = 2, 80, 2, 3, 64, 32, 16
+    max_len = t + 24 + 8
+    q, k, v = _inputs(rng, b, t, kvh * g, kvh, d, max_len, jnp.bfloat16)
+    qs, kl = jnp.asarray([24, 0], jnp.int32), jnp.asarray([t + 24 - 3, 50], jnp.int32)
+    n_tiles, n_blk = -(-t // tile), 4
+    _, eligible = R.prefill_eligible(qs, kl, t, tile)
+    blk = np.full((b, kvh, n_tiles, n_blk), -1, np.int32)
+    counts = np.zeros((b, n_tiles), np.int32)
+    for bi, ti in np.ndindex(b, n_tiles):
+        nb = -(-int(eligible[bi, ti]) // kb)  # every block with an eligible key, the last one partial
+        c = min(nb, int(rng.integers(1, n_blk + 1)))
+        counts[bi, ti] = c * kb
+        for h in range(kvh):
+            blk[bi, h, ti, :c] = np.sort(rng.choice(nb, size=c, replace=False))[::-1] if c else []
+    idx, counts = R.expand_blocks(jnp.asarray(blk), kb), jnp.asarray(counts)
+    hm = jnp.asarray([1, 0], jnp.int32)
+    out = jax.jit(lambda *a: P.reuse_prefill(*a, tile, impl="pallas", interpret=True, key_block=kb))(
+        q, k, v, qs, kl, idx, counts, hm)
+    want = jax.jit(lambda *a: R.sparse_prefill_reference(*a, tile))(q, k, v, qs, kl, idx, hm)
+    assert _row_err(out, want) < _tol(jnp.bfloat16)
+    with pytest.raises(ValueError, match="key_block"):
+        P.reuse_prefill(q, k, v, qs, kl, idx[..., :-8], counts, hm, tile, key_block=kb)
+    with pytest.raises(ValueError, match="key_block"):
+        P.reuse_prefill(q, k, v, qs, kl, idx, counts, hm, tile, key_block=64)
+    with pytest.raises(ValueError, match="key_block"):
+        P.anchor_prefill(q, k, v, qs, kl, kl, tile, topk_frac=0.5, min_k=8, k_max=32, key_block=12)
+
+
 def test_reference_impl_matches_pieces():
     rng = np.random.default_rng(SEED + 3)
     q, k, v = _inputs(rng, 1, 48, 4, 2, 64, 48, jnp.float32)
