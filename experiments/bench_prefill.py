@@ -35,6 +35,10 @@ SWEEP = flags.DEFINE_string("prefill_sweep", "", "Tuning variants to A/B, ';'-se
                             "(bf16, first top-k); writes <out>/prefill_sweep[_<bench_tag>].{md,json}. Only the "
                             "kernels a variant touches are re-timed.")
 SWEEP_CONTEXTS = flags.DEFINE_list("prefill_sweep_contexts", ["32768"], "Contexts of the --prefill_sweep.")
+KEY_BLOCK = flags.DEFINE_enum("prefill_key_block", "1", ["1", "8", "16", "32", "64"],
+                              "The anchors select aligned blocks of this many keys (1: single keys); with "
+                              "--prefill_tuning=reuse_backend=mgpu the reuse runs prefill_mgpu.reuse_blocks. Tag the "
+                              "run (--bench_tag): the table's file names do not say it.")
 
 for _name, _kind, _example in (("prefill_contexts", "int", "8192,32768"), ("prefill_long_contexts", "int", "262144"),
                                ("prefill_topk_fracs", "frac", "0.1,0.2"), ("prefill_sweep_contexts", "int", "32768")):
@@ -49,7 +53,8 @@ def main(argv):
                 long_contexts=[int(c) for c in LONG.value], min_k=MIN_K.value, tile=TILE.value, iters=ITERS.value,
                 out_dir=OUT.value, check_first=CHECK.value, tune_at=TUNE.value, tuning_spec=TUNING.value,
                 sweep_specs=[x for x in SWEEP.value.split(";") if x.strip()],
-                sweep_contexts=[int(c) for c in SWEEP_CONTEXTS.value], shape=shape_from_flags(), tag=BENCH_TAG.value)
+                sweep_contexts=[int(c) for c in SWEEP_CONTEXTS.value], shape=shape_from_flags(), tag=BENCH_TAG.value,
+                key_block=int(KEY_BLOCK.value))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,13 @@ class KascadeConfig:
         if self.sink_tokens + self.recent_window > self.min_k:
             raise ValueError(f"sink_tokens + recent_window ({self.sink_tokens} + {self.recent_window}) must not exceed "
                              f"min_k ({self.min_k}): forced keys count against the budget and must always fit")
+        if self.prefill_key_block > 1:  # the forced keys' blocks (the window may straddle one more) must fit too
+            kb, window = self.prefill_key_block, self.recent_window + self.local_window
+            forced = -(-self.sink_tokens // kb) + (-(-window // kb) + 1 if window else 0)
+            if forced > -(-(self.min_k + self.local_window) // kb):
+                raise ValueError(f"prefill_key_block={kb}: the forced keys' {forced} blocks (sink_tokens, "
+                                 f"recent_window + local_window) exceed the smallest budget of "
+                                 f"{-(-(self.min_k + self.local_window) // kb)} blocks: raise min_k")
         for name in ("rolling_prefill", "layer0_dense", "oracle_topk", "decode_only", "prefill_dense_anchors",
                      "decode_tail_cap"):
             if not isinstance(getattr(self, name), bool):

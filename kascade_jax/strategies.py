@@ -256,6 +256,8 @@ def static_k_max(cfg: KascadeConfig, max_len: int, phase: str = "decode") -> int
     prefill adds the local window)."""
     if phase == "prefill":
         k = max_budget(max_len, cfg.prefill_frac, cfg.min_k) + cfg.local_window
+        if cfg.prefill_key_block > 1:  # whole 128-lane steps of ids for the block reuse (no pad copy of idx)
+            k = -(-k // 128) * 128
     else:
         k = max_budget(max_len, cfg.decode_frac, cfg.min_k)
     return max(1, min(-(-k // cfg.k_multiple) * cfg.k_multiple, max_len))

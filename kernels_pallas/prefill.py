@@ -113,6 +113,12 @@ class PrefillTuning:
     # multiple of 128, d 64 / 128, bf16 / fp16. Every other call takes the Triton path silently
     # (`prefill_mgpu.supported`).
     anchor_backend: str = "triton"
+    # The reuse of a selection of whole key blocks (`anchor_prefill(key_block=kb)`, kb > 1): "triton" (`_reuse_call` on
+    # the expanded ids) or "mgpu" (`prefill_mgpu.reuse_blocks`: TMA copies of kb rows into a warp-specialised ring)
+    # where its scope holds (`prefill_mgpu.reuse_unsupported_reason`: d 64 / 128, bf16 / fp16, kb 8-64 dividing the
+    # tile, the cache length a multiple of kb); every other call takes the Triton path silently. Selections of
+    # single keys (kb = 1) always take Triton.
+    reuse_backend: str = "triton"
 
     def __post_init__(self):
         for name in ("dense_block_k", "lse_block_k", "scores_block_k", "reuse_block_k", "select_block"):
@@ -135,6 +141,8 @@ class PrefillTuning:
             raise ValueError(f"reuse_rows must be one of {_REUSE_ROWS}, got {self.reuse_rows}")
         if self.anchor_backend not in _ANCHOR_BACKENDS:
             raise ValueError(f"anchor_backend must be one of {_ANCHOR_BACKENDS}, got {self.anchor_backend!r}")
+        if self.reuse_backend not in _ANCHOR_BACKENDS:
+            raise ValueError(f"reuse_backend must be one of {_ANCHOR_BACKENDS}, got {self.reuse_backend!r}")
 
 
 DEFAULT_TUNING = PrefillTuning()
@@ -765,6 +773,23 @@ def _ints(x, name, b):
     return x.astype(jnp.int32)
 
 
+def _reuse_any(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_row, tile_size, key_block, scale, tuning,
+               interpret, qp=None, lay=None):
+    """The Pallas reuse of either backend (`PrefillTuning.reuse_backend`) -> out [batch, q_len, q_heads, d]; qp / lay:
+    q already packed for the Triton kernel (the anchor's own pack)."""
+    if key_block > 1 and tuning.reuse_backend == "mgpu":
+        from kernels_pallas import prefill_mgpu as M
+
+        if M.reuse_unsupported_reason(q, k_cache, tile_size, key_block) is None:
+            return M.reuse_blocks(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_row, tile_size,
+                                  key_block, scale=scale, interpret=interpret)
+    lay_r = _layout(q, k_cache, tile_size, tuning.reuse_rows)
+    qp_r = qp if qp is not None and lay_r == lay else _pack_q(q, lay_r)
+    o = _reuse_call(qp_r, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_row, lay_r, scale, tuning,
+                    interpret)
+    return _unpack_out(o, lay_r)
+
+
 def reuse_prefill(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_row, tile_size, *, scale=None,
                   impl="auto", interpret=False, tuning: PrefillTuning | None = None, key_block: int = 1):
     """Sparse prefill: each query tile attends its selected keys (through head_map_row) plus its causal diagonal tile.
@@ -795,12 +820,9 @@ def reuse_prefill(q, k_cache, v_cache, q_start, kv_len, idx, counts, head_map_ro
                                             scale=scale)
     _check_pallas(q, k_cache, v_cache)
     tuning = tuning or DEFAULT_TUNING
-    lay = _layout(q, k_cache, tile_size, tuning.reuse_rows)
-    qp = _pack_q(q, lay)
     counts = jnp.minimum(_ints(counts, "counts", b), idx.shape[-1])  # never read past the index buffer
-    o = _reuse_call(qp, k_cache, v_cache, q_start, kv_len, idx.astype(jnp.int32), counts,
-                    head_map_row, lay, scale, tuning, interpret)
-    return _unpack_out(o, lay)
+    return _reuse_any(q, k_cache, v_cache, q_start, kv_len, idx.astype(jnp.int32), counts, head_map_row, tile_size,
+                      key_block, scale, tuning, interpret)
 
 
 def dense_prefill_supported(q, k_cache) -> bool:
@@ -920,7 +942,6 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     assert idx.shape[1] == idx_heads
     if dense_out:
         return out, idx, counts
-    lay_r = _layout(q, k_cache, tile_size, tuning.reuse_rows)
-    qp_r = qp if lay_r == lay else _pack_q(q, lay_r)
-    o = _reuse_call(qp_r, k_cache, v_cache, q_start, kv_len, idx, counts, identity, lay_r, scale, tuning, interpret)
-    return _unpack_out(o, lay_r), idx, counts
+    out = _reuse_any(q, k_cache, v_cache, q_start, kv_len, idx, counts, identity, tile_size, key_block, scale, tuning,
+                     interpret, qp=qp, lay=lay)
+    return out, idx, counts

@@ -303,12 +303,17 @@ def test_bench_checks_run_at_a_qwen_shape_in_interpret_mode(rng):
     """The benchmarks' reference checks at the GQA group 7 / head_dim 64 shape of Qwen2.5-Coder-0.5B (small)."""
     from kascade_jax.bench import decode, prefill
     from kascade_jax.bench.timing import BenchShape
+    from kernels_pallas import prefill as pf
 
     seed = int(rng.integers(1 << 30))  # the seeded per-test generator (conftest)
     errs = decode.check(seed=seed, b=2, s=1024, hq=14, kvh=2, d=64, min_k=32, peaky=True, interpret=True)
     assert errs["anchor_out"] < 2e-2
     errs = prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05))
     assert errs["exact_set_fraction"] > 0.9
+    # Key blocks of 16 with the Mosaic GPU block reuse (`--prefill_key_block=16 --prefill_tuning=reuse_backend=mgpu`)
+    errs = prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05),
+                         key_block=16, tuning=pf.PrefillTuning(reuse_backend="mgpu"))
+    assert errs["exact_set_fraction"] > 0.9 and errs["reuse_out"] < 2e-2, errs
 
 
 def test_generate_and_speed_show_what_runs():

@@ -81,6 +81,11 @@ def test_prefill_key_block_checks():
         with pytest.raises(ValueError, match=r"^prefill_key_block must be one of \(1, 8, 16, 32, 64\) and divide "
                                              r"tile_size \(\d+\), got \S+$"):
             KascadeConfig(num_layers=2, kv_heads=1, **bad)
+    # Forced keys in blocks: sinks 2 and a 4-key window need up to 1 + 2 blocks of 16; min_k 32 gives 2, 48 gives 3.
+    with pytest.raises(ValueError, match=r"^prefill_key_block=16: the forced keys' 3 blocks .* raise min_k$"):
+        KascadeConfig(num_layers=2, kv_heads=1, prefill_key_block=16, sink_tokens=2, recent_window=4, min_k=32)
+    KascadeConfig(num_layers=2, kv_heads=1, prefill_key_block=16, sink_tokens=2, recent_window=4, min_k=48)
+    KascadeConfig(num_layers=2, kv_heads=1, prefill_key_block=1, sink_tokens=2, recent_window=4, min_k=6)
 
 
 def test_bad_json_and_layer():

@@ -316,7 +316,8 @@ def test_strategy_prefill_key_block(rng):
     num_layers, kvh, group, d, max_len, tile, kb = 3, 2, 2, 16, 160, 32, 16
     layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
     lens = [max_len, 121]
-    kw = dict(anchors=(0,), topk_frac=0.25, min_k=12, tile_size=tile, sink_tokens=2, recent_window=4)
+    # (the forced keys' blocks must fit the smallest budget: 1 sink block + 2 window blocks <= ceil(min_k / kb))
+    kw = dict(anchors=(0,), topk_frac=0.25, min_k=48, tile_size=tile, sink_tokens=2, recent_window=4)
     pre_in = [prefill_inputs(lay, 0, max_len, lens) for lay in layers]
     outs = {}
     for kernels in ("reference", "pallas"):
@@ -324,7 +325,7 @@ def test_strategy_prefill_key_block(rng):
         outs[kernels], states = run_layers(st, pre_in)
         idx, counts = np.asarray(states[-1]["idx"]), np.asarray(states[-1]["counts"])
         k_max = static_k_max(st.config, max_len, "prefill")
-        assert idx.shape[-1] == prefill_width(st.config, k_max) == 48 and k_max == 40
+        assert idx.shape[-1] == prefill_width(st.config, k_max) == 128 == k_max  # (whole 128-lane steps)
         assert np.all(counts % kb == 0)
         groups = idx.reshape(idx.shape[:-1] + (-1, kb))
         valid = groups[..., 0] >= 0
@@ -341,8 +342,9 @@ def test_strategy_prefill_key_block(rng):
     register_kernels("key_block_ignored", dataclasses.replace(base, anchor_prefill=lambda *a, cfg, **k: (
         base.anchor_prefill(*a, cfg=dataclasses.replace(cfg, prefill_key_block=1), **k))))
     st = make_strategy("kascade", num_layers, kvh, kernels="key_block_ignored", prefill_key_block=kb, **kw)
-    with pytest.raises(ValueError, match="ignore prefill_key_block=16: anchor idx width 40, want 48"):
-        jax.jit(lambda x: st.attend(0, x, None))(pre_in[0])  # (raised while tracing)
+    short = prefill_inputs(random_layer(rng, 2, 120, kvh * group, kvh, d), 0, 120, [120, 100])  # k_max 120: not whole
+    with pytest.raises(ValueError, match="ignore prefill_key_block=16: anchor idx width 120, want 128"):
+        jax.jit(lambda x: st.attend(0, x, None))(short)  # (raised while tracing)
 
 
 def test_prefill_key_block_through_a_model_prefill(tiny_model, rng):

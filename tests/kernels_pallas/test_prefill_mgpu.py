@@ -556,6 +556,38 @@ def test_reuse_blocks_probe_selection_follows_the_contract():
         assert np.all((np.diff(srt, axis=-1) != 0) | (srt[..., 1:] == -1)), "a block chosen twice"
 
 
+def test_reuse_backend_routes_key_blocks_interpret(monkeypatch, interp):
+    """`PrefillTuning(reuse_backend="mgpu")`: `reuse_prefill` and the anchor's own reuse take `reuse_blocks` for a
+    selection of key blocks in its scope and give the Triton path's output; single keys, and blocks outside the
+    scope (a cache length that is not a multiple of the block), stay on Triton silently."""
+    calls = _spy(monkeypatch, "reuse_blocks")
+    rng = np.random.default_rng(SEED + 7)
+    t, max_len, tile, kb = 64, 192, 32, 16
+    q, k, v = _inputs(rng, 2, t, 4, 2, 64, max_len, jnp.bfloat16)
+    qs, kl = jnp.asarray([128, 64], jnp.int32), jnp.asarray([192, 120], jnp.int32)
+    idx, counts = _block_selection(rng, 2, 2, t // tile, tile, kb, [128, 64], [192, 120], 0.4)
+    hm = jnp.arange(2, dtype=jnp.int32)
+    run = lambda be, kb=kb, q=q, k=k, v=v: P.reuse_prefill(
+        q, k, v, qs, kl, idx, counts, hm, tile, impl="pallas", interpret=True, key_block=kb,
+        tuning=P.PrefillTuning(reuse_backend=be))
+    tri, mg = run("triton"), run("mgpu")
+    assert calls["reuse_blocks"] == 1, calls
+    rows = np.arange(t)[None, :] < np.asarray([64, 56])[:, None]
+    assert _row_err(np.asarray(mg)[rows], np.asarray(tri)[rows]) < _tol(jnp.bfloat16)
+    run("mgpu", kb=1)
+    run("mgpu", k=k[:, :184], v=v[:, :184])  # 184 keys: not whole blocks of 16
+    assert calls["reuse_blocks"] == 1, calls
+    kw = dict(topk_frac=0.25, min_k=32, k_max=128, impl="pallas", interpret=True, key_block=kb)
+    anchor = lambda be: P.anchor_prefill(q, k, v, qs, kl, kl, tile, tuning=P.PrefillTuning(reuse_backend=be), **kw)
+    (o_t, i_t, c_t), (o_m, i_m, c_m) = anchor("triton"), anchor("mgpu")
+    assert calls["reuse_blocks"] == 2, calls
+    np.testing.assert_array_equal(np.asarray(i_m), np.asarray(i_t))
+    np.testing.assert_array_equal(np.asarray(c_m), np.asarray(c_t))
+    assert _row_err(np.asarray(o_m)[rows], np.asarray(o_t)[rows]) < _tol(jnp.bfloat16)
+    with pytest.raises(ValueError, match="reuse_backend must be one of"):
+        P.PrefillTuning(reuse_backend="cuda")
+
+
 @pytest.mark.parametrize("hq,kvh,d,tile,kb,block_kv,steps,dtype", [
     (32, 8, 128, 32, 16, 128, 2, jnp.bfloat16), (14, 2, 64, 32, 16, 128, 2, jnp.bfloat16),
     (12, 2, 128, 64, 8, 64, 3, jnp.float16), (14, 2, 64, 16, 16, 64, 4, jnp.bfloat16)])
