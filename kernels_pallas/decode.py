@@ -61,15 +61,16 @@ class DecodeTuning:
     # at 32K, both Qwen shapes; benchmarks/NOTES.md). short_select_warps 0: from the row (64 keys a thread);
     # short_select_digit: bits decided per pass (1: bisection, one count per pass; 2 measured no faster).
     # short_select_rows: and only while the rows (batch x selection heads) are at most this many: one program a row
-    # is latency-bound, measured at 8-32 rows; past about one program per SM (132) the programs' passes queue,
-    # where the four launches scale with the bytes (the crossover is not yet measured).
+    # is latency-bound, and past one program per SM (132) the programs queue; but the four launches are latency-bound
+    # at these lengths too: at the 8B shape (H100, 2026-12-05) the short select still won at 512 rows (A 1.03x at
+    # 16K, 1.01x at 32K; 1.16x / 1.01x at 32 rows). More rows than that are not measured.
     short_select_max: int = 32768
     short_select_warps: int = 0
     short_select_digit: int = topk.SHORT_DIGIT
-    short_select_rows: int = 128
+    short_select_rows: int = 512
     # The split-K combine of the reuse and anchor-0 outputs as one Pallas launch writing the output in q's dtype and
     # layout (where splits <= COMBINE_MAX_SPLITS), instead of two XLA fusions (2.9 us at the 0.5B's shape, batch 32:
-    # launch-bound). Off until timed (benchmarks/NOTES.md session 24).
+    # launch-bound). Off: it measured slower (H100, 2026-12-05: 3.6 us against the fusions' 2.9; benchmarks/NOTES.md).
     fused_combine: bool = False
 
     def __post_init__(self):

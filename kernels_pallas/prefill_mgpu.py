@@ -46,6 +46,9 @@ class MgpuTuning:
 
     block_q: int = 64  # query rows per compute warpgroup of the flash pass (two per program)
     block_kv: int = 128  # keys per pipeline step of the flash pass
+    # ... of the LSE-only flash pass (no V ring, so 256 fits in shared memory at d 128; H100, 2026-12-05, 128K, the 8B
+    # shape: 160.1 -> 150.6 ms); where q_len is not a multiple of it, block_kv
+    lse_block_kv: int = 256
     max_concurrent_steps: int = 2  # K/V (flash) or K (scores) ring depth
     use_schedule_barrier: bool = True  # FA3's ping-pong of the two compute warpgroups
     scores_block_k: int = 64  # keys per compute warpgroup per step of the scores pass (wgmma M: 64)
@@ -55,8 +58,9 @@ class MgpuTuning:
     def __post_init__(self):
         if self.block_q != 64:
             raise ValueError(f"block_q must be 64 (one wgmma M per warpgroup), got {self.block_q}")
-        if self.block_kv not in (64, 128, 256):
-            raise ValueError(f"block_kv must be 64, 128 or 256, got {self.block_kv}")
+        for name in ("block_kv", "lse_block_kv"):
+            if getattr(self, name) not in (64, 128, 256):
+                raise ValueError(f"{name} must be 64, 128 or 256, got {getattr(self, name)}")
         if self.scores_block_k != 64:
             raise ValueError(f"scores_block_k must be 64, got {self.scores_block_k}")
         if not 2 <= self.max_concurrent_steps <= 8:
@@ -176,6 +180,8 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
     dtype = q.dtype
     scale2 = (1.0 / math.sqrt(d) if scale is None else float(scale)) * _LOG2E
     block_q, block_kv = tuning.block_q, tuning.block_kv
+    if not with_out and t % tuning.lse_block_kv == 0:
+        block_kv = tuning.lse_block_kv
     steps = min(tuning.max_concurrent_steps, t // block_kv)
     interp = _interpret_params(interpret)
     p_regs = tuning.p_in_regs if tuning.p_in_regs is not None else interp is None

@@ -83,6 +83,15 @@ def test_flash_dense_bf16_d64_group2_races(interp):
     assert lse_err < _LSE_TOL and out_err < _OUT_TOL["bfloat16"], (lse_err, out_err)
 
 
+def test_flash_lse_only_takes_256_key_steps(interp):
+    """The LSE-only pass steps 256 keys at a time (`lse_block_kv`) where q_len is a multiple of 256 (512: two steps
+    through the 2-deep ring for the last query block), and 128 where it is not (384)."""
+    for t in (512, 384):
+        q, k, v = _inputs(np.random.default_rng(SEED + t), 1, t, 4, 2, 128, t, jnp.bfloat16, peaky=True)
+        _, lse_err, _ = _check_flash(q, k, v, False, interpret=interp)
+        assert lse_err < _LSE_TOL, (t, lse_err)
+
+
 @pytest.mark.parametrize("tile,hq,kvh,d,dtype", [(32, 14, 2, 64, jnp.bfloat16), (16, 4, 2, 128, jnp.float16)])
 def test_pooled_scores(interp, tile, hq, kvh, d, dtype):
     """Group 7 at tile 32 packs one head per product (7 products per tile); group 2 at tile 16 packs both (N = 32)."""

@@ -163,7 +163,7 @@ def test_short_select_only_up_to_short_select_rows_rows():
         assert want in text and not_want not in text, limit
     assert short_select_tuning("32768r1024").short_select_rows == 1024
     assert short_select_tuning("32768r1024c").fused_combine and not short_select_tuning("32768").fused_combine
-    assert short_select_tuning("32768").short_select_rows == dec.DEFAULT_TUNING.short_select_rows == 128
+    assert short_select_tuning("32768").short_select_rows == dec.DEFAULT_TUNING.short_select_rows == 512
     with pytest.raises(ValueError, match="short_select_rows"):
         short_select_tuning("32768r0")
 
