@@ -519,6 +519,10 @@ class ReuseTuning:
     block_kv: int = 128  # keys per pipeline step (block_kv // key_block TMA copies each of K and V)
     steps: int = 2  # K/V ring depth
     p_in_regs: bool | None = None  # P as a register wgmma operand; None: yes on GPU, no in interpret mode
+    # Where the producer reads each run's first id: False, a scalar load from global memory per run (block_kv / kb of
+    # them a step, possibly serialised: session 25 measured 16-key blocks slower than 32-key ones); True, from the
+    # step's ids in shared memory once their copy has landed (one wait a step, then shared-memory loads).
+    starts_in_smem: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -608,7 +612,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
     row = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref, out_ref,
-               q_smem, k_smem, v_smem, id_smem, p_smem, q_bar, k_bar, v_bar, k_free, v_free):
+               q_smem, k_smem, v_smem, id_smem, p_smem, q_bar, k_bar, id_bar, v_bar, k_free, v_free):
         bi = lax.axis_index("batch")
         h = lax.axis_index("kvh")
         prog = lax.axis_index("tile")
@@ -644,6 +648,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_wait(id_bar.at[slot])
                 ids = plgpu.load(id_smem.at[slot], layout=col)
                 plgpu.barrier_arrive(k_free.at[slot])
                 p = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bkv,), 0, layout=col)
@@ -687,11 +692,14 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
             def load(j, slot):
                 off = pl.multiple_of(jnp.minimum(j * bkv, w - bkv), bkv)  # (a step past the selection reads no
                 # selected id)
-                plgpu.copy_gmem_to_smem(idx_ref.at[bi, src, tt, pl.ds(off, bkv)], id_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(idx_ref.at[bi, src, tt, pl.ds(off, bkv)], id_smem.at[slot], id_bar.at[slot])
+                if tuning.starts_in_smem:
+                    plgpu.barrier_wait(id_bar.at[slot])
                 for r in range(runs):
                     p0 = j * bkv + r * kb
-                    chosen = jnp.clip(lax.div(idx_ref[bi, src, tt, jnp.minimum(p0, w - 1)], jnp.int32(kb)) * kb, 0,
-                                      s_len - kb)
+                    first = (id_smem[slot, r * kb] if tuning.starts_in_smem  # (== idx[p0] wherever p0 < cnt)
+                             else idx_ref[bi, src, tt, jnp.minimum(p0, w - 1)])
+                    chosen = jnp.clip(lax.div(first, jnp.int32(kb)) * kb, 0, s_len - kb)
                     diag = jnp.minimum(d0 + jnp.maximum(p0 - cnt, 0), s_len - kb)
                     start = jnp.where(p0 < cnt, chosen, jnp.where(p0 < cnt + d_len, diag, 0))
                     rows = (bi, pl.ds(pl.multiple_of(start, kb), kb), h)  # (every branch is a multiple of kb)
@@ -711,7 +719,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
             v_smem=_swizzled((steps, bkv, d), q.dtype), id_smem=plgpu.SMEM((steps, bkv), jnp.int32),
             p_smem=None if p_regs else _swizzled((wgs, bq, bkv), q.dtype),
             q_bar=plgpu.Barrier(num_barriers=wgs),
-            k_bar=plgpu.Barrier(num_arrivals=runs + 1, num_barriers=steps),
+            k_bar=plgpu.Barrier(num_arrivals=runs, num_barriers=steps), id_bar=plgpu.Barrier(num_barriers=steps),
             v_bar=plgpu.Barrier(num_arrivals=runs, num_barriers=steps),
             k_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
             v_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps)),

@@ -508,6 +508,9 @@ def _check_reuse_blocks(b, t, max_len, hq, kvh, d, tile, kb, q_start, kv_len, dt
     # one selection shared by all KV heads (head map of zeros); blocks of 8; the 2-deep ring wraps many times
     dict(b=2, t=64, max_len=320, hq=6, kvh=2, d=64, tile=16, kb=8, q_start=[256, 200], kv_len=[320, 250],
          dtype=jnp.bfloat16, pool_all=True, frac=0.6, tuning=M.ReuseTuning(block_kv=64)),
+    # the first case with the producer reading the runs' first ids from shared memory
+    dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
+         dtype=jnp.bfloat16, seed=1, tuning=M.ReuseTuning(starts_in_smem=True)),
 ])
 def test_reuse_blocks_interpret(interp, case):
     """Against `reference.sparse_prefill_reference` on the same expanded ids (rows of queries inside kv_len)."""
@@ -521,6 +524,11 @@ def test_reuse_blocks_races():
     gpu_callbacks.reset_gpu_interpret_mode_state()
     err = _check_reuse_blocks(1, 64, 192, 4, 2, 64, 16, 16, [96], [192], jnp.bfloat16, seed=5, peaky=True,
                               interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not mi.get_races().races_found
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+    err = max(err, _check_reuse_blocks(1, 64, 192, 4, 2, 64, 16, 16, [96], [192], jnp.bfloat16, seed=5, peaky=True,
+                                       interpret=plgpu.InterpretGPUParams(detect_races=True),
+                                       tuning=M.ReuseTuning(starts_in_smem=True)))
     assert not mi.get_races().races_found
     gpu_callbacks.reset_gpu_interpret_mode_state()
     assert err < _tol(jnp.bfloat16), err
@@ -606,10 +614,12 @@ def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtyp
     t = 4096
     q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    f = lambda q, k, v, qs, kl, idx, c, hm: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
-                                                           tuning=M.ReuseTuning(block_kv=block_kv, steps=steps))
     args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
-    assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for smem in (False, True):
+        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, starts_in_smem=smem)
+        f = lambda q, k, v, qs, kl, idx, c, hm, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
+                                                                         tuning=tun)
+        assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # ------------------------------------------------------------------------------------------ GPU tier (H200)
