@@ -64,6 +64,7 @@ from kernels_pallas.reference import (
     attention_reference_rows,
     decode_counts,
     gathered_logits,
+    index_width,
     max_budget,
     pooled_scores_decode_reference,
     pooled_scores_prefill_reference,
@@ -255,9 +256,7 @@ def static_k_max(cfg: KascadeConfig, max_len: int, phase: str = "decode") -> int
     """Static index-buffer width: the largest budget any length <= max_len can get in `phase` (after rounding;
     prefill adds the local window)."""
     if phase == "prefill":
-        k = max_budget(max_len, cfg.prefill_frac, cfg.min_k) + cfg.local_window
-        if cfg.prefill_key_block > 1:  # whole 128-lane steps of ids for the block reuse (no pad copy of idx)
-            k = -(-k // 128) * 128
+        k = index_width(max_budget(max_len, cfg.prefill_frac, cfg.min_k) + cfg.local_window, cfg.prefill_key_block)
     else:
         k = max_budget(max_len, cfg.decode_frac, cfg.min_k)
     return max(1, min(-(-k // cfg.k_multiple) * cfg.k_multiple, max_len))

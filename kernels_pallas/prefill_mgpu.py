@@ -553,16 +553,16 @@ def reuse_unsupported_reason(q, k, tile_size, key_block, tuning: ReuseTuning | N
 
 
 def _pack_rows(q, kv_heads, tile_size):
-    """[b, T, q_heads, d] -> [b, kv_heads, tiles, rows_pad, d]: row = tile token * group + head, zero rows past
-    tile * group up to a whole number of programs' rows."""
-    b, t, hq, d = q.shape
+    """[b, T, q_heads, d] -> [b, kv_heads, tiles, rows_pad, d]: `_pack_q`'s rows with the whole group in one product
+    (row = tile token * group + head), T padded to whole tiles, zero rows past tile * group up to a whole number of
+    programs' rows."""
+    t, hq = q.shape[1], q.shape[2]
     g = hq // kv_heads
     nt = -(-t // tile_size)
-    n = tile_size * g
-    n_pad = -(-n // _REUSE_ROWS) * _REUSE_ROWS
     x = jnp.pad(q, ((0, 0), (0, nt * tile_size - t), (0, 0), (0, 0)))
-    x = x.reshape(b, nt, tile_size, kv_heads, g, d).transpose(0, 3, 1, 2, 4, 5).reshape(b, kv_heads, nt, n, d)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, n_pad - n), (0, 0)))
+    x = _pack_q(x, kv_heads, _Rows(tile_size, g, g, 1))[:, :, 0]  # [b, kv_heads, tiles, tile * group, d]
+    n = x.shape[3]
+    return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, -(-n // _REUSE_ROWS) * _REUSE_ROWS - n), (0, 0)))
 
 
 def _unpack_rows(o, q_shape, tile_size):

@@ -296,6 +296,12 @@ def check_key_block(key_block: int, tile_size: int) -> None:
         raise ValueError(f"key_block must be an int >= 1 dividing tile_size ({tile_size}), got {key_block!r}")
 
 
+def index_width(k: int, key_block: int) -> int:
+    """Prefill index width for budgets of at most k keys: k for single keys; for key blocks whole 128-lane steps (the
+    block reuse reads a step's ids at a time, so nothing pads the index buffer)."""
+    return k if key_block == 1 else -(-k // 128) * 128
+
+
 def block_scores(scores, key_block: int):
     """Key scores [..., keys] (-inf = ineligible) -> block scores [..., ceil(keys / key_block)]: the sum of each
     aligned block's eligible keys, -inf for a block with none (so it is never selected)."""

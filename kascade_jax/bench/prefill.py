@@ -37,11 +37,10 @@ def inputs(seed, s, dtype, peaky=False, shape=_DEFAULT):
 
 
 def _k_max(s, frac, min_k, key_block):
-    """The anchors' index width: the largest budget, in whole 128-lane steps for key blocks (as the strategies')."""
+    """The anchors' index width at context s (`reference.index_width`, as the strategies' `static_k_max`)."""
     from kernels_pallas import reference as ref
 
-    k = ref.max_budget(s, frac, min_k)
-    return k if key_block == 1 else min(-(-k // 128) * 128, s)
+    return min(ref.index_width(ref.max_budget(s, frac, min_k), key_block), s)
 
 
 def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=False, tuning=None, log=print,
