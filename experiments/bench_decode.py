@@ -39,6 +39,9 @@ SHORT = flags.DEFINE_list("decode_short_select", [], "Also time the anchors (A0,
                           "(short_select_warps), dD (short_select_digit) and rR (short_select_rows: at most R rows "
                           "of batch x selection heads take it) and c (fused_combine: the split-K combine as one "
                           "launch; R is then re-timed too), e.g. 16384w16d2, 32768r1024, 32768c.")
+TUNING = flags.DEFINE_string("decode_tuning", "", "DecodeTuning overrides, 'field=value,...' (e.g. "
+                             "stream_block=256,stream_warps=8): every row's tuning, recorded in the table's header; "
+                             "needs --bench_tag, so that the default tables are never overwritten by a variant.")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
@@ -79,12 +82,19 @@ def main(argv):
     del argv
     if WORST.value and not RERANKS.value:
         raise app.UsageError("--decode_rerank_worst needs --decode_reranks (the C values to time)")
+    if TUNING.value.strip() and not BENCH_TAG.value:
+        raise app.UsageError("--decode_tuning needs --bench_tag (the table's file names do not say the tuning)")
     from kascade_jax.bench import decode
     from kernels_pallas import decode as dec
 
+    try:
+        tuning = dec.tuning_from_string(TUNING.value)
+    except ValueError as e:
+        raise app.UsageError(f"--decode_tuning: {e}") from None
+
     decode.run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [float(f) for f in FRACS.value],
                DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
-               max_cache_gb=MAX_GB.value, tuning=dec.DEFAULT_TUNING,
+               max_cache_gb=MAX_GB.value, tuning=tuning,
                shape=shape_from_flags(), tag=BENCH_TAG.value, reranks=[int(c) for c in RERANKS.value],
                rerank_worst=WORST.value, pools=list(POOLS.value), short_selects=list(SHORT.value))
 

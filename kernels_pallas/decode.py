@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import reference as ref
-from kernels_pallas.dispatch import use_pallas
+from kernels_pallas.dispatch import replace_from_string, use_pallas
 from kernels_pallas import topk
 
 _NEG = -1e30  # finite "minus infinity" for running maxima (keeps exp(m_old - m_new) finite)
@@ -100,6 +100,11 @@ class DecodeTuning:
 
 
 DEFAULT_TUNING = DecodeTuning()
+
+
+def tuning_from_string(spec: str, base: DecodeTuning | None = None) -> DecodeTuning:
+    """"field=value,field=value" -> DecodeTuning (for benchmark flags); values parsed by the field's type."""
+    return replace_from_string(base or DEFAULT_TUNING, spec)
 
 
 @dataclasses.dataclass(frozen=True)

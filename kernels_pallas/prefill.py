@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import reference as ref
-from kernels_pallas.dispatch import use_pallas
+from kernels_pallas.dispatch import replace_from_string, use_pallas
 
 _LOG2E = 1.4426950408889634
 _NEG = -1e30  # finite start for running maxima: a fully masked block then gives exp2(-inf) = 0, never inf - inf
@@ -157,27 +157,7 @@ def set_default_anchor_backend(name: str) -> None:
 
 def tuning_from_string(spec: str, base: PrefillTuning | None = None) -> PrefillTuning:
     """"field=value,field=value" -> PrefillTuning (for benchmark flags); values parsed by the field's type."""
-    base = base or DEFAULT_TUNING
-    fields = {f.name: f for f in dataclasses.fields(PrefillTuning)}
-    over = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, sep, val = item.partition("=")
-        name = name.strip()
-        if not sep or name not in fields:
-            raise ValueError(f"tuning override must be field=value with field in {sorted(fields)}, got {item!r}")
-        cur = getattr(base, name)
-        val = val.strip()
-        if isinstance(cur, bool):
-            if val.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"{name} takes true/false, got {val!r}")
-            over[name] = val.lower() in ("true", "1")
-        elif isinstance(cur, int):
-            if not val.lstrip("-").isdigit():
-                raise ValueError(f"{name} takes an integer, got {val!r}")
-            over[name] = int(val)
-        else:
-            over[name] = val
-    return dataclasses.replace(base, **over)
+    return replace_from_string(base or DEFAULT_TUNING, spec)
 
 
 @dataclasses.dataclass(frozen=True)
