@@ -6,10 +6,13 @@ over all tiles (its chunk loop, without the select). CUPTI median of --iters cal
 a call (the MGPU rows also pack Q and the LSE in XLA: `total` includes that). FLOP/s are matmul FLOPs (causal half)
 over the main kernel's time, as a fraction of the H200 dense bf16 ceiling (989 TFLOP/s datasheet; also of the
 819 TFLOP/s measured). Each row also checks the MGPU result
-against cuDNN / Triton (`err`). Needs a GPU; one line and exit status 1 anywhere else.
+against cuDNN / Triton (`err`). `--fp8` adds the two score passes on float8_e4m3fn copies of q and k (`lse fp8`,
+`scores fp8`; their FLOP fractions stay of the bf16 ceiling), each checked against the same MGPU pass on those
+values widened to bf16 (`err`: LSE max abs, base 2; scores as above on the last window of tiles). Needs a GPU; one
+line and exit status 1 anywhere else.
 
   python benchmarks/mgpu_prefill_probe.py [--contexts 32768,131072] [--shapes 32/8/128,14/2/64,12/2/128]
-      [--tile 32] [--iters 3] [--mgpu "block_kv=64;block_kv=128,max_concurrent_steps=3"] [--json out.json]
+      [--tile 32] [--iters 3] [--mgpu "block_kv=64;block_kv=128,max_concurrent_steps=3"] [--fp8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def _time(fn, args, iters):
     return total, main, name
 
 
-def probe(s, hq, kvh, d, tile, iters, tunings, log=print):
+def probe(s, hq, kvh, d, tile, iters, tunings, log=print, fp8=False):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -166,8 +169,44 @@ def probe(s, hq, kvh, d, tile, iters, tunings, log=print):
         if lse_m is not None:
             row(f"{tag} scores", "scores", scores, (q, k, lse_m), err=errs[2])
         del lse_m
+        if fp8:
+            _fp8_rows(row, tag, lse_only, scores, q, k, tile, chunk)
     del q, k, v, qp, ref_out, ref_sc, lse_t
     return rows
+
+
+def _fp8_rows(row, tag, lse_only, scores, q, k, tile, chunk):
+    """Time the LSE-only and score passes on float8_e4m3fn q and k, each checked against the bf16 pass on the same
+    values widened (exact: every e4m3 value is a bf16 value)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas import prefill_mgpu as M
+
+    q8, k8 = q.astype(jnp.float8_e4m3fn), k.astype(jnp.float8_e4m3fn)
+    qw, kw = q8.astype(q.dtype), k8.astype(k.dtype)
+    errs, lse8 = ["not run"] * 2, None
+    try:
+        lse8 = lse_only(q8, k8)
+        lse_w = lse_only(qw, kw)
+        errs[0] = float(jnp.max(jnp.abs(lse8 - lse_w)))
+        s, nt = q.shape[1], q.shape[1] // tile
+        first = jnp.full((1,), nt - chunk, jnp.int32)
+        win = jax.jit(lambda q, k, l: M.pooled_scores(q, k, l, tile, first_tile=first, n_tiles=chunk, width=s))
+        a, b = win(q8, k8, lse8), win(qw, kw, lse8)
+        keep = jnp.isfinite(b)
+        num = jnp.sqrt(jnp.sum(jnp.where(keep, (a - b) ** 2, 0.0), -1))
+        den = jnp.sqrt(jnp.sum(jnp.where(keep, b ** 2, 0.0), -1))
+        errs[1] = float(jnp.max(jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)))
+        del lse_w, a, b
+    except Exception as e:
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        errs = [x if not isinstance(x, str) else msg for x in errs]
+        traceback.print_exc(limit=3)
+    row(f"{tag} lse fp8", "lse", lse_only, (q8, k8), err=errs[0])
+    if lse8 is not None:
+        row(f"{tag} scores fp8", "scores", scores, (q8, k8, lse8), err=errs[1])
+    del q8, k8, qw, kw, lse8
 
 
 def _check_mgpu(dense, lse_only, scores, q, k, v, ref_out, lse_t, ref_sc, lay, tile, chunk, n_chunks):
@@ -220,6 +259,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     shape_args(ap)
     ap.add_argument("--mgpu", default="", help="MgpuTuning variants: 'field=v,field=v;field=v' (empty: defaults)")
+    ap.add_argument("--fp8", action="store_true", help="also the score passes on float8_e4m3fn q and k")
     ap.add_argument("--json", default="", help="also write the rows here")
     a = ap.parse_args(argv)
     tunings = [(spec.strip(), _mgpu_tuning(spec)) for spec in a.mgpu.split(";")]
@@ -227,7 +267,7 @@ def main(argv=None):
         return 1
     rows = []
     for s, hq, kvh, d in shapes(a):
-        rows += probe(s, hq, kvh, d, a.tile, a.iters, tunings)
+        rows += probe(s, hq, kvh, d, a.tile, a.iters, tunings, fp8=a.fp8)
     return report(rows, table(rows), a.json)
 
 

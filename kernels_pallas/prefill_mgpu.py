@@ -37,6 +37,7 @@ _LOG2E = 1.4426950408889634
 _TILE_SIZES = (16, 32, 64)
 _HEAD_DIMS = (64, 128)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)  # the score passes only (no P.V): `flash_lse(with_out=False)`, `pooled_scores`
 _COMPUTE_WGS = 2
 
 
@@ -78,8 +79,9 @@ def _interpret_params(interpret):
     return interpret or None
 
 
-def _operand_reason(q, k):
-    """None if q [batch, len, q_heads, d] and k [batch, len, kv_heads, d] suit every kernel here, else why not."""
+def _operand_reason(q, k, fp8_ok=False):
+    """None if q [batch, len, q_heads, d] and k [batch, len, kv_heads, d] suit every kernel here (fp8_ok: also
+    float8_e4m3fn, for the passes without P.V), else why not."""
     if q.ndim != 4 or k.ndim != 4:
         return f"q and k must be 4-D [batch, len, heads, d], got {q.shape} and {k.shape}"
     b, _, hq, d = q.shape
@@ -89,15 +91,17 @@ def _operand_reason(q, k):
         return f"q_heads ({hq}) must be a multiple of kv_heads ({k.shape[2]})"
     if d not in _HEAD_DIMS:
         return f"head_dim must be one of {_HEAD_DIMS}, got {d}"
-    if jnp.dtype(q.dtype) not in _DTYPES or k.dtype != q.dtype:
-        return f"dtype must be bfloat16 or float16 (q and k alike), got {q.dtype} / {k.dtype}"
+    ok = _DTYPES + ((_FP8,) if fp8_ok else ())
+    if jnp.dtype(q.dtype) not in ok or k.dtype != q.dtype:
+        names = "bfloat16, float16 or float8_e4m3fn" if fp8_ok else "bfloat16 or float16"
+        return f"dtype must be {names} (q and k alike), got {q.dtype} / {k.dtype}"
     return None
 
 
-def unsupported_reason(q, k, tile_size=None, *, q_start=None, tuning: MgpuTuning | None = None):
+def unsupported_reason(q, k, tile_size=None, *, q_start=None, tuning: MgpuTuning | None = None, fp8_ok=False):
     """None if these operands are in scope, else a one-line reason naming the parameter."""
     tuning = tuning or DEFAULT_TUNING
-    why = _operand_reason(q, k)
+    why = _operand_reason(q, k, fp8_ok)
     if why is not None:
         return why
     b, t = q.shape[:2]
@@ -124,14 +128,18 @@ def supported(q, k, tile_size=None, *, q_start=None, tuning: MgpuTuning | None =
     return unsupported_reason(q, k, tile_size, q_start=q_start, tuning=tuning) is None
 
 
-def _check(q, k, tile_size=None, tuning=None):
-    why = unsupported_reason(q, k, tile_size, tuning=tuning)
+def _check(q, k, tile_size=None, tuning=None, fp8_ok=False):
+    why = unsupported_reason(q, k, tile_size, tuning=tuning, fp8_ok=fp8_ok)
     if why is not None:
         raise ValueError(f"prefill_mgpu: {why}")
 
 
 def _swizzled(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    """Shared memory for a wgmma / TMA operand whose minor dimension is contiguous: 128-byte swizzle (64-byte for
+    a row of 64 one-byte elements), tiles of 8 rows x one swizzle width."""
+    width = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, width // jnp.dtype(dtype).itemsize)),
+                                                plgpu.SwizzleTransform(width)))
 
 
 def _p_operand(p, dtype, p_smem):
@@ -168,9 +176,10 @@ def _producer_ring(n_steps, steps: int, load, consumed):
 def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | None = None, interpret=False):
     """q [1, T, q_heads, d], k/v [1, T, kv_heads, d] -> (out like q or None, lse [1, q_heads, T] fp32), lse the
     base-2 log-sum-exp of the base-2 logits s * scale * log2(e) over the causal keys (`prefill._dense_kernel`'s
-    convention; `lse_for_triton` gives its packed rows)."""
+    convention; `lse_for_triton` gives its packed rows). with_out=False also takes float8_e4m3fn q and k (the logits
+    of the fp8 values, accumulated in fp32)."""
     tuning = tuning or DEFAULT_TUNING
-    _check(q, k, tuning=tuning)
+    _check(q, k, tuning=tuning, fp8_ok=not with_out)
     if with_out and (v is None or v.shape != k.shape or v.dtype != k.dtype):
         raise ValueError(f"prefill_mgpu: v must match k {k.shape} {k.dtype} when with_out, got "
                          f"{None if v is None else (v.shape, v.dtype)}")
@@ -402,9 +411,10 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
     A window of tiles (the anchor pipeline bounds the scores held at once): `first_tile` (int32 [1], may be traced)
     and `n_tiles` (static) give [1, kv_heads, n_tiles, width] for the tiles first_tile, first_tile + 1, ...; rows
     of tiles past the last one are all -inf. `width` (static, a multiple of 128, >= T): keys past T are -inf.
-    `packed`: `pack_scores_inputs(q, k, lse, tile_size, tuning)`, computed once by a caller that loops over windows."""
+    `packed`: `pack_scores_inputs(q, k, lse, tile_size, tuning)`, computed once by a caller that loops over windows.
+    q and k may be float8_e4m3fn (the logits of the fp8 values, accumulated in fp32)."""
     tuning = tuning or DEFAULT_TUNING
-    _check(q, k, tile_size, tuning)
+    _check(q, k, tile_size, tuning, fp8_ok=True)
     b, t, hq, d = q.shape
     kvh = k.shape[2]
     if lse.shape != (b, hq, t) or lse.dtype != jnp.float32:

@@ -772,3 +772,41 @@ def test_gpu_reuse_blocks_32k_matches_triton(hq, kvh, d):
     err = _row_err(np.asarray(out)[rows], np.asarray(tri)[rows])
     print(f"32K {hq}/{kvh}/{d} kb {kb}: row error vs Triton {err:.2e}")
     assert err < _tol(jnp.bfloat16), err
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_fp8_score_passes_interpret(interp, d):
+    """float8_e4m3fn q and k (the score passes only: 128-byte swizzle at d 128, 64-byte at d 64): the LSE and the
+    pooled scores are those of the fp8 values, i.e. the bf16 reference on the same values widened; the dense pass
+    (P.V) refuses fp8 by name."""
+    t, hq, kvh, tile = 256, 4, 2, 32
+    q, k, _ = _inputs(np.random.default_rng(SEED + d), 1, t, hq, kvh, d, t, jnp.bfloat16, peaky=True)
+    q8, k8 = q.astype(jnp.float8_e4m3fn), k.astype(jnp.float8_e4m3fn)
+    qw, kw = q8.astype(jnp.bfloat16), k8.astype(jnp.bfloat16)  # exact: e4m3 values are bf16 values
+    _, lse = M.flash_lse(q8, k8, with_out=False, interpret=interp)
+    _, rl = _ref_lse2(qw, kw, kw)
+    lse_err = float(np.abs(np.asarray(lse) - np.asarray(rl)).max())
+    assert lse_err < _LSE_TOL, lse_err
+    _, rl_bf16 = _ref_lse2(q, k, k)
+    assert float(np.abs(np.asarray(rl) - np.asarray(rl_bf16)).max()) > 10 * _LSE_TOL  # fp8 did change the logits
+    sc = M.pooled_scores(q8, k8, lse, tile, interpret=interp)
+    z = jnp.zeros((1,), jnp.int32)
+    ref, _ = R.pooled_scores_prefill_reference(qw, kw, z, z + t, tile)
+    assert _score_err(sc, ref) < _SCORE_TOL
+    with pytest.raises(ValueError, match="dtype must be bfloat16 or float16"):
+        M.flash_lse(q8, k8, k8, with_out=True, interpret=interp)
+    assert M.unsupported_reason(q8, k8, tile) is not None and M.unsupported_reason(q8, k8, tile, fp8_ok=True) is None
+
+
+@pytest.mark.parametrize("hq,kvh,d,tile", [(32, 8, 128, 32), (14, 2, 64, 16), (12, 2, 128, 32)])
+def test_fp8_score_passes_lower_for_sm90(hq, kvh, d, tile):
+    """The fp8 score passes through the Mosaic GPU lowering for sm_90a on the CPU (wgmma's fp8 operands must be
+    K-major, with tiles of one swizzle width: interpret mode checks neither)."""
+    q = jax.ShapeDtypeStruct((1, 4096, hq, d), jnp.float8_e4m3fn)
+    k = jax.ShapeDtypeStruct((1, 4096, kvh, d), jnp.float8_e4m3fn)
+    lse = jax.ShapeDtypeStruct((1, hq, 4096), jnp.float32)
+    for f, args in [(lambda q, k: M.flash_lse(q, k, with_out=False), (q, k)),
+                    (lambda q, k: M.flash_lse(q, k, with_out=False, tuning=M.MgpuTuning(lse_block_kv=128)), (q, k)),
+                    (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse))]:
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
