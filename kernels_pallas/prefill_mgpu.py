@@ -153,6 +153,16 @@ def _p_operand(p, dtype, p_smem):
     return p_smem
 
 
+def _mult_operand(scale_mult):
+    """() or (scale_mult as fp32 [1]): the kernels' optional first operand."""
+    if scale_mult is None:
+        return ()
+    m = jnp.asarray(scale_mult, jnp.float32)
+    if m.size != 1:
+        raise ValueError(f"prefill_mgpu: scale_mult must hold one number, got shape {m.shape}")
+    return (jnp.reshape(m, (1,)),)
+
+
 def _producer_ring(n_steps, steps: int, load, consumed):
     """The producer warpgroup's ring: the first `steps` loads, then step j + steps into step j's slot once
     `consumed(j)` has waited for it. The last phases are observed too: the interpreter checks, when a barrier is
@@ -173,11 +183,13 @@ def _producer_ring(n_steps, steps: int, load, consumed):
 # (a) Causal flash pass: base-2 LSE [batch, q_heads, q_len] (+ dense output).
 
 
-def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | None = None, interpret=False):
+def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | None = None, interpret=False,
+              scale_mult=None):
     """q [1, T, q_heads, d], k/v [1, T, kv_heads, d] -> (out like q or None, lse [1, q_heads, T] fp32), lse the
     base-2 log-sum-exp of the base-2 logits s * scale * log2(e) over the causal keys (`prefill._dense_kernel`'s
     convention; `lse_for_triton` gives its packed rows). with_out=False also takes float8_e4m3fn q and k (the logits
-    of the fp8 values, accumulated in fp32)."""
+    of the fp8 values, accumulated in fp32). scale_mult: fp32 [1] (may be traced), a factor on every logit on top of
+    `scale` (the fp8 operands' scales, `reference.fp8_score_operands`); None: no such operand."""
     tuning = tuning or DEFAULT_TUNING
     _check(q, k, tuning=tuning, fp8_ok=not with_out)
     if with_out and (v is None or v.shape != k.shape or v.dtype != k.dtype):
@@ -196,10 +208,11 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
     p_regs = tuning.p_in_regs if tuning.p_in_regs is not None else interp is None
     wgs = _COMPUTE_WGS
 
-    def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, mult_ref=None):
         bi = lax.axis_index("batch")
         q_head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
+        s2 = scale2 if mult_ref is None else scale2 * mult_ref[0]
         (qo_smem2, k_smem, v_smem, lse_smem2, p_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
 
         def schedule_barrier():
@@ -239,7 +252,7 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
 
                 s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = s * scale2
+                s = s * s2
                 if causal:
                     rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
@@ -321,6 +334,7 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
             _producer_ring(prog_kv_steps, steps, load, consumed)
 
     def entry(*refs):
+        mult_ref, refs = (refs[0], refs[1:]) if scale_mult is not None else (None, refs)
         if with_out:
             q_ref, k_ref, v_ref, out_ref, lse_ref = refs
         else:
@@ -330,7 +344,7 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
                 plgpu.SMEM((wgs, block_q), jnp.float32),
                 _swizzled((wgs, block_q, block_kv), dtype) if with_out and not p_regs else None]
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, mult_ref),
             smem,
             (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=wgs)),
             (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
@@ -344,7 +358,7 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
         entry, out_type=out_type, grid=(hq, t // (wgs * block_q), b), grid_names=("heads", "q_seq", "batch"),
         num_threads=wgs + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interp,
-    )(*((q, k, v) if with_out else (q, k)))
+    )(*_mult_operand(scale_mult), *((q, k, v) if with_out else (q, k)))
     return (res[0], res[1]) if with_out else (None, res[0])
 
 
@@ -403,7 +417,7 @@ def pack_scores_inputs(q, k, lse, tile_size, tuning: MgpuTuning | None = None):
 
 
 def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None = None, interpret=False,
-                  first_tile=None, n_tiles=None, width=None, packed=None):
+                  first_tile=None, n_tiles=None, width=None, packed=None, scale_mult=None):
     """q [1, T, q_heads, d], k [1, T, kv_heads, d], lse [1, q_heads, T] (`flash_lse`) -> [1, kv_heads, tiles, T]
     fp32: per tile and KV head, the sum over the tile's rows and the group's heads of exp2(s * scale2 - lse_row) for
     every key strictly before the tile, -inf at and after the tile start (`pooled_scores_prefill_reference`).
@@ -412,7 +426,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
     and `n_tiles` (static) give [1, kv_heads, n_tiles, width] for the tiles first_tile, first_tile + 1, ...; rows
     of tiles past the last one are all -inf. `width` (static, a multiple of 128, >= T): keys past T are -inf.
     `packed`: `pack_scores_inputs(q, k, lse, tile_size, tuning)`, computed once by a caller that loops over windows.
-    q and k may be float8_e4m3fn (the logits of the fp8 values, accumulated in fp32)."""
+    q and k may be float8_e4m3fn (the logits of the fp8 values, accumulated in fp32); scale_mult as `flash_lse`'s."""
     tuning = tuning or DEFAULT_TUNING
     _check(q, k, tile_size, tuning, fp8_ok=True)
     b, t, hq, d = q.shape
@@ -438,7 +452,10 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
                          f"got shapes {qp.shape} / {lsep.shape}")
     interp = _interpret_params(interpret)
 
-    def kernel(first_ref, q_ref, lse_ref, k_ref, out_ref, q_smem, lse_smem, k_smem, o_smem, q_bar, k_bar, k_free):
+    def kernel(*refs, q_smem, lse_smem, k_smem, o_smem, q_bar, k_bar, k_free):
+        mult_ref, refs = (refs[0], refs[1:]) if scale_mult is not None else (None, refs)
+        first_ref, q_ref, lse_ref, k_ref, out_ref = refs
+        s2 = scale2 if mult_ref is None else scale2 * mult_ref[0]
         bi = lax.axis_index("batch")
         h = lax.axis_index("kvh")
         tl = n_w - 1 - lax.axis_index("tile")  # later tiles have more keys: they start first
@@ -466,7 +483,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
                         return acc_ref[...]
 
                     st = pl.run_scoped(qk, plgpu.ACC((bk, n), jnp.float32))
-                    p = jnp.exp2(st * scale2 - lax.broadcast_in_dim(lses[s], (bk, n), [1]))
+                    p = jnp.exp2(st * s2 - lax.broadcast_in_dim(lses[s], (bk, n), [1]))
                     tot = tot + p.sum(axis=1)
                 plgpu.barrier_arrive(k_free.at[bar])
                 kidx = j * step_k + wg * bk + plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
@@ -515,7 +532,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
             k_free=plgpu.Barrier(num_barriers=wgs * steps)),
         grid=(n_w, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interp,
-    )(first, qp, lsep, k)
+    )(*_mult_operand(scale_mult), first, qp, lsep, k)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ Rules fixed here and used by the kernels too:
 - Key blocks (prefill, `key_block` kb > 1): tiles select aligned blocks of kb keys instead of keys. A block scores
   the sum of its eligible keys' pooled scores, the budget is min(ceil(k / kb), eligible blocks) blocks, and idx
   holds each selected block's kb consecutive ids (`select_blocks_reference`); kb = 1 is the key selection.
+- fp8 scores (prefill, `score_fp8`): an anchor whose output is sparse (not layer 0's dense pass) may score keys
+  from fp8 copies of q and k (`fp8_score_operands`): k minus its mean over the chunk's valid keys (per sequence, KV
+  head and channel: every logit of a query row moves by the same amount, so the softmax is unchanged), each tensor
+  scaled by a power of two (its amax to <= 448) and rounded to float8_e4m3fn. The pooled scores are then those of
+  the widened fp8 values (`fp8_widen`), normaliser included.
 """
 
 from __future__ import annotations
@@ -58,6 +63,37 @@ def topk_budget(length, topk_frac: float, min_k: int):
 def max_budget(max_len: int, topk_frac: float, min_k: int) -> int:
     """Static width of an index buffer that can hold the budget of any length <= max_len."""
     return max(1, topk_budget(max_len, topk_frac, min_k))
+
+
+E4M3_MAX = 448.0
+
+
+def _pow2_scale(x):
+    """A power of two s with max|x| * s <= E4M3_MAX (fp32 scalar; 1 for an all-zero x)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    return jnp.where(amax > 0, jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / jnp.where(amax > 0, amax, 1.0)))), 1.0)
+
+
+def fp8_score_operands(q, k, kv_len):
+    """The fp8 score operands of a prefill chunk: q [batch, q_len, q_heads, d], k [batch, keys, kv_heads, d] (the
+    cache), kv_len [batch] -> (q8, k8 float8_e4m3fn like q and k, mult fp32 [1]) with q.k ~ (q8.k8) * mult up to a
+    per-row constant: k is centred on its mean over the valid keys (< kv_len) of each sequence and KV head, and
+    mult = 1 / (s_q s_k) undoes the two power-of-two scales."""
+    kf = k.astype(jnp.float32)
+    valid = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, :, None, None]
+    n = jnp.maximum(jnp.sum(valid, axis=1, keepdims=True), 1)
+    kc = jnp.where(valid, kf - jnp.sum(jnp.where(valid, kf, 0.0), axis=1, keepdims=True) / n, 0.0)
+    s_q, s_k = _pow2_scale(q), _pow2_scale(kc)
+    q8 = (q.astype(jnp.float32) * s_q).astype(jnp.float8_e4m3fn)
+    k8 = (kc * s_k).astype(jnp.float8_e4m3fn)
+    return q8, k8, jnp.reshape(1.0 / (s_q * s_k), (1,))
+
+
+def fp8_widen(x8, mult, dtype):
+    """An fp8 operand back in `dtype`, with `mult` (a power of two, from `fp8_score_operands`) folded in: q8 * mult
+    for q, and the k8 unchanged (mult None): q8.k8 * mult == widen(q8, mult).widen(k8) exactly in fp32."""
+    x = x8.astype(jnp.float32)
+    return (x if mult is None else x * mult[0]).astype(dtype)
 
 
 def check_forced(sinks: int, window: int) -> None:

@@ -798,6 +798,43 @@ def test_fp8_score_passes_interpret(interp, d):
     assert M.unsupported_reason(q8, k8, tile) is not None and M.unsupported_reason(q8, k8, tile, fp8_ok=True) is None
 
 
+def test_fp8_score_operands_with_scale_mult_interpret(interp):
+    """`reference.fp8_score_operands` (k centred, power-of-two scales, `mult` undoing them) through both passes with
+    scale_mult: the LSE and pooled scores of the widened operands (`reference.fp8_widen`), which are the bf16
+    reference's up to the fp8 rounding; with mult = 1 the extra operand changes nothing."""
+    t, hq, kvh, d, tile = 256, 4, 2, 64, 32
+    q, k, _ = _inputs(np.random.default_rng(SEED + 7), 1, t, hq, kvh, d, t, jnp.bfloat16, peaky=True)
+    q, k = q * 9.0, k * 0.3 + 2.0  # large q, k off-centre: the scales and the centring both matter
+    q8, k8, mult = R.fp8_score_operands(q, k, jnp.full((1,), t, jnp.int32))
+    assert q8.dtype == jnp.float8_e4m3fn and float(jnp.max(jnp.abs(q8.astype(jnp.float32)))) > 224
+    qw, kw = R.fp8_widen(q8, mult, jnp.bfloat16), R.fp8_widen(k8, None, jnp.bfloat16)
+    _, lse = M.flash_lse(q8, k8, with_out=False, interpret=interp, scale_mult=mult)
+    _, rl = _ref_lse2(qw, kw, kw)
+    assert float(np.abs(np.asarray(lse) - np.asarray(rl)).max()) < _LSE_TOL
+    sc = M.pooled_scores(q8, k8, lse, tile, interpret=interp, scale_mult=mult)
+    z = jnp.zeros((1,), jnp.int32)
+    ref_w, _ = R.pooled_scores_prefill_reference(qw, kw, z, z + t, tile)
+    assert _score_err(sc, ref_w) < _SCORE_TOL
+    # The centring leaves the softmax as it was: near the unquantized scores (fp8 rounding of these large, peaky
+    # logits moves them by ~20% RMS; without the per-row shift cancelling they would be unrelated, error ~1).
+    ref, _ = R.pooled_scores_prefill_reference(q, k, z, z + t, tile)
+    assert _score_err(sc, ref) < 0.4
+    _, lse1 = M.flash_lse(q, k, with_out=False, interpret=interp, scale_mult=jnp.ones((1,)))
+    _, lse0 = M.flash_lse(q, k, with_out=False, interpret=interp)
+    assert np.array_equal(np.asarray(lse1), np.asarray(lse0))
+    # The centring uses the valid keys only: rows past kv_len (here 1e4) change neither the valid k8 nor mult.
+    kl = jnp.full((1,), 200, jnp.int32)
+    dirty = k.at[:, 200:].set(1e4)
+    a8, b8, ma = R.fp8_score_operands(q, k, kl)
+    _, c8, mc = R.fp8_score_operands(q, dirty, kl)
+    assert np.array_equal(np.asarray(b8[:, :200].astype(jnp.float32)), np.asarray(c8[:, :200].astype(jnp.float32)))
+    assert float(ma[0]) == float(mc[0])
+    mean = np.asarray(b8[:, :200].astype(jnp.float32)).mean(1)  # centred: per (head, channel) mean ~ 0
+    assert np.abs(mean).max() < 0.05 * np.abs(np.asarray(b8.astype(jnp.float32))).max()
+    with pytest.raises(ValueError, match="scale_mult must hold one number"):
+        M.flash_lse(q, k, with_out=False, interpret=interp, scale_mult=jnp.ones((2,)))
+
+
 @pytest.mark.parametrize("hq,kvh,d,tile", [(32, 8, 128, 32), (14, 2, 64, 16), (12, 2, 128, 32)])
 def test_fp8_score_passes_lower_for_sm90(hq, kvh, d, tile):
     """The fp8 score passes through the Mosaic GPU lowering for sm_90a on the CPU (wgmma's fp8 operands must be
@@ -805,7 +842,10 @@ def test_fp8_score_passes_lower_for_sm90(hq, kvh, d, tile):
     q = jax.ShapeDtypeStruct((1, 4096, hq, d), jnp.float8_e4m3fn)
     k = jax.ShapeDtypeStruct((1, 4096, kvh, d), jnp.float8_e4m3fn)
     lse = jax.ShapeDtypeStruct((1, hq, 4096), jnp.float32)
+    m = jax.ShapeDtypeStruct((1,), jnp.float32)
     for f, args in [(lambda q, k: M.flash_lse(q, k, with_out=False), (q, k)),
+                    (lambda q, k, m: M.flash_lse(q, k, with_out=False, scale_mult=m), (q, k, m)),
+                    (lambda q, k, l, m: M.pooled_scores(q, k, l, tile, scale_mult=m), (q, k, lse, m)),
                     (lambda q, k: M.flash_lse(q, k, with_out=False, tuning=M.MgpuTuning(lse_block_kv=128)), (q, k)),
                     (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse))]:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
