@@ -39,6 +39,9 @@ KEY_BLOCK = flags.DEFINE_enum("prefill_key_block", "1", ["1", "8", "16", "32", "
                               "The anchors select aligned blocks of this many keys (1: single keys); with "
                               "--prefill_tuning=reuse_backend=mgpu the reuse runs prefill_mgpu.reuse_blocks. Tag the "
                               "run (--bench_tag): the table's file names do not say it.")
+SCORE_FP8 = flags.DEFINE_boolean("prefill_score_fp8", False, "The anchors other than layer 0 score keys from fp8 "
+                                 "copies of q and the mean-centred k (the recipe lever prefill_score_fp8; on fp8 in "
+                                 "the Mosaic GPU passes: --prefill_tuning=anchor_backend=mgpu). Tag the run.")
 
 for _name, _kind, _example in (("prefill_contexts", "int", "8192,32768"), ("prefill_long_contexts", "int", "262144"),
                                ("prefill_topk_fracs", "frac", "0.1,0.2"), ("prefill_sweep_contexts", "int", "32768")):
@@ -54,7 +57,7 @@ def main(argv):
                 out_dir=OUT.value, check_first=CHECK.value, tune_at=TUNE.value, tuning_spec=TUNING.value,
                 sweep_specs=[x for x in SWEEP.value.split(";") if x.strip()],
                 sweep_contexts=[int(c) for c in SWEEP_CONTEXTS.value], shape=shape_from_flags(), tag=BENCH_TAG.value,
-                key_block=int(KEY_BLOCK.value))
+                key_block=int(KEY_BLOCK.value), score_fp8=SCORE_FP8.value)
 
 
 if __name__ == "__main__":

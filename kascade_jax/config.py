@@ -32,6 +32,9 @@ results/accuracy/NOTES.md.
   kb keys (ceil(k / kb) blocks by summed pooled score) instead of single keys, so a kernel can copy whole blocks.
 - `prefill_dense_anchors`: in prefill every anchor outputs dense causal attention (as layer 0) and still selects
   its Top-k for the reuse layers (one P.V product more; the full softmax is computed anyway).
+- `prefill_score_fp8`: in prefill every anchor with a sparse output (not layer 0) scores keys from fp8 copies of q
+  and the mean-centred k (`reference.fp8_score_operands`): the Mosaic GPU score passes run on fp8 (H200: -20% /
+  -28% at the 8B shape), the Triton and reference paths on the same values widened (same selection).
 - `decode_rerank` (C, 1 = off): in decode each anchor selects C x the budget as candidates, and each reuse layer
   attends its own Top-k of them by its own pooled scores (the anchor's forced keys kept): C k K rows and k V rows
   read. `decode_rerank_layers` (None = every reuse layer) limits it to those layers; the others read the first k
@@ -101,6 +104,7 @@ class KascadeConfig:
     decode_dense_layers: tuple[int, ...] | None = None  # decode: layers that output dense attention (-1: the last)
     decode_prefill_keys: float = 0.0  # decode: each reuse layer also attends its own Top-s from the prefill's last tile
     prefill_key_block: int = 1  # prefill: anchors select aligned blocks of this many keys (1: single keys)
+    prefill_score_fp8: bool = False  # prefill: sparse-output anchors score keys from fp8 copies of q and centred k
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size", "decode_rerank"):
@@ -156,7 +160,7 @@ class KascadeConfig:
                                  f"recent_window + local_window) exceed the smallest budget of "
                                  f"{-(-(self.min_k + self.local_window) // kb)} blocks: raise min_k")
         for name in ("rolling_prefill", "layer0_dense", "oracle_topk", "decode_only", "prefill_dense_anchors",
-                     "decode_tail_cap"):
+                     "decode_tail_cap", "prefill_score_fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -63,6 +63,7 @@ from kernels_pallas.reference import (
     FORCED_SCORE,
     attention_reference_rows,
     decode_counts,
+    fp8_score_qk,
     gathered_logits,
     index_width,
     max_budget,
@@ -139,7 +140,8 @@ def _reuse_decode_reference(q, k, v, kv_len, idx, counts, head_map_row, *, retur
 
 def _anchor_prefill_reference(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero):
     counts = prefill_budget(cfg, q_start, kv_len, seq_len, q.shape[1])  # [batch, tiles]
-    scores, _ = pooled_scores_prefill_reference(q, k, q_start, kv_len, cfg.tile_size, pool=cfg.pool,
+    q_s, k_s = fp8_score_qk(q, k, kv_len) if cfg.prefill_score_fp8 and not dense else (q, k)
+    scores, _ = pooled_scores_prefill_reference(q_s, k_s, q_start, kv_len, cfg.tile_size, pool=cfg.pool,
                                                 sinks=cfg.sink_tokens, window=cfg.recent_window + cfg.local_window)
     if cfg.prefill_key_block > 1:
         eligible = prefill_eligible(q_start, kv_len, q.shape[1], cfg.tile_size)[1]
@@ -203,7 +205,7 @@ def _pallas_kernels() -> Kernels:
                                  min_k=cfg.min_k, k_max=k_max, rolling=cfg.rolling_prefill, dense_out=dense,
                                  pool=cfg.pool, chunk_at_zero=chunk_at_zero, sinks=cfg.sink_tokens,
                                  window=cfg.recent_window + cfg.local_window, extra_k=cfg.local_window,
-                                 key_block=cfg.prefill_key_block)
+                                 key_block=cfg.prefill_key_block, score_fp8=cfg.prefill_score_fp8)
 
     def paged_anchor_decode(q, k, v, page_table, kv_len, *, cfg, k_max, dense, head_map_row):
         check(cfg)

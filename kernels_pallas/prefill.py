@@ -834,7 +834,7 @@ def dense_prefill(q, k_cache, v_cache, q_start, kv_len, *, tile_size: int = 32, 
 def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, topk_frac, min_k, k_max, rolling=True,
                    dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
                    tuning: PrefillTuning | None = None, chunk_at_zero=False, sinks: int = 0, window: int = 0,
-                   extra_k: int = 0, key_block: int = 1):
+                   extra_k: int = 0, key_block: int = 1, score_fp8: bool = False):
     """Anchor prefill: pooled post-softmax scores per (tile, head), exact rolling top-k, then attention.
 
     Returns (out [batch, q_len, q_heads, d], idx [batch, idx_heads, tiles, k_max], counts [batch, tiles]); out is
@@ -846,7 +846,9 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     tile (the first `sinks` keys and the `window` keys before the tile score `reference.FORCED_SCORE`). `extra_k`:
     keys added to every tile's budget (`reference.prefill_counts(extra=...)`), e.g. a forced local window that
     does not count against the Top-k. tuning.anchor_backend="mgpu": a chunk at position 0 takes the Mosaic GPU LSE
-    and score passes whatever its kv_len (`_mgpu_keys`).
+    and score passes whatever its kv_len (`_mgpu_keys`). score_fp8 (static; ignored with dense_out, whose dense pass
+    gives the exact LSE anyway): the scores come from fp8 copies of q and the mean-centred k
+    (`reference.fp8_score_operands`): on fp8 in the Mosaic GPU passes, widened to q's dtype elsewhere (same logits).
     """
     ref.check_forced(sinks, window)
     _check_common(q, k_cache, v_cache, q_start, kv_len, tile_size)
@@ -870,8 +872,12 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     eligible = ref.prefill_eligible(q_start, kv_len, t, tile_size)[1]  # [batch, tiles]
     idx_heads = k_cache.shape[2] if pool != "all" else 1
     identity = jnp.arange(k_cache.shape[2], dtype=jnp.int32) if pool != "all" else jnp.zeros(k_cache.shape[2], jnp.int32)
+    fp8 = bool(score_fp8) and not dense_out
+    if fp8 and pool == "pre_softmax":
+        raise ValueError("score_fp8 scores post-softmax pools (gqa, all), got pool='pre_softmax'")
+    q_s, k_s = ref.fp8_score_qk(q, k_cache, kv_len) if fp8 else (q, k_cache)  # the score operands
     if not use_pallas(impl, interpret):
-        scores, _ = ref.pooled_scores_prefill_reference(q, k_cache, q_start, kv_len, tile_size, pool=pool, scale=scale,
+        scores, _ = ref.pooled_scores_prefill_reference(q_s, k_s, q_start, kv_len, tile_size, pool=pool, scale=scale,
                                                         sinks=sinks, window=window)
         if key_block > 1:
             idx, counts = ref.select_blocks_reference(scores, counts, eligible, k_max, key_block)
@@ -889,10 +895,18 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     _check_pallas(q, k_cache, v_cache)
     lay = _layout(q, k_cache, tile_size)
     qp = _pack_q(q, lay)
+    qp_s = _pack_q(q_s, lay) if fp8 else qp
     tuning = tuning or DEFAULT_TUNING
     keys = _mgpu_keys(q, k_cache, v_cache, q_start_in, tile_size, chunk_at_zero, tuning, interpret)
+    mq, mk, mult = None, None, None  # the Mosaic GPU score passes' q, k (cut to the chunk) and scale_mult
     if keys is not None:
         from kernels_pallas import prefill_mgpu as M
+
+        if fp8:
+            q8, k8, mult = ref.fp8_score_operands(q, k_cache, kv_len)
+            mq, mk = q8, k8[:, : q.shape[1]]
+        else:
+            mq, mk = q, keys[0]
     lse2 = None  # Mosaic GPU scope: base-2 lse [1, q_heads, q_len] for `prefill_mgpu.pooled_scores`
     if dense_out and chunk_at_zero and tuning.anchor0_cudnn and cudnn_lse_ok(q, k_cache, interpret):
         out, lse_nat = cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale)
@@ -900,22 +914,25 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
         if keys is not None:
             lse2 = jnp.transpose(lse_nat, (0, 2, 1)) * _LOG2E
     elif keys is not None:
-        out, lse2 = M.flash_lse(q, *keys, scale=scale, with_out=dense_out, interpret=interpret)
+        if dense_out:
+            out, lse2 = M.flash_lse(q, *keys, scale=scale, with_out=True, interpret=interpret)
+        else:
+            out, lse2 = M.flash_lse(mq, mk, scale=scale, with_out=False, interpret=interpret, scale_mult=mult)
         lse = None  # (the Triton score kernel's packed rows: `prefill_mgpu.lse_for_triton`)
     else:
-        lse, out = _dense_pass(qp, k_cache, v_cache, q_start, kv_len, lay, scale, with_out=dense_out,
+        lse, out = _dense_pass(qp_s, k_s, v_cache, q_start, kv_len, lay, scale, with_out=dense_out,
                                tuning=tuning, interpret=interpret)
         out = _unpack_out(out, lay) if dense_out else None
     mgpu_scores = None
     if keys is not None:
         # padding rows (at or past kv_len) pool nothing: exp2(s - inf) = 0 (the Triton score pass masks them)
         lse2 = jnp.where(jnp.arange(t)[None, None, :] < kv_len[:, None, None], lse2, jnp.inf)
-        packed = M.pack_scores_inputs(q, keys[0], lse2, tile_size)  # once, outside the select's loop over windows
-        mgpu_scores = lambda first, n, width: M.pooled_scores(q, keys[0], lse2, tile_size, scale=scale,
+        packed = M.pack_scores_inputs(mq, mk, lse2, tile_size)  # once, outside the select's loop over windows
+        mgpu_scores = lambda first, n, width: M.pooled_scores(mq, mk, lse2, tile_size, scale=scale,
                                                               interpret=interpret, first_tile=first, n_tiles=n,
-                                                              width=width, packed=packed)
+                                                              width=width, packed=packed, scale_mult=mult)
     sel_counts = counts if key_block == 1 else ref.block_counts(counts, eligible, key_block)  # keys or blocks
-    idx = _anchor_select(qp, lse, k_cache, q_start, kv_len, sel_counts, lay, scale, k_max, pool, tuning, interpret,
+    idx = _anchor_select(qp_s, lse, k_s, q_start, kv_len, sel_counts, lay, scale, k_max, pool, tuning, interpret,
                          sinks, window, mgpu_scores, key_block)
     if key_block > 1:
         counts = sel_counts * key_block

@@ -96,6 +96,13 @@ def fp8_widen(x8, mult, dtype):
     return (x if mult is None else x * mult[0]).astype(dtype)
 
 
+def fp8_score_qk(q, k, kv_len):
+    """The score operands of an fp8-scoring anchor (`fp8_score_operands`) widened back to q's and k's dtypes:
+    (q8 * mult, k8), whose logits are exactly the fp8 kernels' (q8.k8 * mult in fp32)."""
+    q8, k8, mult = fp8_score_operands(q, k, kv_len)
+    return fp8_widen(q8, mult, q.dtype), fp8_widen(k8, None, k.dtype)
+
+
 def check_forced(sinks: int, window: int) -> None:
     for name, v in (("sinks", sinks), ("window", window)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:

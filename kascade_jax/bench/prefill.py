@@ -44,9 +44,10 @@ def _k_max(s, frac, min_k, key_block):
 
 
 def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=False, tuning=None, log=print,
-          shape=_DEFAULT, interpret=False, key_block=1):
+          shape=_DEFAULT, interpret=False, key_block=1, score_fp8=False):
     """A0, A, R against the references at one shape; returns errors (raises on failure). interpret=True runs the
-    Pallas kernels on the CPU (tests, small s). key_block > 1: the index checks compare block scores and block ids."""
+    Pallas kernels on the CPU (tests, small s). key_block > 1: the index checks compare block scores and block ids.
+    score_fp8: A selects on the fp8 operands' scores (`reference.fp8_score_qk`), A0 on the exact ones."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -58,7 +59,7 @@ def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=
     qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), s, jnp.int32)
     k_max = _k_max(s, frac, min_k, key_block)
     kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning, interpret=interpret,
-              key_block=key_block)
+              key_block=key_block, score_fp8=score_fp8)
     out, idx, counts = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, **kw))(q, k, v)
     out0, idx0, _ = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, dense_out=True,
                                                               chunk_at_zero=True, **kw))(q, k, v)
@@ -66,7 +67,9 @@ def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=
     reuse = jax.jit(lambda *a: pf.reuse_prefill(*a, tile, impl="pallas", tuning=tuning, interpret=interpret,
                                                 key_block=key_block))
     r_out = reuse(q, k, v, qs, kl, idx, counts, hm)
-    scores, _ = jax.jit(lambda q, k: ref.pooled_scores_prefill_reference(q, k, qs, kl, tile))(q, k)
+    score_fn = jax.jit(lambda q, k: ref.pooled_scores_prefill_reference(q, k, qs, kl, tile)[0])
+    scores0 = score_fn(q, k)
+    scores = score_fn(*ref.fp8_score_qk(q, k, kl)) if score_fp8 else scores0
     ref_dense = jax.jit(lambda q, k, v: ref.attention_reference(q, k, v, qs, kl))(q, k, v)
     ref_sparse = jax.jit(lambda q, k, v, i, m: ref.sparse_prefill_reference(q, k, v, qs, kl, i, m, tile))
     rel = lambda a, r: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(r, np.float32))
@@ -75,20 +78,22 @@ def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=
                 anchor0_out=rel(out0, ref_dense),
                 reuse_out=rel(r_out, ref_sparse(q, k, v, idx, hm)))
     if key_block > 1:  # compare blocks: block scores, each selected block's first id / kb
-        scores = ref.block_scores(scores, key_block)
+        scores, scores0 = (ref.block_scores(x, key_block) for x in (scores, scores0))
         idx, idx0 = (jnp.where(x[..., ::key_block] >= 0, x[..., ::key_block] // key_block, -1) for x in (idx, idx0))
         counts = counts // key_block
-    idx, idx0, counts, scores = map(np.asarray, (idx, idx0, counts, scores))
+    idx, idx0, counts = map(np.asarray, (idx, idx0, counts))
     k_max = idx.shape[-1]
     ranks = np.arange(k_max)
     valid = np.broadcast_to(ranks < counts[:, None, :, None], idx.shape)
-    best = np.where(valid, -np.sort(-scores, -1)[..., :k_max], -np.inf)
-    fin = np.isfinite(best)
-    ref_idx = np.asarray(ref.select_topk_reference(jnp.asarray(scores), jnp.asarray(counts)[:, None, :], k_max))
-    # Anchor 0's indices equal anchor's, unless its LSE came from cuDNN (then they may differ at near-ties only).
-    for name, ix in (("", idx), ("anchor0_", idx0)):
+    # Anchor 0's indices equal anchor's, unless its LSE came from cuDNN (then they may differ at near-ties only) or
+    # the anchor scores on fp8.
+    for name, ix, sc in (("", idx, scores), ("anchor0_", idx0, scores0)):
+        sc = np.asarray(sc)
+        best = np.where(valid, -np.sort(-sc, -1)[..., :k_max], -np.inf)
+        fin = np.isfinite(best)
+        ref_idx = np.asarray(ref.select_topk_reference(jnp.asarray(sc), jnp.asarray(counts)[:, None, :], k_max))
         assert np.all(ix[~valid] == -1) and np.all(ix[valid] >= 0)
-        picked = np.where(valid, np.take_along_axis(scores, np.maximum(ix, 0), -1), -np.inf)
+        picked = np.where(valid, np.take_along_axis(sc, np.maximum(ix, 0), -1), -np.inf)
         assert np.all(np.isfinite(picked[valid])), "ineligible key selected"
         mine = -np.sort(-picked, -1)
         errs[name + "max_rel_sorted_score_diff"] = float(np.max(np.abs(mine[fin] - best[fin]) /
@@ -97,9 +102,10 @@ def check(seed=0, s=8192, dtype="bfloat16", frac=0.1, min_k=128, tile=32, peaky=
                 for a, b in zip(ix.reshape(-1, k_max), ref_idx.reshape(-1, k_max))]
         errs[name + "exact_set_fraction"] = float(np.mean(same))
     errs["anchor0_same_idx_as_anchor"] = bool(np.array_equal(idx, idx0))
-    if not (tuning and tuning.anchor0_cudnn):
+    if not (tuning and tuning.anchor0_cudnn) and not score_fp8:
         assert errs["anchor0_same_idx_as_anchor"], "anchor-0 and anchor indices differ"
-    log(f"check s={s} heads={shape.heads} {dtype} tile={tile} key_block={key_block} peaky={peaky}: {errs}")
+    log(f"check s={s} heads={shape.heads} {dtype} tile={tile} key_block={key_block} score_fp8={score_fp8} "
+        f"peaky={peaky}: {errs}")
     assert max(errs["anchor_out"], errs["anchor0_out"], errs["reuse_out"]) < 2e-2, errs
     assert max(errs["max_rel_sorted_score_diff"], errs["anchor0_max_rel_sorted_score_diff"]) < 1e-3, errs
     return errs
@@ -114,7 +120,8 @@ def _extra_bytes(fn, args):
         return -1, -1
 
 
-def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print, shape=_DEFAULT, key_block=1):
+def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print, shape=_DEFAULT, key_block=1,
+              score_fp8=False):
     """One row at batch 1, context s: dense (cuDNN), A0, A and R, their ratios, the weighted time and speedup, each
     piece's kernels, and the extra device memory of the compiled anchor pipelines."""
     import jax
@@ -128,14 +135,16 @@ def bench_one(s, frac, dtype, min_k, tile, iters, tuning=None, log=print, shape=
     qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), s, jnp.int32)
     k_max = _k_max(s, frac, min_k, key_block)
     hm = jnp.arange(shape.kv_heads, dtype=jnp.int32)[::-1]
-    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning, key_block=key_block)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning, key_block=key_block,
+              score_fp8=score_fp8)
     dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
     a0 = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, dense_out=True, chunk_at_zero=True, **kw))
     an = jax.jit(lambda q, k, v: pf.anchor_prefill(q, k, v, qs, kl, kl, tile, **kw))
     re = jax.jit(lambda q, k, v, i, c, m: pf.reuse_prefill(q, k, v, qs, kl, i, c, m, tile, impl="pallas",
                                                            tuning=tuning, key_block=key_block))
     _, idx, counts = an(q, k, v)
-    row = dict(context=s, topk_frac=frac, dtype=dtype, tile=tile, key_block=key_block, k_last_tile=int(counts[0, -1]),
+    row = dict(context=s, topk_frac=frac, dtype=dtype, tile=tile, key_block=key_block, score_fp8=score_fp8,
+               k_last_tile=int(counts[0, -1]),
                k_max=k_max, **shape.record())
     row["A_extra_bytes"], row["A_out_bytes"] = _extra_bytes(an, (q, k, v))
     row["A0_extra_bytes"], _ = _extra_bytes(a0, (q, k, v))
@@ -211,7 +220,8 @@ def _parts(tuning, base):
     return parts
 
 
-def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=print, shape=_DEFAULT, key_block=1):
+def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=print, shape=_DEFAULT, key_block=1,
+          score_fp8=False):
     """A/B tuning variants (each applied on top of base_spec) against the base tuning, one context at a time; returns
     rows (one per context x spec).
 
@@ -237,7 +247,8 @@ def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=pr
         for spec in [""] + list(specs):
             try:
                 tuning = pf.tuning_from_string(spec, base_tuning)
-                kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning, key_block=key_block)
+                kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=tuning, key_block=key_block,
+                          score_fp8=score_fp8)
                 fns = dict(
                     dense=(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                                 implementation="cudnn")), None),
@@ -249,7 +260,7 @@ def sweep(contexts, specs, dtype, frac, min_k, tile, iters, base_spec="", log=pr
                 if base is None:
                     _, idx, counts = fns["A"][0](q, k, v)
                 parts = ("dense", "A0", "A", "R") if base is None else sorted(_parts(tuning, base_tuning))
-                row = dict(context=s, dtype=dtype, topk_frac=frac, key_block=key_block,
+                row = dict(context=s, dtype=dtype, topk_frac=frac, key_block=key_block, score_fp8=score_fp8,
                            spec=spec or f"(base) {base_spec}", timed=list(parts), **shape.record())
                 for name in parts:
                     fn, extra = fns[name]
@@ -289,7 +300,7 @@ def _meta(**extra):
 
 def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=5, out_dir="benchmarks",
         check_first=False, tune_at=0, tuning_spec="", sweep_specs=(), sweep_contexts=(32768,), shape=_DEFAULT, tag="",
-        key_block=1, log=print):
+        key_block=1, score_fp8=False, log=print):
     """The sweep (sweep_specs: <out_dir>/prefill_sweep[_<tag>].json/md), then the table (<out_dir>/prefill[_<tag>].
     json/md/png) at the tuning: the defaults, or the fastest variants at tune_at, with tuning_spec on top. Contexts
     are timed at every top-k of the first dtype, long_contexts and the further dtypes at the first top-k only; a
@@ -313,11 +324,11 @@ def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=
         for spec in [""] + list(sweep_specs):
             for peaky in (False, True):
                 check(peaky=peaky, tuning=pf.tuning_from_string(spec, base_tuning), log=log, shape=shape,
-                      key_block=key_block)
+                      key_block=key_block, score_fp8=score_fp8)
     if sweep_specs:
         srows = sweep(sweep_contexts, sweep_specs, dtypes[0], fracs[0], min_k, tile, iters, base_spec=tuning_spec,
-                      log=log, shape=shape, key_block=key_block)
-        meta = _meta(shape=shape.record(), key_block=key_block)
+                      log=log, shape=shape, key_block=key_block, score_fp8=score_fp8)
+        meta = _meta(shape=shape.record(), key_block=key_block, score_fp8=score_fp8)
         write_outputs(out_dir, sweep_stem, dict(meta=meta, rows=srows),
                       tables.prefill_sweep_markdown(srows, meta, shape), log=log)
     tuning, tuning_runs = pf.DEFAULT_TUNING, []
@@ -332,13 +343,13 @@ def run(contexts, fracs, dtypes, *, long_contexts=(), min_k=128, tile=32, iters=
     for dtype, s, f in tqdm(plan, desc="prefill benchmark", unit="config", file=sys.stderr):
         try:
             rows.append(bench_one(s, f, dtype, min_k, tile, iters, tuning=tuning, log=log, shape=shape,
-                                  key_block=key_block))
+                                  key_block=key_block, score_fp8=score_fp8))
         except Exception as e:  # noqa: BLE001 - report and go on (e.g. out of memory at 256K)
             log(f"s={s} k={f} {dtype}: FAILED {type(e).__name__}: {str(e)[:300]}")
     if not rows:  # e.g. a sweep-only call: keep the last table
         return rows
     meta = _meta(tuning=dataclasses.asdict(tuning), tuning_runs=tuning_runs, shape=shape.record(), tile=tile,
-                 min_k=min_k, key_block=key_block)
+                 min_k=min_k, key_block=key_block, score_fp8=score_fp8)
     write_outputs(out_dir, stem, dict(meta=meta, rows=rows), tables.prefill_markdown(rows, meta, shape),
                   lambda path: tables.prefill_plot(rows, path, shape), log=log)
     return rows

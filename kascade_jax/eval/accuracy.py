@@ -241,7 +241,7 @@ def config_fields(config: str) -> dict:
 
 
 _PREFILL_ONLY = ("dense_suffix", "local_window", "prefill_topk_frac", "tile_size", "prefill_dense_anchors",
-                 "prefill_key_block")
+                 "prefill_key_block", "prefill_score_fp8")
 
 
 def _decode_side(fields: dict) -> dict:

@@ -314,6 +314,11 @@ def test_bench_checks_run_at_a_qwen_shape_in_interpret_mode(rng):
     errs = prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05),
                          key_block=16, tuning=pf.PrefillTuning(reuse_backend="mgpu"))
     assert errs["exact_set_fraction"] > 0.9 and errs["reuse_out"] < 2e-2, errs
+    # fp8 scores on the Mosaic GPU passes (`--prefill_score_fp8 --prefill_tuning=anchor_backend=mgpu`): A against
+    # the fp8 operands' scores, A0 against the exact ones
+    errs = prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05),
+                         score_fp8=True, tuning=pf.PrefillTuning(anchor_backend="mgpu"))
+    assert errs["exact_set_fraction"] > 0.9 and errs["anchor0_exact_set_fraction"] > 0.9, errs
 
 
 def test_generate_and_speed_show_what_runs():

@@ -94,6 +94,18 @@ def test_prefill_key_block_flag_reaches_the_recipe_and_the_config_string():
             recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
 
 
+def test_prefill_score_fp8_flag_reaches_the_recipe():
+    from kascade_jax.eval import accuracy
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--recipe=paper", "--prefill_score_fp8"])
+        r = recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
+    assert r.name == "paper*" and r.levers()["prefill_score_fp8"] is True
+    assert accuracy.config_fields(r.describe())["prefill_score_fp8"] is True
+    assert recipes.candidate("fp8s").levers()["prefill_score_fp8"] is True
+
+
 # experiments.eval defines flags another entry point also defines: it runs in a subprocess of its own
 EVAL_ANCHORS = """
 from experiments import cli, eval as ev, recipe_flags

@@ -722,3 +722,36 @@ def test_rerank_top_k_through_the_pallas_pipeline_gpu():
             kk = int(counts[bi])
             for h in range(kvh):
                 assert set(got[bi, h, :kk].tolist()) == set(want[bi, h, :kk].tolist()), (fn.__name__, bi, h)
+
+
+def test_strategy_prefill_score_fp8(rng):
+    """prefill_score_fp8 through the strategy (reference and pallas bundles; the latter's reference on CPU): the
+    sparse-output anchor (layer 1) selects a Top-k set of the scores of `reference.fp8_score_qk`'s operands, layer 0
+    (dense output) selects as without the lever, both bundles agree, and the lever changes some selection. The
+    config, recipe and eval-row parsing carry it as a switch."""
+    from kascade_jax.eval.accuracy import config_fields
+    from kascade_jax.recipes import Recipe
+    from tests.kernels_pallas.test_prefill import _check_idx
+
+    num_layers, kvh, group, d, max_len, tile = 3, 2, 2, 16, 160, 32
+    layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
+    lens = [max_len, 121]
+    kw = dict(anchors=(0, 1), topk_frac=0.25, min_k=16, tile_size=tile)
+    pre_in = [prefill_inputs(lay, 0, max_len, lens) for lay in layers]
+    states = {}
+    for kernels in ("reference", "pallas"):
+        st = make_strategy("kascade", num_layers, kvh, kernels=kernels, prefill_score_fp8=True, **kw)
+        out, states[kernels] = run_layers(st, pre_in)
+        a = pre_in[1]
+        q_s, k_s = ref.fp8_score_qk(a.q, a.k_cache, a.kv_len)
+        scores, _ = ref.pooled_scores_prefill_reference(q_s, k_s, a.q_start, a.kv_len, tile)
+        _check_idx(states[kernels][1]["idx"], states[kernels][1]["counts"], scores)
+    assert _sets(states["reference"][1]["idx"]) == _sets(states["pallas"][1]["idx"])
+    _, plain = run_layers(make_strategy("kascade", num_layers, kvh, **kw), pre_in)
+    assert _sets(plain[0]["idx"]) == _sets(states["reference"][0]["idx"])  # layer 0: exact scores
+    assert _sets(plain[1]["idx"]) != _sets(states["reference"][1]["idx"])
+    with pytest.raises(ValueError, match="prefill_score_fp8 must be a bool"):
+        KascadeConfig(num_layers=2, kv_heads=1, prefill_score_fp8=1)
+    r = Recipe(name="x", prefill_score_fp8=True)
+    assert r.levers()["prefill_score_fp8"] is True and "prefill_score_fp8" not in Recipe().levers()
+    assert config_fields(r.describe())["prefill_score_fp8"] is True

@@ -850,3 +850,40 @@ def test_fp8_score_passes_lower_for_sm90(hq, kvh, d, tile):
                     (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse))]:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+
+
+def test_anchor_prefill_score_fp8_interpret(monkeypatch, interp):
+    """score_fp8: the Mosaic GPU backend runs both score passes on fp8 (q8, k8 cut to the chunk, scale_mult), the
+    Triton backend and the reference on the same values widened; all three select a Top-k set of the scores of
+    `reference.fp8_score_qk`'s operands, and the sparse output is the original q, k, v's on that set. The cache
+    holds dirty rows past kv_len (they must not reach the centring). With dense_out the lever is ignored."""
+    from tests.kernels_pallas.test_prefill import _check_idx
+
+    seen = []
+    orig = M.flash_lse
+    monkeypatch.setattr(M, "flash_lse", lambda *a, **kw: seen.append((a[0].dtype, kw.get("scale_mult") is not None))
+                        or orig(*a, **kw))
+    t, max_len, tile = 128, 192, 32
+    q, k, v = _inputs(np.random.default_rng(SEED + 70), 1, t, 4, 2, 64, max_len, jnp.bfloat16, peaky=True)
+    k = k.at[:, t:].set(300.0)  # dirty rows past kv_len
+    qs, kl = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    kw = dict(topk_frac=0.25, min_k=8, k_max=R.max_budget(max_len, 0.25, 8), interpret=True, score_fp8=True)
+    q_s, k_s = R.fp8_score_qk(q, k, kl)
+    scores, _ = R.pooled_scores_prefill_reference(q_s, k_s, qs, kl, tile)
+    res = {}
+    for name, extra in [("reference", dict(impl="reference")),
+                        ("triton", dict(impl="pallas", tuning=P.PrefillTuning(anchor_backend="triton"))),
+                        ("mgpu", dict(impl="pallas", tuning=P.PrefillTuning(anchor_backend="mgpu")))]:
+        out, idx, counts = P.anchor_prefill(q, k, v, qs, kl, kl, tile, **kw, **extra)
+        _check_idx(idx, counts, scores)
+        ref_out = R.sparse_prefill_reference(q, k, v, qs, kl, idx, jnp.arange(2), tile)
+        assert _row_err(out, ref_out) < _tol(jnp.bfloat16)
+        res[name] = np.sort(np.asarray(idx), axis=-1)  # (a set: order unspecified)
+    assert seen == [(jnp.dtype(jnp.float8_e4m3fn), True)], seen
+    assert np.mean(res["mgpu"] == res["reference"]) > 0.99 and np.mean(res["triton"] == res["reference"]) > 0.99
+    plain = P.anchor_prefill(q, k, v, qs, kl, kl, tile, **{**kw, "score_fp8": False}, impl="reference")[1]
+    assert not np.array_equal(np.sort(np.asarray(plain), axis=-1), res["reference"])  # fp8 did move some selections
+    d8 = P.anchor_prefill(q, k, v, qs, kl, kl, tile, **{**kw, "k_max": kw["k_max"]}, impl="reference",
+                          dense_out=True)
+    d0 = P.anchor_prefill(q, k, v, qs, kl, kl, tile, **{**kw, "score_fp8": False}, impl="reference", dense_out=True)
+    np.testing.assert_array_equal(np.asarray(d8[1]), np.asarray(d0[1]))
