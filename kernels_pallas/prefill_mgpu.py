@@ -550,6 +550,11 @@ class ReuseTuning:
     # them a step, possibly serialised: session 25 measured 16-key blocks slower than 32-key ones); True, from the
     # step's ids in shared memory once their copy has landed (one wait a step, then shared-memory loads).
     starts_in_smem: bool = False
+    # Read K and V from a head-major copy [batch, kv_heads, T, d] (one XLA transpose of each per call) instead of the
+    # cache's [batch, T, kv_heads, d]: a block of kb keys is then one contiguous run of kb * d elements instead of
+    # kb rows at a kv_heads * d stride (session 26: every reuse, Triton or TMA, per key or per block, ran at
+    # ~2.5 TB/s on both the H100 and the H200; the strided runs are the hypothesis).
+    head_major: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -729,7 +734,8 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                     chosen = jnp.clip(lax.div(first, jnp.int32(kb)) * kb, 0, s_len - kb)
                     diag = jnp.minimum(d0 + jnp.maximum(p0 - cnt, 0), s_len - kb)
                     start = jnp.where(p0 < cnt, chosen, jnp.where(p0 < cnt + d_len, diag, 0))
-                    rows = (bi, pl.ds(pl.multiple_of(start, kb), kb), h)  # (every branch is a multiple of kb)
+                    blk = pl.ds(pl.multiple_of(start, kb), kb)  # (every branch is a multiple of kb)
+                    rows = (bi, h, blk) if tuning.head_major else (bi, blk, h)
                     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot, pl.ds(r * kb, kb)], k_bar.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot, pl.ds(r * kb, kb)], v_bar.at[slot])
 
@@ -753,5 +759,6 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
         grid=(nt * n_sub, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interp,
     )(jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32), counts,
-      jnp.asarray(head_map_row, jnp.int32), qp, k, v, idx)
+      jnp.asarray(head_map_row, jnp.int32), qp, *((jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)) if tuning.head_major
+                                                 else (k, v)), idx)
     return _unpack_rows(out, q.shape, tile_size)

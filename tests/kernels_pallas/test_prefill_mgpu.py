@@ -511,6 +511,12 @@ def _check_reuse_blocks(b, t, max_len, hq, kvh, d, tile, kb, q_start, kv_len, dt
     # the first case with the producer reading the runs' first ids from shared memory
     dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
          dtype=jnp.bfloat16, seed=1, tuning=M.ReuseTuning(starts_in_smem=True)),
+    # the second case (off-boundary diagonal, clamped copies) from a head-major copy of K and V
+    dict(b=1, t=100, max_len=160, hq=4, kvh=1, d=128, tile=32, kb=32, q_start=[60], kv_len=[160],
+         dtype=jnp.float16, seed=2, tuning=M.ReuseTuning(block_kv=128, head_major=True)),
+    # the first case head-major: two KV heads, ragged batch (a head or batch mix-up shows here)
+    dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
+         dtype=jnp.bfloat16, seed=3, tuning=M.ReuseTuning(head_major=True)),
 ])
 def test_reuse_blocks_interpret(interp, case):
     """Against `reference.sparse_prefill_reference` on the same expanded ids (rows of queries inside kv_len)."""
@@ -615,8 +621,8 @@ def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtyp
     q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
-    for smem in (False, True):
-        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, starts_in_smem=smem)
+    for smem, hmaj in ((False, False), (True, False), (False, True)):
+        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, starts_in_smem=smem, head_major=hmaj)
         f = lambda q, k, v, qs, kl, idx, c, hm, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
                                                                          tuning=tun)
         assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
