@@ -15,7 +15,9 @@ reference`) from
 and reports the mass recall of each variant's Top-k: the exact (fp32) pooled mass on its selection over the mass on
 the exact Top-k, averaged over (tile, KV head) rows whose budget is below their prefix, and the worst layer. A
 variant within 0.5% of bf16's recall at every layer is a lever worth an accuracy cell; one that loses > 1% at some
-layer is not, as it is.
+layer is not, as it is. Decode rows (`--decode_rows` R, the prompt's last R query rows, each pooled over its GQA
+group as a decode anchor pools): `dec_bf16` (q and k in bf16) and `dec_fp8s` (q in bf16, k centred and in fp8, as
+a decode anchor reading a stored fp8 copy of K would see them), budget max(10% of the row's prefix, min_k).
 
     python results/accuracy/fp8_score_probe.py --model=qwen2.5-coder-0.5b --context=4096 --samples=2 \
         --out=results/accuracy/<folder>
@@ -47,6 +49,7 @@ from models import load_model  # noqa: E402
 
 E4M3_MAX = 448.0
 VARIANTS = ("bf16", "fp8", "fp8s", "fp8sr")
+DEC_VARIANTS = ("dec_bf16", "dec_fp8s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +134,40 @@ def layer_recall(q, k, tile, frac, min_k):
     return out, jnp.sum(rows)
 
 
+@functools.partial(jax.jit, static_argnames=("rows", "frac", "min_k"))
+def decode_recall(q, k, rows, frac, min_k):
+    """{variant: [kv_heads] mean mass recall} over the last `rows` query rows, each as a decode step (q fp32)."""
+    t, hq, d = q.shape[1], q.shape[2], q.shape[3]
+    kvh = k.shape[2]
+    scale = 1.0 / math.sqrt(d)
+    pos = t - rows + jnp.arange(rows)  # each row's own position: it sees keys [0, pos]
+    causal = jnp.arange(t)[None, :] <= pos[:, None]  # [rows, T]
+    counts = ref_budget(pos + 1, frac, min_k)  # [rows]
+
+    def probs(qq, kk):
+        qr = qq[0, t - rows:].reshape(rows, kvh, hq // kvh, d)
+        lg = jnp.einsum("rkgd,skd->rkgs", qr, kk[0], precision=jax.lax.Precision.HIGHEST) * scale
+        lg = jnp.where(causal[:, None, None, :], lg, -jnp.inf)
+        return jax.nn.softmax(lg, axis=-1).sum(2)  # [rows, kvh, T]: pooled over the group
+
+    exact = probs(q, k)
+
+    def mass_of_topk(p):
+        order = jnp.argsort(-jnp.where(causal[:, None, :], p, -jnp.inf), axis=-1)
+        chosen = jnp.argsort(order, axis=-1) < counts[:, None, None]
+        return jnp.sum(jnp.where(chosen & causal[:, None, :], exact, 0.0), -1)
+
+    best = mass_of_topk(exact)
+    qb = q.astype(jnp.bfloat16).astype(jnp.float32)
+    out = {"dec_bf16": mass_of_topk(probs(qb, k.astype(jnp.bfloat16).astype(jnp.float32)))}
+    out["dec_fp8s"] = mass_of_topk(probs(qb, fp8_round(k - jnp.mean(k, axis=1, keepdims=True))))
+    return {n: jnp.mean(v / jnp.maximum(best, 1e-30), 0) for n, v in out.items()}
+
+
+def ref_budget(n, frac, min_k):
+    return jnp.minimum(R.topk_budget(n, frac, min_k), n)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -141,6 +178,7 @@ def main(argv=None):
     ap.add_argument("--tile", type=int, default=32)
     ap.add_argument("--topk_frac", type=float, default=0.1)
     ap.add_argument("--min_k", type=int, default=128)
+    ap.add_argument("--decode_rows", type=int, default=16, help="the prompt's last rows probed as decode steps")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if os.path.exists(os.path.join(args.out, "fp8_score_probe.json")):
@@ -148,7 +186,7 @@ def main(argv=None):
     model, tok = load_model(args.model, "float32")
     graphdef, params = nnx.split(model)
     L = model.config.num_layers
-    sums = {n: np.zeros((L, model.config.kv_heads)) for n in VARIANTS}
+    sums = {n: np.zeros((L, model.config.kv_heads)) for n in VARIANTS + DEC_VARIANTS}
     prompts = []
     t0 = time.perf_counter()
     for task in args.tasks.split(","):
@@ -156,35 +194,41 @@ def main(argv=None):
             ids = list(prompt_lib.encode(tok, s["input"]))
             t = len(ids) // args.tile * args.tile  # whole tiles (the prompt's end is dropped, not padded)
             state = _forward(graphdef, params, jnp.asarray([ids[:t]], jnp.int32))
-            per = {n: [] for n in VARIANTS}
+            per = {n: [] for n in VARIANTS + DEC_VARIANTS}
             for layer, (q, k) in enumerate(state):
                 rec, n_rows = layer_recall(q.astype(jnp.float32), k.astype(jnp.float32), args.tile, args.topk_frac,
                                            args.min_k)
-                for n in VARIANTS:
+                rec.update(decode_recall(q.astype(jnp.float32), k.astype(jnp.float32), args.decode_rows,
+                                         args.topk_frac, args.min_k))
+                for n in VARIANTS + DEC_VARIANTS:
                     v = np.asarray(rec[n])
                     sums[n][layer] += v
                     per[n].append(float(v.mean()))
             prompts.append(dict(task=task, index=s["index"], tokens=t, rows=int(n_rows), recall=per))
             print(f"{task}[{s['index']}] {t} tokens, {time.perf_counter() - t0:.0f} s: "
-                  + ", ".join(f"{n} {np.mean(per[n]):.4f} (min layer {np.min(per[n]):.4f})" for n in VARIANTS),
+                  + ", ".join(f"{n} {np.mean(per[n]):.4f} (min layer {np.min(per[n]):.4f})"
+                              for n in VARIANTS + DEC_VARIANTS),
                   flush=True)
-    mean = {n: (sums[n] / len(prompts)).mean(-1) for n in VARIANTS}  # [L]
+    cols = VARIANTS + DEC_VARIANTS
+    mean = {n: (sums[n] / len(prompts)).mean(-1) for n in cols}  # [L]
     os.makedirs(args.out, exist_ok=True)
     result = dict(model=args.model, context=args.context, tasks=args.tasks, split=args.split, samples=args.samples,
                   tile=args.tile, topk_frac=args.topk_frac, min_k=args.min_k, prompts=len(prompts),
                   seconds=time.perf_counter() - t0, jax=jax.__version__, device=str(jax.devices()[0]),
-                  mean_recall={n: [float(x) for x in mean[n]] for n in VARIANTS}, per_prompt=prompts)
+                  decode_rows=args.decode_rows, mean_recall={n: [float(x) for x in mean[n]] for n in cols},
+                  per_prompt=prompts)
     with open(os.path.join(args.out, "fp8_score_probe.json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = ["| layer | " + " | ".join(VARIANTS) + " |", "|---|" + "---|" * len(VARIANTS)]
+    lines = ["| layer | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for layer in range(L):
-        lines.append(f"| {layer} | " + " | ".join(f"{mean[n][layer]:.4f}" for n in VARIANTS) + " |")
-    lines.append("| mean | " + " | ".join(f"{mean[n].mean():.4f}" for n in VARIANTS) + " |")
-    lines.append("| worst | " + " | ".join(f"{mean[n].min():.4f}" for n in VARIANTS) + " |")
+        lines.append(f"| {layer} | " + " | ".join(f"{mean[n][layer]:.4f}" for n in cols) + " |")
+    lines.append("| mean | " + " | ".join(f"{mean[n].mean():.4f}" for n in cols) + " |")
+    lines.append("| worst | " + " | ".join(f"{mean[n].min():.4f}" for n in cols) + " |")
     with open(os.path.join(args.out, "fp8_score_probe.md"), "w") as f:
         f.write(f"fp8 score probe: {args.model}, {args.tasks} at {args.context} ({args.split}, {len(prompts)} prompts), "
                 f"tile {args.tile}, Top-k {args.topk_frac:g} (min {args.min_k}): mass recall of each variant's "
-                f"Top-k against the exact (fp32) Top-k, per layer (mean over KV heads and prompts).\n\n"
+                f"Top-k against the exact (fp32) Top-k, per layer (mean over KV heads and prompts); dec_*: the "
+                f"last {args.decode_rows} rows as decode steps.\n\n"
                 + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
