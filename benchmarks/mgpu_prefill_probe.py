@@ -72,6 +72,20 @@ def no_gpu(prog: str) -> bool:
     return True
 
 
+def error_line(e: Exception) -> str:
+    """A failed variant's row text: the exception's type and the first line of its message (160 characters)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def _row_rel_err(a, b, keep):
+    """Largest per-row RMS difference of a and b over `keep`, relative to that row's RMS of b (rows of b all 0: 0)."""
+    import jax.numpy as jnp
+
+    num = jnp.sqrt(jnp.sum(jnp.where(keep, (a - b) ** 2, 0.0), -1))
+    den = jnp.sqrt(jnp.sum(jnp.where(keep, b ** 2, 0.0), -1))
+    return float(jnp.max(jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)))
+
+
 def report(rows, text, path) -> int:
     """Prints the table, writes the rows as JSON to `path` (if any); exit status 0."""
     print(text)
@@ -146,8 +160,7 @@ def probe(s, hq, kvh, d, tile, iters, tunings, log=print, fp8=False):
             rows.append(dict(context=s, heads=f"{hq}/{kvh}/{d}", tile=tile, name=name, total_ms=total, main_ms=main,
                              kernel=kname, frac=frac, err=err))
         except Exception as e:  # keep going: a lowering failure of one variant must not hide the others
-            rows.append(dict(context=s, heads=f"{hq}/{kvh}/{d}", tile=tile, name=name, error=f"{type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:160] if str(e) else ''}"))
+            rows.append(dict(context=s, heads=f"{hq}/{kvh}/{d}", tile=tile, name=name, error=error_line(e)))
             traceback.print_exc(limit=3)
         log(rows[-1])
 
@@ -194,13 +207,10 @@ def _fp8_rows(row, tag, lse_only, scores, q, k, tile, chunk):
         first = jnp.full((1,), nt - chunk, jnp.int32)
         win = jax.jit(lambda q, k, l: M.pooled_scores(q, k, l, tile, first_tile=first, n_tiles=chunk, width=s))
         a, b = win(q8, k8, lse8), win(qw, kw, lse8)
-        keep = jnp.isfinite(b)
-        num = jnp.sqrt(jnp.sum(jnp.where(keep, (a - b) ** 2, 0.0), -1))
-        den = jnp.sqrt(jnp.sum(jnp.where(keep, b ** 2, 0.0), -1))
-        errs[1] = float(jnp.max(jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)))
+        errs[1] = _row_rel_err(a, b, jnp.isfinite(b))
         del lse_w, a, b
     except Exception as e:
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        msg = error_line(e)
         errs = [x if not isinstance(x, str) else msg for x in errs]
         traceback.print_exc(limit=3)
     row(f"{tag} lse fp8", "lse", lse_only, (q8, k8), err=errs[0])
@@ -231,11 +241,9 @@ def _check_mgpu(dense, lse_only, scores, q, k, v, ref_out, lse_t, ref_sc, lay, t
         a = scores(q, k, lse)[:, :, t0:t0 + chunk, :]
         b = ref_sc[:, :, : a.shape[2], :s]
         keep = jnp.arange(s)[None, None, None, :] < (t0 + jnp.arange(a.shape[2]))[None, None, :, None] * tile
-        num = jnp.sqrt(jnp.sum(jnp.where(keep, (a - b) ** 2, 0.0), -1))
-        den = jnp.sqrt(jnp.sum(jnp.where(keep, b ** 2, 0.0), -1))
-        errs[2] = float(jnp.max(jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)))
+        errs[2] = _row_rel_err(a, b, keep)
     except Exception as e:
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        msg = error_line(e)
         errs = [x if not isinstance(x, str) else msg for x in errs]
         traceback.print_exc(limit=3)
     return errs, lse

@@ -57,6 +57,8 @@ def probe(s, hq, kvh, d, tile, key_blocks, tunings, iters, log=print):
     import jax.numpy as jnp
     import numpy as np
 
+    from mgpu_prefill_probe import error_line  # (this script's folder)
+
     from kascade_jax.bench.timing import cupti_time
     from kernels_pallas import prefill as P
     from kernels_pallas import prefill_mgpu as M
@@ -85,7 +87,7 @@ def probe(s, hq, kvh, d, tile, key_blocks, tunings, iters, log=print):
                              gbps=n_rows * d * 2 * 2 / (main / 1e3) / 1e9 if n_rows else None, err=err))
         except Exception as e:  # keep going: one variant's failure must not hide the others
             rows.append(dict(context=s, heads=f"{hq}/{kvh}/{d}", tile=tile, key_block=kb, name=name,
-                             error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
+                             error=error_line(e)))
             traceback.print_exc(limit=3)
         log(rows[-1])
 

@@ -875,7 +875,11 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     fp8 = bool(score_fp8) and not dense_out
     if fp8 and pool == "pre_softmax":
         raise ValueError("score_fp8 scores post-softmax pools (gqa, all), got pool='pre_softmax'")
-    q_s, k_s = ref.fp8_score_qk(q, k_cache, kv_len) if fp8 else (q, k_cache)  # the score operands
+    q_s, k_s = q, k_cache  # the score operands (fp8: the fp8 values widened, for the Triton and reference paths)
+    mult = None  # fp8: the Mosaic GPU passes' scale_mult
+    if fp8:
+        q8, k8, mult = ref.fp8_score_operands(q, k_cache, kv_len)
+        q_s, k_s = ref.fp8_widen(q8, mult, q.dtype), ref.fp8_widen(k8, None, k_cache.dtype)
     if not use_pallas(impl, interpret):
         scores, _ = ref.pooled_scores_prefill_reference(q_s, k_s, q_start, kv_len, tile_size, pool=pool, scale=scale,
                                                         sinks=sinks, window=window)
@@ -895,18 +899,14 @@ def anchor_prefill(q, k_cache, v_cache, q_start, kv_len, seq_len, tile_size, *, 
     _check_pallas(q, k_cache, v_cache)
     lay = _layout(q, k_cache, tile_size)
     qp = _pack_q(q, lay)
-    qp_s = _pack_q(q_s, lay) if fp8 else qp
     tuning = tuning or DEFAULT_TUNING
     keys = _mgpu_keys(q, k_cache, v_cache, q_start_in, tile_size, chunk_at_zero, tuning, interpret)
-    mq, mk, mult = None, None, None  # the Mosaic GPU score passes' q, k (cut to the chunk) and scale_mult
+    qp_s = _pack_q(q_s, lay) if fp8 and keys is None else qp  # (the Mosaic GPU passes take q unpacked)
+    mq, mk = None, None  # the Mosaic GPU score passes' q and k (cut to the chunk)
     if keys is not None:
         from kernels_pallas import prefill_mgpu as M
 
-        if fp8:
-            q8, k8, mult = ref.fp8_score_operands(q, k_cache, kv_len)
-            mq, mk = q8, k8[:, : q.shape[1]]
-        else:
-            mq, mk = q, keys[0]
+        mq, mk = (q8, k8[:, : q.shape[1]]) if fp8 else (q, keys[0])
     lse2 = None  # Mosaic GPU scope: base-2 lse [1, q_heads, q_len] for `prefill_mgpu.pooled_scores`
     if dense_out and chunk_at_zero and tuning.anchor0_cudnn and cudnn_lse_ok(q, k_cache, interpret):
         out, lse_nat = cudnn_attention_lse(q, k_cache, v_cache, kv_len, scale)

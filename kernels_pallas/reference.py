@@ -68,8 +68,9 @@ def max_budget(max_len: int, topk_frac: float, min_k: int) -> int:
 E4M3_MAX = 448.0
 
 
-def _pow2_scale(x):
-    """A power of two s with max|x| * s <= E4M3_MAX (fp32 scalar; 1 for an all-zero x)."""
+def fp8_scale(x):
+    """A power of two s with max|x| * s <= E4M3_MAX (fp32 scalar; 1 for an all-zero x): x * s rounds to
+    float8_e4m3fn without saturating, and dividing by s is exact."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
     return jnp.where(amax > 0, jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / jnp.where(amax > 0, amax, 1.0)))), 1.0)
 
@@ -83,7 +84,7 @@ def fp8_score_operands(q, k, kv_len):
     valid = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, :, None, None]
     n = jnp.maximum(jnp.sum(valid, axis=1, keepdims=True), 1)
     kc = jnp.where(valid, kf - jnp.sum(jnp.where(valid, kf, 0.0), axis=1, keepdims=True) / n, 0.0)
-    s_q, s_k = _pow2_scale(q), _pow2_scale(kc)
+    s_q, s_k = fp8_scale(q), fp8_scale(kc)
     q8 = (q.astype(jnp.float32) * s_q).astype(jnp.float8_e4m3fn)
     k8 = (kc * s_k).astype(jnp.float8_e4m3fn)
     return q8, k8, jnp.reshape(1.0 / (s_q * s_k), (1,))

@@ -47,7 +47,6 @@ from kernels_pallas import reference as R  # noqa: E402
 from kernels_pallas.dense import dense_attention  # noqa: E402
 from models import load_model  # noqa: E402
 
-E4M3_MAX = 448.0
 VARIANTS = ("bf16", "fp8", "fp8s", "fp8sr")
 DEC_VARIANTS = ("dec_bf16", "dec_fp8s")
 
@@ -80,9 +79,8 @@ def _forward(graphdef, params, tokens):
 
 
 def fp8_round(x):
-    """x scaled by a power of two (amax -> <= 448), rounded to float8_e4m3fn and scaled back (exact in fp32)."""
-    amax = jnp.max(jnp.abs(x))
-    scale = jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / jnp.maximum(amax, 1e-30))))
+    """x scaled by a power of two (`reference.fp8_scale`), rounded to float8_e4m3fn and scaled back (exact in fp32)."""
+    scale = R.fp8_scale(x)
     return (x * scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) / scale
 
 
@@ -97,11 +95,11 @@ def variant_qk(name, q, k):
     """(q, k) fp32 as the score passes would see them under variant `name`."""
     if name == "bf16":
         return q.astype(jnp.bfloat16).astype(jnp.float32), k.astype(jnp.bfloat16).astype(jnp.float32)
-    if name in ("fp8s", "fp8sr"):
-        k = k - jnp.mean(k, axis=1, keepdims=True)
+    if name == "fp8s":  # the lever's own operands (`KascadeConfig.prefill_score_fp8`): the same logits
+        return R.fp8_score_qk(q, k, jnp.full((q.shape[0],), k.shape[1], jnp.int32))
     if name == "fp8sr":
         h = hadamard(q.shape[-1])
-        q, k = q @ h, k @ h
+        q, k = q @ h, (k - jnp.mean(k, axis=1, keepdims=True)) @ h
     return fp8_round(q), fp8_round(k)
 
 
@@ -142,7 +140,7 @@ def decode_recall(q, k, rows, frac, min_k):
     scale = 1.0 / math.sqrt(d)
     pos = t - rows + jnp.arange(rows)  # each row's own position: it sees keys [0, pos]
     causal = jnp.arange(t)[None, :] <= pos[:, None]  # [rows, T]
-    counts = ref_budget(pos + 1, frac, min_k)  # [rows]
+    counts = R.topk_budget(pos + 1, frac, min_k)  # [rows]
 
     def probs(qq, kk):
         qr = qq[0, t - rows:].reshape(rows, kvh, hq // kvh, d)
@@ -162,10 +160,6 @@ def decode_recall(q, k, rows, frac, min_k):
     out = {"dec_bf16": mass_of_topk(probs(qb, k.astype(jnp.bfloat16).astype(jnp.float32)))}
     out["dec_fp8s"] = mass_of_topk(probs(qb, fp8_round(k - jnp.mean(k, axis=1, keepdims=True))))
     return {n: jnp.mean(v / jnp.maximum(best, 1e-30), 0) for n, v in out.items()}
-
-
-def ref_budget(n, frac, min_k):
-    return jnp.minimum(R.topk_budget(n, frac, min_k), n)
 
 
 def main(argv=None):
