@@ -42,6 +42,10 @@ SHORT = flags.DEFINE_list("decode_short_select", [], "Also time the anchors (A0,
 TUNING = flags.DEFINE_string("decode_tuning", "", "DecodeTuning overrides, 'field=value,...' (e.g. "
                              "stream_block=256,stream_warps=8): every row's tuning, recorded in the table's header; "
                              "needs --bench_tag, so that the default tables are never overwritten by a variant.")
+SCORE_FP8 = flags.DEFINE_boolean("decode_score_fp8", False, "Also time the anchor (A) scoring keys from an fp8 copy of "
+                                "K (the recipe lever decode_score_fp8; the copy is made outside the timing, as the "
+                                "cache keeps it): A_fp8, weighted and speedup with the row's A0 and R; the checks "
+                                "compare it with its reference. Tag the run (--bench_tag).")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
@@ -84,6 +88,8 @@ def main(argv):
         raise app.UsageError("--decode_rerank_worst needs --decode_reranks (the C values to time)")
     if TUNING.value.strip() and not BENCH_TAG.value:
         raise app.UsageError("--decode_tuning needs --bench_tag (the table's file names do not say the tuning)")
+    if SCORE_FP8.value and not BENCH_TAG.value:
+        raise app.UsageError("--decode_score_fp8 needs --bench_tag (the default tables hold the plain rows)")
     from kascade_jax.bench import decode
     from kernels_pallas import decode as dec
 
@@ -96,7 +102,8 @@ def main(argv):
                DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
                max_cache_gb=MAX_GB.value, tuning=tuning,
                shape=shape_from_flags(), tag=BENCH_TAG.value, reranks=[int(c) for c in RERANKS.value],
-               rerank_worst=WORST.value, pools=list(POOLS.value), short_selects=list(SHORT.value))
+               rerank_worst=WORST.value, pools=list(POOLS.value), short_selects=list(SHORT.value),
+               score_fp8=SCORE_FP8.value)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,23 @@ def _check_common(q, k_cache, v_cache, kv_len, pallas: bool):
     return _check_heads(q, k_cache, v_cache, kv_len, pallas)
 
 
+def check_score_keys(score_keys, k_shape, dense_out: bool) -> None:
+    """score_keys: None or (k8 float8_e4m3fn of k's shape, mult fp32 [batch]); the dense output reads K itself."""
+    if score_keys is None:
+        return
+    if not (isinstance(score_keys, (tuple, list)) and len(score_keys) == 2):
+        raise ValueError("score_keys must be a pair (k8, mult) from reference.fp8_decode_keys")
+    k8, mult = score_keys
+    if k8.dtype != jnp.float8_e4m3fn or tuple(k8.shape) != tuple(k_shape):
+        raise ValueError(f"score_keys' k8 must be float8_e4m3fn of the K cache's shape {tuple(k_shape)}, got "
+                         f"{k8.dtype} {tuple(k8.shape)}")
+    if jnp.shape(mult) != (k_shape[0],):
+        raise ValueError(f"score_keys' mult must have shape [batch]=({k_shape[0]},), got {jnp.shape(mult)}")
+    if dense_out:
+        raise ValueError("score_keys applies to an anchor with a sparse output; the dense output (dense_out=True) "
+                         "reads the K cache itself, so its scores come from it")
+
+
 def _check_reuse(b: int, kvh: int, idx, counts, head_map_row):
     if idx.ndim != 3 or idx.shape[0] != b or idx.shape[2] < 1:
         raise ValueError(f"idx must be [batch={b}, idx_heads, k_max>=1], got shape {idx.shape}")
@@ -509,6 +526,8 @@ def _stream_kernel(kvlen_ref, *refs, layout: Layout, block: int, split_len: int,
         valid = (pos >= off) & (pos < end)
         at = layout.block(table_ref, off_c, block, pos)
         k = layout.load_k(k_ref, at, valid)  # [block, d]
+        if k.dtype != q.dtype:  # an fp8 score copy of K (decode_score_fp8), widened in registers
+            k = k.astype(q.dtype)
         qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
         if write_logits:
@@ -655,12 +674,17 @@ def _anchor_args(kvh: int, d: int, s_len: int, kv_len, *, topk_frac, min_k, k_ma
 
 
 def _anchor_pallas(q, k, v, table, kv_len, layout: Layout, k_view, s_len: int, counts, k_eff: int, head_map_row, *,
-                   dense_out, pool, scale, interpret, tuning: DecodeTuning, sinks: int, window: int):
-    """The anchor pipeline on either layout -> (out, idx, counts); k_view(): the contiguous K cache (pre_softmax)."""
+                   dense_out, pool, scale, interpret, tuning: DecodeTuning, sinks: int, window: int, score_keys=None):
+    """The anchor pipeline on either layout -> (out, idx, counts); k_view(): the contiguous K cache (pre_softmax), or
+    with score_keys its fp8 copy widened. score_keys (k8 laid out like k, mult [batch]): the scores read k8 with
+    q * mult (`reference.fp8_decode_q`); the attention reads k and v."""
     b, _, hq, _ = q.shape
     kvh = k.shape[2]
+    q_s, k_s = q, k
+    if score_keys is not None:
+        q_s, k_s = ref.fp8_decode_q(q, score_keys[1]), score_keys[0]
     if pool == "pre_softmax":
-        scores = ref.pooled_scores_decode_reference(q, k_view(), kv_len, pool=pool, scale=scale)
+        scores = ref.pooled_scores_decode_reference(q_s, k_view(), kv_len, pool=pool, scale=scale)
         # logits can be negative: shift to >= 0 (order kept; values within an ulp may merge into ties)
         scores = scores - jnp.min(jnp.where(jnp.isfinite(scores), scores, jnp.inf), axis=-1, keepdims=True)
         scores = _force(scores, kv_len, sinks, window)
@@ -670,7 +694,7 @@ def _anchor_pallas(q, k, v, table, kv_len, layout: Layout, k_view, s_len: int, c
             _, _, dense = _stream_pallas(q, k, v, table, kv_len, layout, scale, dense_out=True, write_logits=False,
                                          interpret=interpret, tuning=tuning)
     else:
-        logits, lse, dense = _stream_pallas(q, k, v, table, kv_len, layout, scale, dense_out=dense_out,
+        logits, lse, dense = _stream_pallas(q_s, k_s, v, table, kv_len, layout, scale, dense_out=dense_out,
                                             write_logits=True, interpret=interpret, tuning=tuning)
         bits_fn = functools.partial(_pooled_bits, logits[..., :s_len], lse, kv_len, hq // kvh, pool, sinks, window)
     idx = _select(bits_fn, kv_len, counts, k_eff, b * (1 if pool == "all" else kvh), s_len, interpret, tuning)
@@ -682,7 +706,7 @@ def _anchor_pallas(q, k, v, table, kv_len, layout: Layout, k_view, s_len: int, c
 
 def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, k_max: int, head_map_row=None,
                   dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
-                  tuning: DecodeTuning = DEFAULT_TUNING, sinks: int = 0, window: int = 0):
+                  tuning: DecodeTuning = DEFAULT_TUNING, sinks: int = 0, window: int = 0, score_keys=None):
     """Anchor decode: pooled scores over the whole cache, exact top-k, then attention.
 
     Returns (out [batch, 1, q_heads, d], idx [batch, idx_heads, min(k_max, max_len)] int32 (-1 past counts),
@@ -690,16 +714,22 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
     default: identity, or all zeros for pool="all"), or with dense_out=True (anchor layer 0) the dense output.
     Budgets: `reference.decode_counts(kv_len, topk_frac, min_k)`, clipped to k_max. `sinks` / `window`: forced keys
     (the first `sinks` and the last `window` valid keys score `reference.FORCED_SCORE` before the select).
+    score_keys (k8 float8_e4m3fn shaped like k_cache, mult fp32 [batch]; `reference.fp8_decode_keys`): the scores
+    read the fp8 copy instead of k_cache (half the bytes of the whole-cache pass); sparse output only.
     """
     ref.check_forced(sinks, window)
     pallas = use_pallas(impl, interpret, pallas_supported(q, k_cache, v_cache))
     b, hq, kvh, d, group = _check_common(q, k_cache, v_cache, kv_len, pallas)
+    check_score_keys(score_keys, k_cache.shape, dense_out)
     s_len = k_cache.shape[1]
     head_map_row, scale, kv_len, counts, k_eff = _anchor_args(
         kvh, d, s_len, kv_len, topk_frac=topk_frac, min_k=min_k, k_max=k_max, head_map_row=head_map_row, pool=pool,
         scale=scale)
     if not pallas:
-        scores = ref.pooled_scores_decode_reference(q, k_cache, kv_len, pool=pool, scale=scale, sinks=sinks,
+        q_s, k_s = q, k_cache
+        if score_keys is not None:
+            q_s, k_s = ref.fp8_decode_q(q, score_keys[1]), score_keys[0].astype(k_cache.dtype)
+        scores = ref.pooled_scores_decode_reference(q_s, k_s, kv_len, pool=pool, scale=scale, sinks=sinks,
                                                     window=window)
         idx = ref.select_topk_reference(scores, counts[:, None], k_eff)  # counts per batch row
         if dense_out:
@@ -708,9 +738,13 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
             out = ref.sparse_decode_reference(q, k_cache, v_cache, kv_len, idx, head_map_row, scale=scale)
         return out, idx, counts
     kp, vp = _pad_keys(k_cache, 16), _pad_keys(v_cache, 16)
-    return _anchor_pallas(q, kp, vp, None, kv_len, Layout(kp.shape[1]), lambda: k_cache, s_len, counts, k_eff,
+    k_view = lambda: k_cache  # noqa: E731
+    if score_keys is not None:
+        score_keys = (_pad_keys(score_keys[0], 16), score_keys[1])
+        k_view = lambda: score_keys[0][:, :s_len].astype(k_cache.dtype)  # noqa: E731
+    return _anchor_pallas(q, kp, vp, None, kv_len, Layout(kp.shape[1]), k_view, s_len, counts, k_eff,
                           head_map_row, dense_out=dense_out, pool=pool, scale=scale, interpret=interpret,
-                          tuning=tuning, sinks=sinks, window=window)
+                          tuning=tuning, sinks=sinks, window=window, score_keys=score_keys)
 
 
 def dense_decode(q, k_cache, v_cache, kv_len, *, scale=None, impl="auto", interpret=False,

@@ -29,6 +29,10 @@ Rules fixed here and used by the kernels too:
   head and channel: every logit of a query row moves by the same amount, so the softmax is unchanged), each tensor
   scaled by a power of two (its amax to <= 448) and rounded to float8_e4m3fn. The pooled scores are then those of
   the widened fp8 values (`fp8_widen`), normaliser included.
+- fp8 decode scores (`decode_score_fp8`): a decode anchor whose output is sparse may score keys from an fp8 copy of
+  its K cache kept beside it (`fp8_decode_keys` at prefill, `fp8_decode_token` for each later key: centred on the
+  prompt's mean key, one power-of-two scale per sequence) with q in its own dtype (`fp8_decode_q`); its pooled scores
+  are those of the widened copy, normaliser included.
 """
 
 from __future__ import annotations
@@ -102,6 +106,36 @@ def fp8_score_qk(q, k, kv_len):
     (q8 * mult, k8), whose logits are exactly the fp8 kernels' (q8.k8 * mult in fp32)."""
     q8, k8, mult = fp8_score_operands(q, k, kv_len)
     return fp8_widen(q8, mult, q.dtype), fp8_widen(k8, None, k.dtype)
+
+
+def fp8_decode_keys(k, kv_len):
+    """The decode anchors' fp8 key copy (`decode_score_fp8`): k [batch, keys, kv_heads, d], kv_len [batch] ->
+    (k8 float8_e4m3fn like k, mean [batch, 1, kv_heads, d] fp32, mult [batch] fp32). Each sequence's keys are centred
+    on their mean over its valid keys (< kv_len; per KV head and channel: a decode logit row moves by q.mean, so its
+    softmax is unchanged) and scaled by a power of two s (that sequence's amax to <= 448); mult = 1 / s, folded into
+    q (exact: a power of two). Keys past kv_len are 0. Later keys go through `fp8_decode_token` with the same mean
+    and scale."""
+    kf = k.astype(jnp.float32)
+    valid = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, :, None, None]
+    n = jnp.maximum(jnp.sum(valid, axis=1, keepdims=True), 1)
+    mean = jnp.sum(jnp.where(valid, kf, 0.0), axis=1, keepdims=True) / n
+    kc = jnp.where(valid, kf - mean, 0.0)
+    s = jax.vmap(fp8_scale)(kc)  # [batch]
+    k8 = (kc * s[:, None, None, None]).astype(jnp.float8_e4m3fn)
+    return k8, mean, 1.0 / s
+
+
+def fp8_decode_token(k_new, mean, mult):
+    """New keys [batch, t, kv_heads, d] in the fp8 copy's coding (`fp8_decode_keys`' mean and mult), saturated to
+    +-448 (a key further out than the prompt's keys keeps its sign and direction's clipped size, never a NaN)."""
+    x = (k_new.astype(jnp.float32) - mean) / mult[:, None, None, None]
+    return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+def fp8_decode_q(q, mult):
+    """q [batch, 1, q_heads, d] with the fp8 copy's mult [batch] folded in (a power of two: exact in q's dtype
+    unless it leaves q's exponent range): (q * mult).widen(k8) = q.(k - mean) up to the fp8 rounding of k."""
+    return (q.astype(jnp.float32) * mult[:, None, None, None]).astype(q.dtype)
 
 
 def check_forced(sinks: int, window: int) -> None:

@@ -98,6 +98,75 @@ def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_D
     return errs
 
 
+def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_DEFAULT.head_dim, frac=0.1,
+              min_k=128, peaky=False, tuning=None, interpret=False, log=print):
+    """The anchor on the fp8 K copy (`score_keys`, `reference.fp8_decode_keys`) against the reference on the copy
+    widened (same index set up to near-ties, sparse output from bf16 K and V), and the share of the bf16 Top-k's
+    pooled mass its selection keeps (worst and mean over sequences and heads); returns the numbers."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas import decode as dec
+    from kernels_pallas import reference as ref
+
+    q, k, v = inputs(seed, b, s, hq, kvh, d, jnp.bfloat16, peaky)
+    kv_len = jnp.asarray(np.random.default_rng(seed).integers(s // 2, s + 1, size=b), jnp.int32)
+    k8, _, mult = jax.jit(ref.fp8_decode_keys)(k, kv_len)
+    k_max = ref.max_budget(s, frac, min_k)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, interpret=interpret, tuning=tuning or dec.DEFAULT_TUNING)
+    out, idx, counts = jax.jit(lambda q, k, v, l, k8, m: dec.anchor_decode(q, k, v, l, impl="pallas",
+                                                                          score_keys=(k8, m), **kw))(
+        q, k, v, kv_len, k8, mult)
+    pooled = jax.jit(lambda q, k, l: ref.pooled_scores_decode_reference(q, k, l))
+    wide = pooled(ref.fp8_decode_q(q, mult), k8.astype(k.dtype), kv_len)
+    exact = pooled(q, k, kv_len)
+    sel = jax.jit(lambda sc, c: ref.select_topk_reference(sc, c[:, None], k_max))
+    ref_idx, exact_idx = sel(wide, counts), sel(exact, counts)
+    ref_out = jax.jit(lambda *a: ref.sparse_decode_reference(*a))(q, k, v, kv_len, idx, jnp.arange(kvh))
+    idx, ref_idx, exact_idx, wide, exact, counts = map(np.asarray, (idx, ref_idx, exact_idx, wide, exact, counts))
+    worst_gap, recalls = 0.0, []
+    for bi in range(b):
+        for h in range(kvh):
+            mine, theirs = idx[bi, h, :counts[bi]], ref_idx[bi, h, :counts[bi]]
+            a, r = set(mine.tolist()), set(theirs.tolist())
+            if a != r:
+                sc = wide[bi, h]
+                gap = (sc[sorted(r - a)].max() - sc[sorted(a - r)].min()) / max(float(sc[theirs].min()), 1e-30)
+                worst_gap = max(worst_gap, float(gap))
+            recalls.append(float(exact[bi, h][mine].sum() / exact[bi, h][exact_idx[bi, h, :counts[bi]]].sum()))
+    err = float(np.linalg.norm(np.asarray(out, np.float32) - np.asarray(ref_out, np.float32))
+                / np.linalg.norm(np.asarray(ref_out, np.float32)))
+    res = dict(peaky=peaky, fp8_idx_worst_rel_score_gap=worst_gap, fp8_out_err=err,
+               fp8_mass_recall_worst=min(recalls), fp8_mass_recall_mean=float(np.mean(recalls)))
+    log(f"check fp8 K copy b={b} s={s} hq={hq} kvh={kvh} d={d} peaky={peaky}: {res}")
+    assert worst_gap <= 1e-4 and err < 2e-2, f"fp8 anchor differs from its reference: {res}"
+    return res
+
+
+def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning, log=print) -> dict:
+    """row["A_fp8"]: the anchor scoring on the fp8 K copy (`score_keys`; the copy is made outside the timing: the
+    cache keeps it), with the row's A0 and R, weighted_fp8 and speedup_fp8."""
+    import jax
+
+    from kernels_pallas import decode as dec
+    from kernels_pallas import reference as ref
+
+    k8, _, mult = jax.jit(ref.fp8_decode_keys)(k, kv_len)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(k.shape[1], frac, min_k), impl="pallas",
+              tuning=tuning)
+    fn = jax.jit(lambda q, k, v, l, k8, m: dec.anchor_decode(q, k, v, l, score_keys=(k8, m), **kw))
+    row["A_fp8"], row["A_fp8_kernels"] = cupti_time(fn, (q, k, v, kv_len, k8, mult), iters)
+    row["A0_fp8"], row["R_fp8"] = row["A0"], row["R"]
+    row["weighted_fp8"] = shape.weighted(row["A0"], row["A_fp8"], row["R"])
+    row["speedup_fp8"] = dense / row["weighted_fp8"]
+    log(f"   fp8 K copy: A {row['A_fp8']:.4f} ({row['A_fp8'] / dense:.3f})  weighted {row['weighted_fp8']:.4f}  "
+        f"speedup {row['speedup_fp8']:.2f}x")
+    log("   A (fp8) kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_fp8_kernels"].items()))
+    del k8
+    return row
+
+
 def strategy_pieces(q, k, v, kv_len, frac, min_k, *, kernels="pallas", **levers):
     """The decode layers of a Kascade strategy with `levers` (e.g. decode_rerank=4), through the model's own path
     (`KascadeStrategy.attend`, so the rerank's candidate scoring and top-k are timed with the kernels):
@@ -240,12 +309,12 @@ def cache_bytes(b, s, shape, itemsize):
 
 
 def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT, reranks=(), rerank_worst=0,
-              pools=(), short_selects=()):
+              pools=(), short_selects=(), score_fp8=False):
     """One row: dense (cuDNN), A0, A and R at batch b and context s (every sequence full), their ratios to dense,
     the weighted Kascade time and its speedup, and each piece's kernels; with `reranks`, the same through the
     strategy with decode_rerank C (`rerank_row`); with `pools`, through the strategy with each selection pool
     (`pool_row`); with `short_selects`, the anchors at each short select setting (`short_select_row`, each of
-    `pools`, else gqa)."""
+    `pools`, else gqa); with `score_fp8`, the anchor on the fp8 K copy (`fp8_row`)."""
     import jax
     import jax.numpy as jnp
 
@@ -273,6 +342,8 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
         f"A {row['A']:.4f} ({row['A/dense']:.3f})  R {row['R']:.4f} ({row['R/dense']:.3f})  "
         f"weighted {row['weighted']:.4f}  speedup {row['speedup']:.2f}x")
     log("   A kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_kernels"].items()))
+    if score_fp8:
+        fp8_row(row, row["dense"], q, k, v, kv_len, frac, min_k, iters, shape, tuning, log)
     if reranks:
         rerank_row(row, row["dense"], q, k, v, kv_len, frac, min_k, reranks, iters, shape, log, worst=rerank_worst)
     if pools:
@@ -286,7 +357,7 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
 
 def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
         max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), rerank_worst=0, pools=(),
-        short_selects=(), log=print):
+        short_selects=(), score_fp8=False, log=print):
     """Time every (dtype, batch, context, top-k) on the GPU, after the checks (do_check; also one per short select
     setting, at 32K); writes <out_dir>/decode[_<tag>].json/md/png and returns the rows. Shapes whose caches exceed
     max_cache_gb are skipped, a failing one is logged and the sweep goes on."""
@@ -306,6 +377,10 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
                                 peaky=peaky, tuning=tuning, log=log))
         checks.append(check(seed=3, b=3, s=20000, hq=12, kvh=4, d=64, dtype="float16", frac=0.2, min_k=16, peaky=True,
                             tuning=tuning, log=log))
+        if score_fp8:
+            for peaky in (False, True):
+                checks.append(check_fp8(seed=5, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim, peaky=peaky,
+                                        tuning=tuning, log=log))
         from kernels_pallas import decode as dec
 
         for spec in short_selects:  # once per setting other than the run's own tuning (checked above)
@@ -323,7 +398,8 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
             continue
         try:
             rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape, reranks=reranks,
-                                  rerank_worst=rerank_worst, pools=pools, short_selects=short_selects))
+                                  rerank_worst=rerank_worst, pools=pools, short_selects=short_selects,
+                                  score_fp8=score_fp8))
         except Exception as e:  # keep the sweep going; the failure is reported
             log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
     write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), tables.decode_markdown(rows, meta, shape),

@@ -14,6 +14,8 @@
 # `bench_shapes.sh OUTDIR short [SETTINGS]` times the anchors with the short-row select (`--decode_short_select`,
 # default 0,32768: the four-launch select and the short one up to 32K keys) at both Qwen shapes, 16K/32K, batch 8/32,
 # pool all, into OUTDIR/decode_qwen*_short.* (checked on the GPU first: --decode_check).
+# `bench_shapes.sh OUTDIR fp8 [FRACS]` times the anchor on an fp8 copy of K (`--decode_score_fp8`, checked first) at
+# both Qwen shapes, 16K/32K, batch 32, Top-k 10/20/30%, into OUTDIR/decode_qwen*_fp8.*.
 set -u
 OUTDIR=${1:?output dir}
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
@@ -45,6 +47,15 @@ if [ "${2:-}" = short ]; then  # issue 22 item 3: the short-row select vs the fo
       --bench_tag=$tag --decode_contexts=16384,32768 --decode_batches=8,32 --decode_topk_fracs=0.1 \
       --decode_pools=all --decode_short_select=${3:-0,32768} --decode_iterations=5 \
       --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 30
+  done
+  exit 0
+fi
+if [ "${2:-}" = fp8 ]; then  # issue 22 / 21: the anchors' scores from an fp8 K copy (--decode_score_fp8), same run
+  for shape in "qwen05_fp8 14,2,64 24" "qwen15_fp8 12,2,128 28"; do
+    read -r tag heads layers <<< "$shape"
+    python3 -m experiments.bench --phase=decode --heads=$heads --num_layers=$layers --num_anchors=5 \
+      --bench_tag=$tag --decode_contexts=16384,32768 --decode_batches=32 --decode_topk_fracs=${3:-0.1,0.2,0.3} \
+      --decode_score_fp8 --decode_iterations=5 --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 30
   done
   exit 0
 fi

@@ -326,3 +326,110 @@ def test_fused_combine_lowers_for_sm90(triton_sm90_modules):
 def test_gpu_realistic(peaky, tuning):
     _check_anchor(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128, interpret=False,
                   tuning=dict(default=dec.DEFAULT_TUNING, four=FOUR, fused=FUSED)[tuning])
+
+
+def _fp8_case(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, interpret, tuning=dec.DEFAULT_TUNING):
+    """anchor_decode with score_keys (the fp8 K copy) against the reference on the copy widened: the same index set
+    (near-ties aside) and the sparse output over it from the bf16 K and V; returns (idx, bf16 idx, counts, kv_len,
+    bf16 scores)."""
+    tol = TOL[jnp.dtype(dtype)]
+    q, k, v, kv_len = _inputs(seed, b, s, hq, kvh, d, dtype, peaky)
+    k8, mean, mult = ref.fp8_decode_keys(k, kv_len)
+    k_max = ref.max_budget(s, frac, min_k)
+    kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, interpret=interpret, tuning=tuning)
+    out, idx, counts = jax.jit(lambda *a: dec.anchor_decode(*a[:4], impl="pallas", score_keys=a[4:], **kw))(
+        q, k, v, kv_len, k8, mult)
+    scores = ref.pooled_scores_decode_reference(ref.fp8_decode_q(q, mult), k8.astype(dtype), kv_len)
+    ref_idx = ref.select_topk_reference(scores, counts[:, None], k_max)
+    _assert_same_selection(idx, ref_idx, scores, np.asarray(counts), np.asarray(kv_len))
+    assert _row_err(out, ref.sparse_decode_reference(q, k, v, kv_len, idx, jnp.arange(kvh))) < tol
+    # the reference path (CPU, impl="reference") takes the same copy
+    _, idx_r, _ = dec.anchor_decode(q, k, v, kv_len, impl="reference", score_keys=(k8, mult), **kw)
+    _assert_same_selection(idx_r, ref_idx, scores, np.asarray(counts), np.asarray(kv_len))
+    bf16 = ref.pooled_scores_decode_reference(q, k, kv_len)
+    return np.asarray(idx), np.asarray(ref.select_topk_reference(bf16, counts[:, None], k_max)), \
+        np.asarray(counts), np.asarray(kv_len), np.asarray(bf16)
+
+
+def _mass_recall(idx, ref_idx, scores, counts):
+    """Worst share of the exact Top-k's pooled mass that idx keeps, over (sequence, head)."""
+    worst = 1.0
+    for b in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            sc = scores[b, h]
+            mine, theirs = idx[b, h, :counts[b]], ref_idx[b, h, :counts[b]]
+            worst = min(worst, float(sc[mine].sum() / sc[theirs].sum()))
+    return worst
+
+
+@pytest.mark.parametrize("case", [
+    dict(b=2, s=300, hq=6, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.1, min_k=16),
+    dict(b=2, s=203, hq=8, kvh=2, d=128, dtype=jnp.float16, peaky=False, frac=0.2, min_k=7),
+])
+def test_score_keys_fp8_match_reference(case):
+    """The whole-cache pass on the fp8 K copy (interpret): the selection of the widened copy's pooled scores, the
+    output from bf16 K and V; the copy keeps nearly all of the bf16 Top-k's mass."""
+    idx, idx_bf16, counts, _, bf16 = _fp8_case(SEED, interpret=True, **case)
+    assert _mass_recall(idx, idx_bf16, bf16, counts) > 0.97
+
+
+def test_fp8_decode_keys_and_tokens():
+    """The copy's coding: centred on the valid keys' mean (keys past kv_len are 0), one power-of-two scale per
+    sequence with the amax <= 448; a later key coded by fp8_decode_token as the copy coded the prompt's keys; a key
+    far out saturates at +-448 (no NaN); q * mult times the widened copy is q.k up to a per-row constant."""
+    q, k, _, kv_len = _inputs(1, 2, 64, 4, 2, 64, jnp.bfloat16, peaky=False)
+    k = k + 5.0  # a shared offset, as real keys have: centring removes it
+    k8, mean, mult = ref.fp8_decode_keys(k, kv_len)
+    s = 1.0 / np.asarray(mult)
+    assert np.all(np.log2(s) == np.round(np.log2(s)))
+    k8f = np.asarray(k8.astype(jnp.float32))
+    for b in range(2):
+        assert np.abs(k8f[b, :kv_len[b]]).max() <= 448 and np.abs(k8f[b, :kv_len[b]]).max() > 224
+        assert np.all(k8f[b, kv_len[b]:] == 0)
+    again = ref.fp8_decode_token(k[:, :5], mean, mult)
+    np.testing.assert_array_equal(np.asarray(again.astype(jnp.float32)), k8f[:, :5])
+    far = ref.fp8_decode_token(k[:, :1] * 1e4, mean, mult).astype(jnp.float32)
+    assert np.all(np.isfinite(np.asarray(far))) and float(jnp.abs(far).max()) == 448.0
+    logits = np.einsum("bhd,bkhd->bhk", np.asarray(ref.fp8_decode_q(q, mult), np.float32)[:, 0, ::2], k8f)
+    exact = np.einsum("bhd,bkhd->bhk", np.asarray(q, np.float32)[:, 0, ::2], np.asarray(k, np.float32))
+    diff = (exact - logits)[0, :, :kv_len[0]]
+    assert np.abs(diff - diff.mean(axis=-1, keepdims=True)).max() < 0.05 * np.abs(exact).max()
+
+
+def test_score_keys_errors():
+    q, k, v, kv_len = _inputs(0, 2, 64, 4, 2, 64, jnp.bfloat16, peaky=False)
+    k8, _, mult = ref.fp8_decode_keys(k, kv_len)
+    kw = dict(topk_frac=0.1, min_k=8, k_max=16, impl="reference")
+    with pytest.raises(ValueError, match="float8_e4m3fn of the K cache's shape"):
+        dec.anchor_decode(q, k, v, kv_len, score_keys=(k, mult), **kw)
+    with pytest.raises(ValueError, match="float8_e4m3fn of the K cache's shape"):
+        dec.anchor_decode(q, k, v, kv_len, score_keys=(k8[:, :32], mult), **kw)
+    with pytest.raises(ValueError, match="mult must have shape"):
+        dec.anchor_decode(q, k, v, kv_len, score_keys=(k8, mult[:1]), **kw)
+    with pytest.raises(ValueError, match="a pair"):
+        dec.anchor_decode(q, k, v, kv_len, score_keys=k8, **kw)
+    with pytest.raises(ValueError, match="dense_out"):
+        dec.anchor_decode(q, k, v, kv_len, score_keys=(k8, mult), dense_out=True, **kw)
+
+
+def test_score_keys_lower_for_sm90(triton_sm90_modules):
+    """The whole-cache pass on an fp8 K (widened in registers) lowers and verifies for sm_90."""
+    verified = triton_sm90_modules
+    b, s, kvh, g, d = 2, 5000, 2, 6, 128
+    q = jax.ShapeDtypeStruct((b, 1, kvh * g, d), jnp.bfloat16)
+    kc = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
+    k8 = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.float8_e4m3fn)
+    kv = jax.ShapeDtypeStruct((b,), jnp.int32)
+    mult = jax.ShapeDtypeStruct((b,), jnp.float32)
+    fn = lambda q, k, v, l, k8, m: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600,  # noqa: E731
+                                                     impl="pallas", score_keys=(k8, m))
+    jax.jit(fn).trace(q, kc, kc, kv, k8, mult).lower(lowering_platforms=("cuda",))
+    assert len(verified) == 3  # stream, select, reuse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peaky", [False, True])
+def test_gpu_score_keys_fp8(peaky):
+    idx, idx_bf16, counts, _, bf16 = _fp8_case(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128,
+                                               interpret=False)
+    assert _mass_recall(idx, idx_bf16, bf16, counts) > 0.97
