@@ -41,6 +41,9 @@ OUT = flags.DEFINE_string("e2e_out", "benchmarks", "Output folder for e2e[_<tag>
 ANCHOR_BACKEND = flags.DEFINE_enum("e2e_anchor_backend", "triton", ["triton", "mgpu"], "Sparse prefill's anchor "
                                    "LSE and score passes (kernels_pallas.prefill.set_default_anchor_backend); mgpu "
                                    "needs its own --e2e_tag.")
+DECODE_FP8 = flags.DEFINE_boolean("e2e_decode_score_fp8", False, "Kascade's decode anchors score keys from an fp8 "
+                                  "copy of K kept in the cache (the recipe lever decode_score_fp8, on top of "
+                                  "--e2e_recipe); needs its own --e2e_tag.")
 TAG = flags.DEFINE_string("e2e_tag", "", "Output stem suffix: e2e_<tag>.* ('' = e2e.*).")
 RESUME = flags.DEFINE_boolean("e2e_resume", True, "Skip (row, strategy) measurements already in the JSON with "
                               "the same settings; --noe2e_resume measures the planned ones again, keeping all other "
@@ -119,6 +122,9 @@ def main(argv):
     if ANCHOR_BACKEND.value != "triton" and not TAG.value and not PROFILE.value:
         raise ValueError(f"--e2e_anchor_backend={ANCHOR_BACKEND.value} needs its own --e2e_tag: the rows of e2e.json "
                          "are the default backend's, and would be measured over")
+    if DECODE_FP8.value and not TAG.value and not PROFILE.value:
+        raise ValueError("--e2e_decode_score_fp8 needs its own --e2e_tag: the rows of e2e.json are the plain "
+                         "decode's, and would be measured over")
     from kernels_pallas import prefill
 
     prefill.set_default_anchor_backend(ANCHOR_BACKEND.value)
@@ -135,7 +141,7 @@ def main(argv):
     mesh = devices.setup()  # --mesh / --distributed (experiments/devices.py); None: one device
     kw = dict(steps=steps, iterations=ITERS.value, topk_frac=TOPK_FRAC.value, min_k=MIN_K.value,
               headroom_gb=HEADROOM.value, hbm_tbps=HBM.value, out_dir=OUT.value, seed=SEED.value, mesh=mesh,
-              recipe=RECIPE.value)
+              recipe=RECIPE.value, levers=dict(decode_score_fp8=True) if DECODE_FP8.value else {})
     if PROFILE.value:
         parts = PROFILE_SHAPE.value.split(":")
         if len(parts) != 3:

@@ -75,6 +75,8 @@ DENSE_ANCHORS = flags.DEFINE_boolean("prefill_dense_anchors", None, "recipe leve
                                      "dense attention (they still select the Top-k for the reuse layers)")
 SCORE_FP8 = flags.DEFINE_boolean("prefill_score_fp8", None, "recipe lever (prefill): anchors after layer 0 score keys "
                                  "from fp8 copies of q and the mean-centred k (faster Mosaic GPU score passes)")
+DECODE_FP8 = flags.DEFINE_boolean("decode_score_fp8", None, "recipe lever (decode): anchors with a sparse output "
+                                  "score keys from an fp8 copy of K kept in the cache (half the anchor pass's bytes)")
 DECODE_ONLY = flags.DEFINE_boolean("decode_only", None, "recipe lever: dense prefill, Kascade decode (as the "
                                    "decode_only strategy)")
 CALIB_K = flags.DEFINE_integer("calib_k", None, "--anchors/--head_map=auto: similarity budget k of the calibration "
@@ -128,7 +130,8 @@ def _apply_flags(recipe):
         num_anchors=_given(NUM_ANCHORS), sink_tokens=SINK.value, recent_window=RECENT.value, dense_suffix=SUFFIX.value,
         local_window=LOCAL.value, prefill_topk_frac=PREFILL_FRAC.value, decode_topk_frac=DECODE_FRAC.value,
         prefill_key_block=KEY_BLOCK.value,
-        prefill_dense_anchors=DENSE_ANCHORS.value, prefill_score_fp8=SCORE_FP8.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
+        prefill_dense_anchors=DENSE_ANCHORS.value, prefill_score_fp8=SCORE_FP8.value,
+        decode_score_fp8=DECODE_FP8.value, decode_only=DECODE_ONLY.value, decode_rerank=RERANK.value,
         decode_rerank_worst=RERANK_WORST.value, decode_tail_stride=TAIL.value,
         decode_tail_cap=TAIL_CAP.value, pool=POOL.value, decode_dense_layers=_int_list(DENSE_LAYERS),
         decode_prefill_keys=PREFILL_KEYS.value,

@@ -49,6 +49,10 @@ results/accuracy/NOTES.md.
   its own Top-s' of the keys the prompt's last `tile_size` queries attend (pooled as `pool` says; s' = min(max(
   floor(s L), 32), L)) in the KV cache (`KVCache.strategy_state`), and in decode attends the union of its
   anchor's Top-k and that set (s L keys more per reuse layer and step, no extra pass).
+- `decode_score_fp8`: in decode every anchor with a sparse output scores keys from an fp8 copy of its K cache kept
+  in the KV cache (`KVCache.strategy_state`; `reference.fp8_decode_keys` at the end of each prefill chunk, each
+  decode token coded with the prompt's mean and scale): the whole-cache pass reads half the bytes (+1 byte per
+  element of those layers' K in memory). q stays in its dtype; the attention reads the bf16 K and V.
 
 It deliberately knows nothing about arrays or models; it is plain data with a JSON round trip.
 """
@@ -105,6 +109,7 @@ class KascadeConfig:
     decode_prefill_keys: float = 0.0  # decode: each reuse layer also attends its own Top-s from the prefill's last tile
     prefill_key_block: int = 1  # prefill: anchors select aligned blocks of this many keys (1: single keys)
     prefill_score_fp8: bool = False  # prefill: sparse-output anchors score keys from fp8 copies of q and centred k
+    decode_score_fp8: bool = False  # decode: sparse-output anchors score keys from an fp8 copy of K in the cache
 
     def __post_init__(self):
         for name in ("num_layers", "kv_heads", "min_k", "k_multiple", "tile_size", "decode_rerank"):
@@ -160,7 +165,7 @@ class KascadeConfig:
                                  f"recent_window + local_window) exceed the smallest budget of "
                                  f"{-(-(self.min_k + self.local_window) // kb)} blocks: raise min_k")
         for name in ("rolling_prefill", "layer0_dense", "oracle_topk", "decode_only", "prefill_dense_anchors",
-                     "decode_tail_cap", "prefill_score_fp8"):
+                     "decode_tail_cap", "prefill_score_fp8", "decode_score_fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -29,8 +29,9 @@ from typing import Any
 RECIPE_DIR = Path(__file__).resolve().parent / "data" / "recipes"
 LEVERS = ("sink_tokens", "recent_window", "dense_suffix", "local_window", "prefill_topk_frac", "decode_topk_frac",
           "tile_size", "prefill_dense_anchors", "decode_only", "decode_rerank", "decode_tail_stride", "decode_tail_cap",
-          "pool", "decode_dense_layers", "decode_prefill_keys", "prefill_key_block", "prefill_score_fp8")
-BOOL_LEVERS = ("prefill_dense_anchors", "decode_only", "decode_tail_cap", "prefill_score_fp8")
+          "pool", "decode_dense_layers", "decode_prefill_keys", "prefill_key_block", "prefill_score_fp8",
+          "decode_score_fp8")
+BOOL_LEVERS = ("prefill_dense_anchors", "decode_only", "decode_tail_cap", "prefill_score_fp8", "decode_score_fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Recipe:
     prefill_key_block: int | None = None  # prefill: anchors select aligned blocks of this many keys (None: 1)
     prefill_dense_anchors: bool = False  # prefill: anchor layers output dense attention (they still select)
     prefill_score_fp8: bool = False  # prefill: sparse-output anchors score keys from fp8 copies of q and centred k
+    decode_score_fp8: bool = False  # decode: sparse-output anchors score keys from an fp8 copy of K in the cache
     decode_only: bool = False  # dense prefill, Kascade decode
     decode_rerank: int | None = None  # decode: anchors select C x the budget, each reuse layer keeps its own Top-k
     decode_rerank_worst: int | None = None  # only the N reuse layers least similar to their anchor rerank (None: all)
@@ -389,6 +391,12 @@ CANDIDATES: dict[str, dict[str, Any]] = {
                           decode_topk_frac=0.2),
     "dps_all_dec30": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
                           decode_topk_frac=0.3),
+    # session 27 (issue 21 item 4 / issue 22 item 3): the shipped defaults with the decode anchors scoring on an fp8
+    # K copy (half the anchor pass's bytes; the CPU probe kept 0.9999 of the exact Top-k's mass on both Qwens)
+    "dps_all_dec20_fp8d": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                               decode_topk_frac=0.2, decode_score_fp8=True),
+    "dps_all_dec30_fp8d": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                               decode_topk_frac=0.3, decode_score_fp8=True),
     # session 16, SmolLM2-135M (30 layers) only: anchor sets found by accuracy on its 4K dev split, pinned (the DP
     # never places one between 15 and 23, and layer 18 carries the model: 0,2,8,18 -6.0, 0,2,8,20 -31.5;
     # 0,2,8,18,21 -3.4), with dps's levers and calibrated head map, so that --mode=choose can ship one

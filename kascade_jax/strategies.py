@@ -58,11 +58,15 @@ from jax import lax
 from kascade_jax.config import KascadeConfig
 from kernels_pallas.dense import dense_attention, on_gpu
 from kernels_pallas.paged import dense_attention_paged, gather_pages
+from models.cache import write_token
 from kernels_pallas.prefill import dense_prefill, dense_prefill_supported
 from kernels_pallas.reference import (
     FORCED_SCORE,
     attention_reference_rows,
     decode_counts,
+    fp8_decode_keys,
+    fp8_decode_q,
+    fp8_decode_token,
     fp8_score_qk,
     gathered_logits,
     index_width,
@@ -88,8 +92,9 @@ from kernels_pallas.reference import (
 class Kernels:
     """The four calls a Kascade layer makes. q [batch, q_len, q_heads, d], caches [batch, keys, kv_heads, d].
 
-    anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row)
+    anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row[, score_keys=(k8, mult)])
         -> (out, idx [batch, idx_heads, k_max], counts [batch])
+        (score_keys only under decode_score_fp8: the scores read that fp8 K copy, `kernels_pallas.decode`)
     reuse_decode(q, k, v, kv_len, idx, counts, head_map_row[, return_lse=True]) -> out[, lse [batch, 1, q_heads]]
     anchor_prefill(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero)
         -> (out, idx [batch, idx_heads, tiles, prefill_width(cfg, k_max)], counts [batch, tiles])
@@ -121,9 +126,12 @@ class Kernels:
     candidate_logits: Callable | None = None
 
 
-def _anchor_decode_reference(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
+def _anchor_decode_reference(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row, score_keys=None):
     counts = decode_budget(cfg, kv_len)
-    scores = pooled_scores_decode_reference(q, k, kv_len, pool=cfg.pool, sinks=cfg.sink_tokens,
+    q_s, k_s = q, k
+    if score_keys is not None:  # decode_score_fp8: the fp8 K copy widened, q with its mult
+        q_s, k_s = fp8_decode_q(q, score_keys[1]), score_keys[0].astype(k.dtype)
+    scores = pooled_scores_decode_reference(q_s, k_s, kv_len, pool=cfg.pool, sinks=cfg.sink_tokens,
                                             window=cfg.recent_window)  # [batch, idx_heads, keys]
     idx = select_topk_reference(scores, counts[:, None], k_max)
     if dense:
@@ -190,11 +198,11 @@ def _pallas_kernels() -> Kernels:
         if cfg.k_multiple != 1:
             raise ValueError(f"the Pallas kernels implement k_multiple=1 only, got k_multiple={cfg.k_multiple}")
 
-    def anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row):
+    def anchor_decode(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row, score_keys=None):
         check(cfg)
         return pd.anchor_decode(q, k, v, kv_len, topk_frac=cfg.decode_frac, min_k=cfg.min_k, k_max=k_max,
                                 head_map_row=head_map_row, dense_out=dense, pool=cfg.pool, sinks=cfg.sink_tokens,
-                                window=cfg.recent_window)
+                                window=cfg.recent_window, score_keys=score_keys)
 
     def anchor_prefill(q, k, v, q_start, kv_len, seq_len, *, cfg, k_max, dense, head_map_row, chunk_at_zero):
         check(cfg)
@@ -555,35 +563,70 @@ class KascadeStrategy:
     def prefill_is_dense(self) -> bool:
         """decode_only: the prefill is dense attention in every layer and carries no state into decode (each decode
         step's anchors select anew), so the eval may share one prefill with other such strategies."""
-        return bool(self.config.decode_only) and not self.config.decode_prefill_keys
+        cfg = self.config
+        return bool(cfg.decode_only) and not cfg.decode_prefill_keys and not cfg.decode_score_fp8
 
     @property
     def cache_state_lever(self) -> str | None:
         """What needs a cache state (models.attention.check_no_cache_state), None: nothing."""
-        return "decode_prefill_keys" if self.config.decode_prefill_keys else None
+        cfg = self.config
+        levers = [n for n in ("decode_prefill_keys", "decode_score_fp8") if getattr(cfg, n)]
+        return " and ".join(levers) or None
 
     def _keeps_prefill_keys(self, layer: int) -> bool:
         cfg = self.config
         return bool(cfg.decode_prefill_keys) and not cfg.is_anchor(layer) and not cfg.decode_dense(layer)
 
-    def init_cache_state(self, num_layers: int, batch: int, max_len: int):
-        """decode_prefill_keys: per reuse layer {"idx" [batch, idx_heads, s_max] -1, "scores" [batch, idx_heads,
-        max_len] 0}, None for the other layers; None when the lever is off."""
+    def _keeps_fp8_keys(self, layer: int) -> bool:
+        """decode_score_fp8: the decode anchors with a sparse output keep an fp8 copy of their K."""
         cfg = self.config
-        if not cfg.decode_prefill_keys:
+        return cfg.decode_score_fp8 and cfg.is_anchor(layer) and not cfg.decode_dense(layer)
+
+    def init_cache_state(self, num_layers: int, batch: int, max_len: int, kv_heads: int | None = None,
+                         head_dim: int | None = None):
+        """Per layer (None for the others; None when no lever needs one): decode_prefill_keys, per reuse layer
+        {"idx" [batch, idx_heads, s_max] -1, "scores" [batch, idx_heads, max_len] 0}; decode_score_fp8, per sparse
+        decode anchor {"k8" [batch, max_len, kv_heads, head_dim] float8_e4m3fn, "mean" [batch, 1, kv_heads,
+        head_dim] fp32, "mult" [batch] fp32} (head_dim needed then)."""
+        cfg = self.config
+        if not (cfg.decode_prefill_keys or cfg.decode_score_fp8):
             return None
         if num_layers != cfg.num_layers:
             raise ValueError(f"the model has {num_layers} layers but the config num_layers={cfg.num_layers}")
-        s_max = max(1, prefill_keys_budget(cfg, max_len))
+        if cfg.decode_score_fp8 and head_dim is None:
+            raise ValueError("decode_score_fp8 needs the model's head_dim for its fp8 K copy (init_cache_state)")
+        kvh = cfg.kv_heads if kv_heads is None else kv_heads
+        s_max = max(1, prefill_keys_budget(cfg, max_len)) if cfg.decode_prefill_keys else 1
         h = cfg.idx_heads
-        entry = lambda: {"idx": jnp.full((batch, h, s_max), -1, jnp.int32),  # noqa: E731
-                         "scores": jnp.zeros((batch, h, max_len), jnp.float32)}
-        return tuple(entry() if self._keeps_prefill_keys(i) else None for i in range(num_layers))
+
+        def entry(i):
+            if self._keeps_prefill_keys(i):
+                return {"idx": jnp.full((batch, h, s_max), -1, jnp.int32),
+                        "scores": jnp.zeros((batch, h, max_len), jnp.float32)}
+            if self._keeps_fp8_keys(i):
+                return {"k8": jnp.zeros((batch, max_len, kvh, head_dim), jnp.float8_e4m3fn),
+                        "mean": jnp.zeros((batch, 1, kvh, head_dim), jnp.float32),
+                        "mult": jnp.ones((batch,), jnp.float32)}
+            return None
+        return tuple(entry(i) for i in range(num_layers))
 
     def update_cache_state(self, layer: int, inputs):
-        """The layer's cache-state entry after this call: a prefill chunk updates it, decode leaves it."""
+        """The layer's cache-state entry for this call (the model calls it before attend, which reads the result):
+        decode_prefill_keys entries change in prefill only; an fp8 K copy is re-coded from the whole cache after
+        each prefill chunk (mean and scale of the valid keys so far) and takes each decode token in that coding."""
         entry = inputs.cache_state
-        if entry is None or inputs.phase != "prefill":
+        if entry is None:
+            return entry
+        if "k8" in entry:
+            if inputs.phase == "prefill":
+                k8, mean, mult = fp8_decode_keys(inputs.k_cache, jnp.asarray(inputs.kv_len, jnp.int32))
+                return {"k8": k8, "mean": mean, "mult": mult}
+            pos = jnp.broadcast_to(jnp.asarray(inputs.q_start, jnp.int32), (inputs.k_cache.shape[0],))
+            new = jnp.take_along_axis(inputs.k_cache, jnp.clip(pos, 0, inputs.k_cache.shape[1] - 1)[:, None, None,
+                                                                                                   None], axis=1)
+            k8 = write_token(entry["k8"], fp8_decode_token(new, entry["mean"], entry["mult"]), pos)
+            return dict(entry, k8=k8)
+        if inputs.phase != "prefill":
             return entry
         return prefill_keys_update(self.config, entry, inputs.q, inputs.k_cache, inputs.q_start, inputs.kv_len,
                                    inputs.seq_len)
@@ -677,8 +720,14 @@ class KascadeStrategy:
         if cfg.is_anchor(layer):
             row = tuple(range(k.shape[2])) if cfg.pool != "all" else cfg.head_map_row(layer)
             acfg, dense = rerank_config(cfg), cfg.decode_dense(layer)
+            fp8 = {}
+            if self._keeps_fp8_keys(layer):
+                if inputs.cache_state is None or "k8" not in inputs.cache_state:
+                    raise ValueError(f"decode_score_fp8: anchor layer {layer} got no fp8 K copy in the cache state; "
+                                     "run prefill through models.generate (it creates the state)")
+                fp8 = {"score_keys": (inputs.cache_state["k8"], inputs.cache_state["mult"])}
             out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=acfg, k_max=static_k_max(acfg, k.shape[1]),
-                                                  dense=dense, head_map_row=row)
+                                                  dense=dense, head_map_row=row, **fp8)
             if cfg.decode_rerank_layers is not None:
                 idx = order_candidates(q, _rows_contiguous(k), kv_len, idx, cfg, static_k_max(cfg, k.shape[1]),
                                        kern.select_topk, _logits_fn(kern, q, k, kv_len))

@@ -56,17 +56,17 @@ class AttentionStrategy(Protocol):
     # attend(layer, ...) returns, given the layout (P() for a state that stays None).
     # def state_spec(self, layer: int, phase: str, shards: ShardLayout) -> Any: ...
     # Optional, a state that lives in the KV cache across forwards (prefill into every decode step):
-    # init_cache_state(num_layers, batch, max_len) -> a tuple of one entry per layer (an entry may be None) or None
-    # (none needed); `models.generate.prefill` puts it in KVCache.strategy_state. Each layer whose entry is not None
-    # gets it as inputs.cache_state, and after attend the model stores update_cache_state(layer, inputs) as the new
-    # entry (fixed shapes). `cache_state_lever` (a str, None when no state is needed) names it in refusals: paged
+    # init_cache_state(num_layers, batch, max_len, kv_heads=, head_dim=) -> a tuple of one entry per layer (an entry
+    # may be None) or None (none needed); `models.generate.prefill` puts it in KVCache.strategy_state. For each layer
+    # whose entry is not None the model stores update_cache_state(layer, inputs) (inputs.cache_state: the stored
+    # entry) as the new entry (fixed shapes) before attend, and attend gets that new entry as inputs.cache_state. `cache_state_lever` (a str, None when no state is needed) names it in refusals: paged
     # caches, the engine and a mesh do not carry a cache state yet (check_no_cache_state).
 
 
-def init_cache_state(strategy, num_layers: int, batch: int, max_len: int):
+def init_cache_state(strategy, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int):
     """The strategy's fresh cache state (see AttentionStrategy), or None for strategies without one."""
     fn = getattr(strategy, "init_cache_state", None)
-    return None if fn is None else fn(num_layers, batch, max_len)
+    return None if fn is None else fn(num_layers, batch, max_len, kv_heads=kv_heads, head_dim=head_dim)
 
 
 def check_no_cache_state(strategy, where: str) -> None:

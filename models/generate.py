@@ -177,7 +177,8 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
         check_no_cache_state(strategy, "paged caches")
     if getattr(model, "mesh", None) is not None:
         check_no_cache_state(strategy, "a mesh")
-    cstate = init_cache_state(strategy, model.config.num_layers, b, cache.max_len)
+    cstate = init_cache_state(strategy, model.config.num_layers, b, cache.max_len, model.config.kv_heads,
+                              model.config.head_dim)
     if cstate is not None or getattr(cache, "strategy_state", None) is not None:  # a new prompt starts it fresh
         cache = dataclasses.replace(cache, strategy_state=cstate)
     plan = prefill_plan(p, cache.max_len, chunk_size)

@@ -102,7 +102,8 @@ class Attention(nnx.Module):
     def __call__(self, layer, x, positions, k_cache, v_cache, meta, strategy, state, inv_freq, mesh=None,
                  cache_state=None):
         """Returns (out, k_cache, v_cache, state, cache_state): cache_state is the layer's entry of the strategy's
-        cache state, updated by strategy.update_cache_state (None passes through)."""
+        cache state, updated by strategy.update_cache_state before attend, which sees the update (None passes
+        through)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.q_heads, cfg.head_dim)
@@ -130,9 +131,10 @@ class Attention(nnx.Module):
         inputs = AttentionInputs(q=q, k_cache=k_cache, v_cache=v_cache, q_start=meta["q_start"], kv_len=meta["kv_len"],
                                  seq_len=meta["seq_len"], phase=meta["phase"], chunk_at_zero=meta["chunk_at_zero"],
                                  page_table=page_table, cache_state=cache_state)
-        out, state = strategy.attend(layer, inputs, state)
         if cache_state is not None:
             cache_state = strategy.update_cache_state(layer, inputs)
+            inputs = dataclasses.replace(inputs, cache_state=cache_state)
+        out, state = strategy.attend(layer, inputs, state)
         out = self.o_proj(out.astype(x.dtype).reshape(b, t, cfg.q_heads * cfg.head_dim))
         return out, k_cache, v_cache, state, cache_state
 

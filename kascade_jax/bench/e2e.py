@@ -90,6 +90,28 @@ def prepare_ttft(model, strategy, context: int, seed: int) -> Prepared:
     return Prepared("ttft", compiled, (params, tokens), time.perf_counter() - t0)
 
 
+def with_prompt_state(strategy, cache, cfg):
+    """The cache with the strategy's cache state as a prefill of its rows would leave it (decode rows start from a
+    filled cache, not a prefill): decode_score_fp8's fp8 K copies (`reference.fp8_decode_keys`); a state of any
+    other kind is refused by name."""
+    import dataclasses as dc
+
+    from kernels_pallas.reference import fp8_decode_keys
+    from models.attention import init_cache_state
+
+    state = init_cache_state(strategy, cfg.num_layers, cache.batch, cache.max_len, cfg.kv_heads, cfg.head_dim)
+    if state is None:
+        return cache
+    out = []
+    for i, entry in enumerate(state):
+        if entry is not None and "k8" not in entry:
+            raise ValueError(f"the e2e decode rows build no {strategy.cache_state_lever} state (layer {i}): only "
+                             "decode_score_fp8's fp8 K copies")
+        out.append(None if entry is None else dict(zip(("k8", "mean", "mult"),
+                                                        fp8_decode_keys(cache.k[i], cache.lengths))))
+    return dc.replace(cache, strategy_state=tuple(out))
+
+
 def prepare_decode(model, strategy, context: int, batch: int, steps: tuple[int, int], seed: int) -> Prepared:
     """Compile the decode program: random K/V cache filled inside, then `_decode_loop` for a traced step count."""
     import jax
@@ -123,6 +145,7 @@ def prepare_decode(model, strategy, context: int, batch: int, steps: tuple[int, 
             kv = [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, CACHE_SPEC)) for x in kv]
             lengths = jax.lax.with_sharding_constraint(lengths, NamedSharding(mesh, P(DATA)))
         cache = KVCache(k=tuple(kv[0::2]), v=tuple(kv[1::2]), lengths=lengths)
+        cache = with_prompt_state(strategy, cache, cfg)
         tok = jax.random.randint(jax.random.fold_in(key, 2 * cfg.num_layers), (batch,), 0, cfg.vocab, jnp.int32)
         carry = (cache, tok, jnp.zeros((batch,), bool), jnp.asarray(0, jnp.int32),
                  jnp.full((batch, out_w), -1, jnp.int32))
@@ -243,12 +266,13 @@ def plan(metrics, contexts, decode_specs):
 
 def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), iterations=2, wall_repeats=2,
         topk_frac=0.1, min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", tag="", resume=True,
-        deadline_s=0.0, compile_threads=1, seed=0, mesh=None, recipe="default", log=print):
+        deadline_s=0.0, compile_threads=1, seed=0, mesh=None, recipe="default", levers=None, log=print):
     """Measure every planned (model, row, strategy) not yet in <out_dir>/<e2e_stem(tag, mesh)>.json with these
     settings (all planned ones without `resume`), on `mesh` (a models.sharding Mesh) or one device (None); returns
     the rows. The file is saved after every measurement; a row that cannot run (too large for the device, beyond
     the model's positions, batch 1 on data > 1) is recorded as skipped with its reason, a failure as a note on its
-    row, and no measurement starts that `estimate_s` predicts to end past `deadline_s` (rerun to resume)."""
+    row, and no measurement starts that `estimate_s` predicts to end past `deadline_s` (rerun to resume).
+    `levers`: KascadeConfig fields set on Kascade on top of the recipe (e.g. decode_score_fp8=True)."""
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
@@ -267,7 +291,7 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
     gpu = jax.devices()[0].device_kind
     meta["runs"].append(dict(date=date, gpu=gpu, jax=jax.__version__, command=" ".join(sys.argv),
                              devices=n_data * n_model, mesh=mname, topk_frac=topk_frac, min_k=min_k,
-                             steps=list(steps), seed=seed, recipe=recipe))
+                             steps=list(steps), seed=seed, recipe=recipe, **({"levers": levers} if levers else {})))
     dtype = jnp.bfloat16
     budget = device_budget_bytes(mesh)
     bar = tqdm(total=len(specs) * len(todo) * len(strategies), desc="e2e", mininterval=1.0, disable=None)
@@ -276,6 +300,7 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
         try:
             model, notes, kascade_kw, model_max, orig_max = build_model(spec, max_ctx, dtype, seed, log=log,
                                                                         mesh=mesh, recipe=recipe)
+            kascade_kw = {**kascade_kw, **(levers or {})}
         except ValueError as e:
             msg = f"{spec.name}: not measured: {e}"
             log(msg)
@@ -393,7 +418,7 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
 
 def profile(spec: ModelSpec, context: int, batch, strategies, *, steps=(8, 40), iterations=2, topk_frac=0.1,
             min_k=128, headroom_gb=10.0, hbm_tbps=4.3, out_dir="benchmarks", seed=0, mesh=None, recipe="default",
-            log=print) -> dict:
+            levers=None, log=print) -> dict:
     """Top kernels of one decode step per strategy, printed and saved as e2e_profile_<model>_<ctx>_b<batch>.json."""
     import jax
     import jax.numpy as jnp
@@ -403,6 +428,7 @@ def profile(spec: ModelSpec, context: int, batch, strategies, *, steps=(8, 40), 
     if batch != "max":
         check_decode_batches([(context, batch)], mesh)
     model, notes, kascade_kw, _, _ = build_model(spec, context, jnp.bfloat16, seed, log=log, mesh=mesh, recipe=recipe)
+    kascade_kw = {**kascade_kw, **(levers or {})}
     cfg = model.config
     wbytes, kvpt = weight_bytes(model), kv_bytes_per_token(cfg)
     wdev = wbytes if mesh is None else device_weight_bytes(cfg, mesh)

@@ -306,7 +306,16 @@ def bench_ratios(decode_json, prefill_json, *, context: int, decode_batch: int =
                      if not k.endswith("_kernels") and (m := re.fullmatch(r"A_pool(\w+)", k))}
             if pools:  # the selection pools through the strategy's path (bench --decode_pools), keyed by pool
                 out["pool"] = pools
+            fp8 = {float(r["topk_frac"]): r["A_fp8"] / r["A"] for d in at for r in d if r.get("A_fp8")}
+            if fp8:  # the anchor on the fp8 K copy over the plain anchor, same run (bench --decode_score_fp8)
+                out["decode_score_fp8"] = fp8
     return out
+
+
+def _pool_anchor(ratios: dict, pool: str, r: dict) -> float:
+    """The decode anchor's ratio under `pool` (its measured ratio to the gqa anchor applied to r's)."""
+    p, g = ratios["pool"][pool], ratios["pool"]["gqa"]
+    return r["anchor"] * p["anchor"] / g["anchor"]
 
 
 def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suffix: int = 0, oracle: bool = False,
@@ -315,7 +324,7 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
                    decode_rerank: int = 1, decode_rerank_worst: int | None = None, pool: str = "gqa",
                    decode_tail_stride: int = 0, decode_dense_layers: tuple[int, ...] | None = None,
                    anchors: tuple[int, ...] | None = None, ratios: dict | None = None,
-                   decode_prefill_keys: float = 0.0) -> dict:
+                   decode_prefill_keys: float = 0.0, decode_score_fp8: bool = False) -> dict:
     """Estimated attention time per forward relative to dense cuDNN (decode and prefill) and the weighted speedups.
 
     (1 * a0 + (M - 1) * anchor + (L - M) * reuse) / L with the measured per-layer ratios above. The dense suffix
@@ -348,6 +357,9 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     without `anchors` each is priced as a reuse layer, the dearer case with the measured ratios.
     `decode_prefill_keys` s: a sparse reuse layer reads its anchor's k and its own s of the keys in decode, priced as
     its reuse cost times (df + s) / df (the union's per-step index merge left out: a floor).
+    `decode_score_fp8`: every sparse decode anchor past layer 0 costs its plain ratio times the measured A_fp8 / A
+    (`bench_ratios`' decode_score_fp8, at the decode budget if timed, else at 10%; measured with the gqa pool and
+    applied to any pool); without that measurement the decode speed is unknown (None).
     """
     m = num_layers if oracle else num_anchors
     pf = topk_frac if prefill_topk_frac is None else prefill_topk_frac
@@ -400,6 +412,14 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
             p, g = pools[pool], pools["gqa"]
             cost = (r["a0"] * p["a0"] / g["a0"] * (1 + da) + sa * r["anchor"] * p["anchor"] / g["anchor"]
                     + sr * reuse * p["reuse"] / g["reuse"] + dr) / num_layers
+        if phase == "decode" and decode_score_fp8:
+            f8 = (ratios or {}).get("decode_score_fp8", {})
+            f8 = f8.get(df, f8.get(0.1))
+            if f8 is None:
+                out.update(decode_cost=None, decode_speedup=None)
+                continue
+            cost -= sa * anchor * (1.0 - f8) / num_layers * (
+                _pool_anchor(ratios, pool, r) / r["anchor"] if pool != "gqa" and ratios is not None else 1.0)
         if phase == "decode" and decode_tail_stride:
             cost += (num_layers - 1 - da - dr) / num_layers * reuse / df / decode_tail_stride
         if phase == "prefill":
@@ -425,7 +445,8 @@ def recipe_cost(fields: dict, *, num_layers: int, context: int, ratios: dict | N
                           decode_rerank_worst=fields.get("decode_rerank_worst"), pool=fields.get("pool") or "gqa",
                           decode_tail_stride=fields.get("decode_tail_stride") or 0,
                           decode_dense_layers=fields.get("decode_dense_layers"), anchors=fields.get("anchors"),
-                          ratios=ratios, decode_prefill_keys=fields.get("decode_prefill_keys") or 0.0)
+                          ratios=ratios, decode_prefill_keys=fields.get("decode_prefill_keys") or 0.0,
+                          decode_score_fp8=bool(fields.get("decode_score_fp8")))
 
 
 def _cell_anchors(fields: dict, row: dict) -> dict:

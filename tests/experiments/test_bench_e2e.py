@@ -664,6 +664,33 @@ def test_on_8_simulated_cpu_devices():
     assert "3 passed" in summary and "failed" not in summary and "skipped" not in summary, summary
 
 
+def test_decode_program_with_the_fp8_k_copy(rng):
+    """decode_score_fp8 through the measured decode program: the filled cache gets the copies a prefill would leave
+    (`with_prompt_state`: fp8_decode_keys of each anchor's rows) and the steps run; a state of another kind is
+    refused by name."""
+    from kernels_pallas.reference import fp8_decode_keys
+    from models.cache import KVCache
+
+    small = dict(TINY_HF, hidden_size=128, intermediate_size=256, num_hidden_layers=3, head_dim=64, num_attention_heads=4)
+    cfg, _ = em.load_shape_config(em.ModelSpec("tiny", config_dict=small))
+    model = em.random_model(cfg, jnp.float32, int(rng.integers(1 << 20)))
+    kw = dict(anchors=(0, 1), head_map=None, decode_score_fp8=True)
+    st = em.make_strategies(["kascade"], cfg, kw, 0.25, 16)["kascade"]
+    k = [jax.random.normal(jax.random.key(i), (2, 128, cfg.kv_heads, cfg.head_dim)) for i in range(3)]
+    cache = KVCache(k=tuple(k), v=tuple(k), lengths=jnp.asarray([100, 60], jnp.int32))
+    state = e2e.with_prompt_state(st, cache, cfg).strategy_state
+    assert state[0] is None and state[2] is None
+    want = fp8_decode_keys(k[1], cache.lengths)
+    np.testing.assert_array_equal(np.asarray(state[1]["k8"].astype(jnp.float32)), np.asarray(want[0].astype(jnp.float32)))
+    prep = e2e.prepare_decode(model, st, 128, 2, (2, 5), 3)
+    out, n = prep.compiled(*prep.args, jnp.int32(5))
+    assert int(n) == 5 and np.all((np.asarray(out)[:, :5] >= 0))
+    pk = em.make_strategies(["kascade"], cfg, dict(anchors=(0,), head_map=None, decode_only=True,
+                                                   decode_prefill_keys=0.1), 0.25, 16)["kascade"]
+    with pytest.raises(ValueError, match="build no decode_prefill_keys state"):
+        e2e.with_prompt_state(pk, cache, cfg)
+
+
 def test_e2e_recipe_is_checked_before_the_gpu():
     """--e2e_recipe: an unknown recipe names the flag, and a recipe other than the default needs its own --e2e_tag
     (else it would be measured over the default recipe's rows of e2e.json); both before any device is touched."""
@@ -674,4 +701,6 @@ def test_e2e_recipe_is_checked_before_the_gpu():
     assert res.returncode == 2 and "needs its own --e2e_tag" in res.stderr, res.stderr[-2000:]
     res = cli_fork.run([*base, "--e2e_anchor_backend=mgpu"], cli_fork.ENV, cwd=ROOT)  # the anchor A/B, the same way
     assert res.returncode == 2 and "--e2e_anchor_backend=mgpu needs its own --e2e_tag" in res.stderr, res.stderr[-2000:]
+    res = cli_fork.run([*base, "--e2e_decode_score_fp8"], cli_fork.ENV, cwd=ROOT)
+    assert res.returncode == 2 and "--e2e_decode_score_fp8 needs its own --e2e_tag" in res.stderr, res.stderr[-2000:]
     assert "qwen2.5-coder-0.5b" in em.SPECS and not em.SPECS["qwen2.5-coder-0.5b"].random

@@ -173,19 +173,26 @@ def test_sampling_errors(tiny_model, kw, message):
 
 class _CountingStrategy:
     """DenseStrategy with a cache state (models.attention.AttentionStrategy): every layer but the first counts the
-    forwards it has seen, per sequence; layer 0's entry is None."""
+    forwards it has seen, per sequence; layer 0's entry is None. `fresh` records, per attend, whether it got the
+    entry update_cache_state had just returned (the model updates first)."""
 
     name = "counting"
     cache_state_lever = "counting"
 
-    def init_cache_state(self, num_layers, batch, max_len):
+    def __init__(self):
+        self.last, self.fresh = None, []
+
+    def init_cache_state(self, num_layers, batch, max_len, kv_heads, head_dim):
         return (None,) + tuple({"n": jnp.zeros((batch,), jnp.int32)} for _ in range(num_layers - 1))
 
     def update_cache_state(self, layer, inputs):
-        return {"n": inputs.cache_state["n"] + 1}
+        self.last = {"n": inputs.cache_state["n"] + 1}
+        return self.last
 
     def attend(self, layer, inputs, state):
         assert (inputs.cache_state is None) == (layer == 0)
+        if layer:
+            self.fresh.append(inputs.cache_state is self.last)
         return S.attend(layer, inputs, state)
 
 
@@ -207,3 +214,4 @@ def test_cache_state_lives_from_prefill_through_decode(tiny_model, rng):
         logits, cache = gen.decode_step(tiny_model, tok, cache, st)
         tok = jnp.argmax(logits, -1)
     assert [np.asarray(e["n"]).tolist() for e in cache.strategy_state[1:]] == [[6, 6]] * 2
+    assert st.fresh and all(st.fresh)
