@@ -1,6 +1,7 @@
 """Helpers for the kascade_jax tests: random per-layer attention inputs and a model-like layer loop."""
 
 import dataclasses
+import functools
 import json
 import re
 import types
@@ -109,3 +110,27 @@ def shipped_model(name: str):
 def strategy_record(s) -> dict:
     """A Kascade-family strategy as JSON-comparable data: its name, kernels and every config field."""
     return json.loads(json.dumps(dict(name=s.name, kernels=s.kernels, config=dataclasses.asdict(s.config))))
+
+
+@functools.lru_cache(maxsize=1)
+def peaky_tiny_model():
+    """conftest's tiny_config random model (seed 7) with its queries scaled up: peaky attention, so that a Top-k has
+    no near ties."""
+    from conftest import tiny_config  # noqa: PLC0415
+    from models.params import random_model  # noqa: PLC0415
+
+    m = random_model(tiny_config(), seed=7)
+    for layer in m.layers:
+        layer.self_attn.q_proj.kernel.value = layer.self_attn.q_proj.kernel.value * 12.0
+    return m
+
+
+def ragged_tokens(rng, lens, width=320):
+    """[len(lens), width] int32 prompts of those lengths (ids 5..99), zero-padded on the right."""
+    import numpy as np  # noqa: PLC0415
+
+    toks = np.zeros((len(lens), width), np.int32)
+    for b, n in enumerate(lens):
+        toks[b, :n] = rng.integers(5, 100, size=n)
+    return toks
+

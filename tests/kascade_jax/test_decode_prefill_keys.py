@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import CharTokenizer, tiny_config
+from conftest import CharTokenizer
 from kascade_jax.config import KascadeConfig
 from kascade_jax.eval import accuracy
 from kascade_jax.recipes import Recipe, candidate
@@ -20,11 +20,10 @@ from kascade_jax.strategies import KascadeStrategy, prefill_keys_budget, union_i
 from kernels_pallas import decode as dec
 from kernels_pallas.dense import dense_attention
 from kernels_pallas.reference import select_topk_reference, sparse_decode_reference
-from kj_helpers import decode_inputs, flag_recipe, random_layer
+from kj_helpers import peaky_tiny_model, ragged_tokens, decode_inputs, flag_recipe, random_layer
 from models import generate as G
 from models.attention import DenseStrategy
 from models.cache import KVCache
-from models.params import random_model
 
 LENS = np.array([300, 150], np.int32)  # ragged; 150's last tile [118, 150) straddles the 128-token chunks
 KW = dict(num_layers=3, kv_heads=2, anchors=(0,), min_k=16, decode_only=True)
@@ -34,20 +33,12 @@ def _cfg(**over):
     return KascadeConfig(**{**KW, "decode_prefill_keys": 0.1, **over})
 
 
-@functools.lru_cache(maxsize=1)
 def _model():
-    """tiny_config's random model with its queries scaled up: peaky attention, so that the Top-s has no near ties."""
-    m = random_model(tiny_config(), seed=7)
-    for layer in m.layers:
-        layer.self_attn.q_proj.kernel.value = layer.self_attn.q_proj.kernel.value * 12.0
-    return m
+    return peaky_tiny_model()
 
 
 def _tokens(rng, lens=LENS, width=320):
-    toks = np.zeros((len(lens), width), np.int32)
-    for b, n in enumerate(lens):
-        toks[b, :n] = rng.integers(5, 100, size=n)
-    return toks
+    return ragged_tokens(rng, lens, width)
 
 
 def _prefill(strategy, toks, lens=LENS, chunk_size=None, max_len=512):

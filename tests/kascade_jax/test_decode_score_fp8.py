@@ -11,16 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import CharTokenizer, tiny_config
+from conftest import CharTokenizer
 from kascade_jax.config import KascadeConfig
 from kascade_jax.eval import accuracy
 from kascade_jax.recipes import candidate
 from kascade_jax.strategies import KascadeStrategy
 from kernels_pallas import reference as ref
-from kj_helpers import decode_inputs, flag_recipe, random_layer
+from kj_helpers import peaky_tiny_model, ragged_tokens, decode_inputs, flag_recipe, random_layer
 from models import generate as G
 from models.cache import KVCache
-from models.params import random_model
 
 LENS = np.array([300, 150], np.int32)
 KW = dict(num_layers=3, kv_heads=2, anchors=(0, 1), min_k=16, topk_frac=0.1)
@@ -30,19 +29,12 @@ def _cfg(**over):
     return KascadeConfig(**{**KW, "decode_score_fp8": True, **over})
 
 
-@functools.lru_cache(maxsize=1)
 def _model():
-    m = random_model(tiny_config(), seed=7)
-    for layer in m.layers:  # peaky attention: the Top-k is far from ties
-        layer.self_attn.q_proj.kernel.value = layer.self_attn.q_proj.kernel.value * 12.0
-    return m
+    return peaky_tiny_model()
 
 
 def _tokens(rng, lens=LENS, width=320):
-    toks = np.zeros((len(lens), width), np.int32)
-    for b, n in enumerate(lens):
-        toks[b, :n] = rng.integers(5, 100, size=n)
-    return toks
+    return ragged_tokens(rng, lens, width)
 
 
 def _prefill(strategy, toks, chunk_size=None):
