@@ -58,7 +58,6 @@ from jax import lax
 from kascade_jax.config import KascadeConfig
 from kernels_pallas.dense import dense_attention, on_gpu
 from kernels_pallas.paged import dense_attention_paged, gather_pages
-from models.cache import write_token
 from kernels_pallas.prefill import dense_prefill, dense_prefill_supported
 from kernels_pallas.reference import (
     FORCED_SCORE,
@@ -82,6 +81,7 @@ from kernels_pallas.reference import (
     topk_budget,
     sparse_prefill_reference,
 )
+from models.cache import write_token
 
 # ---------------------------------------------------------------------------------------------------------------
 # The kernel seam
