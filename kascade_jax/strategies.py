@@ -644,6 +644,14 @@ class KascadeStrategy:
             return out, state
         if not cfg.is_anchor(layer) and state is None:
             raise ValueError(f"reuse layer {layer} got no anchor state; layer 0 must run first in the same forward")
+        if inputs.phase in ("prefill", "decode") and self.dense_unread(layer, inputs.phase):
+            if inputs.phase == "decode" and inputs.page_table is not None:
+                out = dense_attention_paged(inputs.q, inputs.k_cache, inputs.v_cache, inputs.page_table,
+                                            inputs.q_start, inputs.kv_len, phase="decode", chunk_at_zero=False)
+            else:
+                out = dense_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.q_start, inputs.kv_len,
+                                      phase=inputs.phase, chunk_at_zero=inputs.chunk_at_zero)
+            return out, None
         if inputs.phase == "decode":
             return self._decode(layer, inputs, state)
         if inputs.phase == "prefill":
@@ -653,6 +661,18 @@ class KascadeStrategy:
     def post_attention(self, layer, x, attn_out, state):
         return state
 
+    def dense_unread(self, layer: int, phase: str) -> bool:
+        """An anchor whose output is dense in `phase` and whose indices no layer reads (the next layer is an anchor,
+        or it is the last): it runs the models' dense attention and selects nothing (layer 0 of the 0.5B's anchors
+        0, 1, ...: its Top-k pass would cost ~0.5 of a dense layer for nothing). Its state is None."""
+        cfg = self.config
+        if not cfg.is_anchor(layer):
+            return False
+        dense = (cfg.decode_dense(layer) if phase == "decode"
+                 else (layer == 0 and cfg.layer0_dense) or cfg.prefill_dense_anchors)
+        read = any(cfg.anchor_of(x) == layer for x in range(layer + 1, cfg.num_layers))
+        return dense and not read
+
     # on a mesh (models/sharding.py) ---------------------------------------------------------------------------
     def state_spec(self, layer: int, phase: str, shards):
         """idx [batch -> batch_axis, idx_heads -> head_axis, ...] and counts [batch -> batch_axis, ...]; idx is
@@ -660,7 +680,7 @@ class KascadeStrategy:
         P = jax.sharding.PartitionSpec
         cfg = self.config
         self._check_shards(shards, None)
-        if phase == "prefill" and cfg.decode_only:
+        if (phase == "prefill" and cfg.decode_only) or self.dense_unread(layer, phase):
             return P()
         heads = None if self._gathers(cfg.anchor_of(layer), shards.head_shards) else shards.head_axis
         return {"idx": P(shards.batch_axis, heads), "counts": P(shards.batch_axis)}

@@ -170,16 +170,16 @@ def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning
 def strategy_pieces(q, k, v, kv_len, frac, min_k, *, kernels="pallas", **levers):
     """The decode layers of a Kascade strategy with `levers` (e.g. decode_rerank=4), through the model's own path
     (`KascadeStrategy.attend`, so the rerank's candidate scoring and top-k are timed with the kernels):
-    [("A0", fn, args), ("A", ...), ("R", ...)] and, with decode_rerank_layers=(2,), ("F", ...): each fn returns
-    that layer's output. Layer 0 is the dense-output anchor, layer 1 an anchor, layers 2 and 3 reuse layers reading
-    layer 1's state (identity head map); with decode_rerank_layers=(2,) layer 2 reranks and layer 3 (F) attends
-    the anchor's own Top-k among its candidates."""
+    [("A0", fn, args), ("A", ...), ("R", ...)] and, with decode_rerank_layers=(3,), ("F", ...): each fn returns
+    that layer's output. Layer 0 is the dense-output anchor (layer 1 reads it, so it selects), layer 2 an anchor,
+    layers 3 and 4 reuse layers reading layer 2's state (identity head map); with decode_rerank_layers=(3,) layer 3
+    reranks and layer 4 (F) attends the anchor's own Top-k among its candidates."""
     import jax
 
     from kascade_jax.registry import make_strategy
     from models.attention import AttentionInputs
 
-    strat = make_strategy("kascade", 4, k.shape[2], anchors=(0, 1), topk_frac=frac, min_k=min_k, kernels=kernels,
+    strat = make_strategy("kascade", 5, k.shape[2], anchors=(0, 2), topk_frac=frac, min_k=min_k, kernels=kernels,
                           **levers)
 
     def layer(i):
@@ -189,12 +189,12 @@ def strategy_pieces(q, k, v, kv_len, frac, min_k, *, kernels="pallas", **levers)
             return strat.attend(i, inputs, state)
         return jax.jit(fn)
 
-    state = layer(1)(q, k, v, kv_len, None)[1]
+    state = layer(2)(q, k, v, kv_len, None)[1]
     out = lambda i: jax.jit(lambda *a: layer(i)(*a)[0])  # noqa: E731
-    pieces = [("A0", out(0), (q, k, v, kv_len, None)), ("A", out(1), (q, k, v, kv_len, None)),
-              ("R", out(2), (q, k, v, kv_len, state))]
+    pieces = [("A0", out(0), (q, k, v, kv_len, None)), ("A", out(2), (q, k, v, kv_len, None)),
+              ("R", out(3), (q, k, v, kv_len, state))]
     if levers.get("decode_rerank_layers") is not None:
-        pieces.append(("F", out(3), (q, k, v, kv_len, state)))
+        pieces.append(("F", out(4), (q, k, v, kv_len, state)))
     return pieces
 
 
@@ -221,7 +221,7 @@ def rerank_row(row: dict, dense, q, k, v, kv_len, frac, min_k, reranks, iters, s
         if worst:
             tag = f"rr{c}w{worst}"
             for name, fn, args in strategy_pieces(q, k, v, kv_len, frac, min_k, decode_rerank=c,
-                                                  decode_rerank_layers=(2,)):
+                                                  decode_rerank_layers=(3,)):
                 row[f"{name}_{tag}"], row[f"{name}_{tag}_kernels"] = cupti_time(fn, args, iters)
             n_rr, row[f"weighted_{tag}"] = worst_weighted(shape, worst, *(row[f"{p}_{tag}"] for p in "A0 A R F".split()))
             row[f"speedup_{tag}"] = dense / row[f"weighted_{tag}"]

@@ -357,6 +357,8 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
     without `anchors` each is priced as a reuse layer, the dearer case with the measured ratios.
     `decode_prefill_keys` s: a sparse reuse layer reads its anchor's k and its own s of the keys in decode, priced as
     its reuse cost times (df + s) / df (the union's per-step index merge left out: a floor).
+    Layer 0 is priced as a0 even where no layer reads its indices (`KascadeStrategy.dense_unread`: the strategy then
+    runs it as plain dense attention, 1.0): an upper bound, kept until the recipes' prices are re-chosen with it.
     `decode_score_fp8`: every sparse decode anchor past layer 0 costs its plain ratio times the measured A_fp8 / A
     (`bench_ratios`' decode_score_fp8, at the decode budget if timed, else at 10%; measured with the gqa pool and
     applied to any pool); without that measurement the decode speed is unknown (None).

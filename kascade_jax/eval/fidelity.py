@@ -136,9 +136,9 @@ def _layer_mass_decode(cfg, layer, probs, prev_state, new_state):
     """Decode: probs [b, kvh, g, 1, keys]; the state's idx [b, idx_heads, k_max], counts [b]."""
     b, kvh = probs.shape[:2]
     keys = probs.shape[-1]
-    if layer == 0 and cfg.layer0_dense:
-        return jnp.ones((2, kvh), jnp.float32)
     st = new_state if cfg.is_anchor(layer) else prev_state
+    if (layer == 0 and cfg.layer0_dense) or st is None:  # a dense layer (an unread dense anchor returns no state)
+        return jnp.ones((2, kvh), jnp.float32)
     idx, counts = st["idx"], st["counts"]
     idx_kv = idx[:, jnp.asarray(cfg.head_map_row(layer))]  # [b, kvh, k_max]
     safe = jnp.where(idx_kv >= 0, idx_kv, keys)

@@ -667,10 +667,10 @@ def test_decode_bench_strategy_pieces_are_the_strategys_layers(rng):
     for pieces in (plain, every):
         np.testing.assert_allclose(np.asarray(pieces["A0"][0](*pieces["A0"][1])), np.asarray(dense), rtol=1e-5,
                                    atol=1e-5)
-    # decode_rerank_worst's mix: layer 2 reranks (R), layer 3 (F) attends the anchor's own Top-k among its
+    # decode_rerank_worst's mix: layer 3 reranks (R), layer 4 (F) attends the anchor's own Top-k among its
     # candidates, which with every key a candidate is the anchor's own Top-k: plain Kascade's reuse layer
     worst = {n: (fn, a) for n, fn, a in strategy_pieces(q, k, v, kv_len, 0.1, 8, kernels="reference",
-                                                        decode_rerank=10, decode_rerank_layers=(2,))}
+                                                        decode_rerank=10, decode_rerank_layers=(3,))}
     assert sorted(worst) == ["A", "A0", "F", "R"] and "F" not in every
     np.testing.assert_allclose(reuse(worst, q2), own_topk(q2), rtol=1e-5, atol=1e-5)
     first = np.asarray(worst["F"][0](q2, *worst["F"][1][1:]))
@@ -726,8 +726,8 @@ def test_rerank_top_k_through_the_pallas_pipeline_gpu():
 
 def test_strategy_prefill_score_fp8(rng):
     """prefill_score_fp8 through the strategy (reference and pallas bundles; the latter's reference on CPU): the
-    sparse-output anchor (layer 1) selects a Top-k set of the scores of `reference.fp8_score_qk`'s operands, layer 0
-    (dense output) selects as without the lever, both bundles agree, and the lever changes some selection. The
+    sparse-output anchor (layer 2; layer 1 reads layer 0) selects a Top-k set of the scores of
+    `reference.fp8_score_qk`'s operands, layer 0 (dense output) selects as without the lever, both bundles agree, and the lever changes some selection. The
     config, recipe and eval-row parsing carry it as a switch."""
     from kascade_jax.eval.accuracy import config_fields
     from kascade_jax.recipes import Recipe
@@ -736,20 +736,20 @@ def test_strategy_prefill_score_fp8(rng):
     num_layers, kvh, group, d, max_len, tile = 3, 2, 2, 16, 160, 32
     layers = [random_layer(rng, 2, max_len, kvh * group, kvh, d) for _ in range(num_layers)]
     lens = [max_len, 121]
-    kw = dict(anchors=(0, 1), topk_frac=0.25, min_k=16, tile_size=tile)
+    kw = dict(anchors=(0, 2), topk_frac=0.25, min_k=16, tile_size=tile)
     pre_in = [prefill_inputs(lay, 0, max_len, lens) for lay in layers]
     states = {}
     for kernels in ("reference", "pallas"):
         st = make_strategy("kascade", num_layers, kvh, kernels=kernels, prefill_score_fp8=True, **kw)
         out, states[kernels] = run_layers(st, pre_in)
-        a = pre_in[1]
+        a = pre_in[2]
         q_s, k_s = ref.fp8_score_qk(a.q, a.k_cache, a.kv_len)
         scores, _ = ref.pooled_scores_prefill_reference(q_s, k_s, a.q_start, a.kv_len, tile)
-        _check_idx(states[kernels][1]["idx"], states[kernels][1]["counts"], scores)
-    assert _sets(states["reference"][1]["idx"]) == _sets(states["pallas"][1]["idx"])
+        _check_idx(states[kernels][2]["idx"], states[kernels][2]["counts"], scores)
+    assert _sets(states["reference"][2]["idx"]) == _sets(states["pallas"][2]["idx"])
     _, plain = run_layers(make_strategy("kascade", num_layers, kvh, **kw), pre_in)
     assert _sets(plain[0]["idx"]) == _sets(states["reference"][0]["idx"])  # layer 0: exact scores
-    assert _sets(plain[1]["idx"]) != _sets(states["reference"][1]["idx"])
+    assert _sets(plain[2]["idx"]) != _sets(states["reference"][2]["idx"])
     with pytest.raises(ValueError, match="prefill_score_fp8 must be a bool"):
         KascadeConfig(num_layers=2, kv_heads=1, prefill_score_fp8=1)
     r = Recipe(name="x", prefill_score_fp8=True)

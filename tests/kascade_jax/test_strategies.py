@@ -1,7 +1,9 @@
 """KascadeStrategy and its variants against hand-computed selections and dense attention."""
 
 import dataclasses
+import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -106,7 +108,7 @@ def test_prefill_indices_valid_causal_unique_counted(seed, rolling, k_multiple, 
 
 def test_prefill_selection_matches_hand_pooled_topk(rng):
     b, kvh, g, d, ts, max_len, q_start = 1, 2, 3, 8, 4, 40, 8
-    cfg = KascadeConfig(num_layers=1, kv_heads=kvh, topk_frac=0.2, min_k=3, tile_size=ts)
+    cfg = KascadeConfig(num_layers=2, kv_heads=kvh, topk_frac=0.2, min_k=3, tile_size=ts)  # layer 1 reads layer 0
     lay = random_layer(rng, b, max_len, kvh * g, kvh, d)
     inp = prefill_inputs(lay, q_start, max_len - q_start, [37])
     _, state = KascadeStrategy(cfg).attend(0, inp, None)
@@ -255,9 +257,10 @@ def test_variant_roles(rng):
     # oracle: every layer selects its own (states differ per layer), sparse except layer 0
     _, states = run_layers(make_strategy("oracle_topk", 3, kvh, **kw), dec)
     assert not np.array_equal(np.sort(states[1]["idx"], -1), np.sort(states[2]["idx"], -1))
-    ref_states = [KascadeStrategy(KascadeConfig(1, kvh, topk_frac=0.1, min_k=4, tile_size=4)).attend(0, x, None)[1]
-                  for x in dec]
-    for s, r in zip(states, ref_states):
+    ref_states = [KascadeStrategy(KascadeConfig(2, kvh, topk_frac=0.1, min_k=4, tile_size=4)).attend(0, x, None)[1]
+                  for x in dec]  # (two layers: a one-layer config's dense layer 0 has no reader and selects nothing)
+    assert states[0] is None  # oracle: layer 0's dense output is read by no later layer, so it selects nothing
+    for s, r in zip(states[1:], ref_states[1:]):
         assert np.array_equal(np.sort(s["idx"], -1), np.sort(r["idx"], -1))
     # all heads pooled: one index head
     _, states = run_layers(make_strategy("all_heads_pooled", 3, kvh, **kw), pre)
@@ -378,3 +381,29 @@ def test_pallas_bundle_matches_reference_gpu():
             err = float((np.sqrt(np.mean((got - want) ** 2, -1)) / rms).max())
             print(f"{phase} layer {layer}: per-row error {err:.2e}")
             assert err < 1.5e-2, (phase, layer, err)
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_a_dense_anchor_nobody_reads_selects_nothing(rng, phase):
+    """Anchors 0, 1: layer 0's dense output is the models' dense attention, its state None (no Top-k is computed:
+    no layer reads it), and layer 1 runs as before; with anchors 0, 2 layer 0 selects for layer 1. The mesh state
+    spec says the same."""
+    kvh, g, d, max_len, lens = 2, 2, 8, 64, [64]
+    layers = [random_layer(rng, 1, max_len, kvh * g, kvh, d) for _ in range(3)]
+    inputs = ([decode_inputs(lay, lens) for lay in layers] if phase == "decode"
+              else [prefill_inputs(lay, 0, max_len, lens) for lay in layers])
+    kw = dict(topk_frac=0.25, min_k=4, tile_size=4)
+    unread = make_strategy("kascade", 3, kvh, anchors=(0, 1), **kw)
+    read = make_strategy("kascade", 3, kvh, anchors=(0, 2), **kw)
+    assert unread.dense_unread(0, phase) and not read.dense_unread(0, phase) and not unread.dense_unread(1, phase)
+    outs, states = run_layers(unread, inputs)
+    assert states[0] is None and states[1] is not None
+    np.testing.assert_allclose(outs[0], dense_reference(inputs[0]), atol=1e-5)
+    out1, _ = unread.attend(1, inputs[1], None)
+    np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(out1), atol=1e-5)
+    outs_r, states_r = run_layers(read, inputs)
+    assert states_r[0] is not None
+    np.testing.assert_allclose(outs_r[0], outs[0], atol=1e-6)
+    shards = types.SimpleNamespace(batch_axis="data", head_axis=None, head_shards=1)
+    assert unread.state_spec(0, phase, shards) == jax.sharding.PartitionSpec()
+    assert isinstance(read.state_spec(0, phase, shards), dict)
