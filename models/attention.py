@@ -59,8 +59,9 @@ class AttentionStrategy(Protocol):
     # init_cache_state(num_layers, batch, max_len, kv_heads=, head_dim=) -> a tuple of one entry per layer (an entry
     # may be None) or None (none needed); `models.generate.prefill` puts it in KVCache.strategy_state. For each layer
     # whose entry is not None the model stores update_cache_state(layer, inputs) (inputs.cache_state: the stored
-    # entry) as the new entry (fixed shapes) before attend, and attend gets that new entry as inputs.cache_state. `cache_state_lever` (a str, None when no state is needed) names it in refusals: paged
-    # caches, the engine and a mesh do not carry a cache state yet (check_no_cache_state).
+    # entry) as the new entry (fixed shapes) before attend, and attend gets that new entry as inputs.cache_state.
+    # `cache_state_lever` (a str, None when no state is needed) names it in refusals: paged caches, the engine and a
+    # mesh do not carry a cache state yet (check_no_cache_state).
 
 
 def init_cache_state(strategy, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int):

@@ -308,6 +308,9 @@ def test_bench_checks_run_at_a_qwen_shape_in_interpret_mode(rng):
     seed = int(rng.integers(1 << 30))  # the seeded per-test generator (conftest)
     errs = decode.check(seed=seed, b=2, s=1024, hq=14, kvh=2, d=64, min_k=32, peaky=True, interpret=True)
     assert errs["anchor_out"] < 2e-2
+    # the anchor on the fp8 K copy (`--decode_score_fp8`): its reference's index set, most of the bf16 Top-k's mass
+    errs = decode.check_fp8(seed=seed, b=2, s=1024, hq=14, kvh=2, d=64, min_k=32, peaky=True, interpret=True)
+    assert errs["fp8_idx_worst_rel_score_gap"] <= 1e-4 and errs["fp8_mass_recall_worst"] > 0.97, errs
     errs = prefill.check(seed=seed, s=256, min_k=32, peaky=True, interpret=True, shape=BenchShape(**QWEN05))
     assert errs["exact_set_fraction"] > 0.9
     # Key blocks of 16 with the Mosaic GPU block reuse (`--prefill_key_block=16 --prefill_tuning=reuse_backend=mgpu`)
