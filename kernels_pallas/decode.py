@@ -190,8 +190,9 @@ def _check_common(q, k_cache, v_cache, kv_len, pallas: bool):
     return _check_heads(q, k_cache, v_cache, kv_len, pallas)
 
 
-def check_score_keys(score_keys, k_shape, dense_out: bool) -> None:
-    """score_keys: None or (k8 float8_e4m3fn of k's shape, mult fp32 [batch]); the dense output reads K itself."""
+def check_score_keys(score_keys, k_shape, dense_out: bool, batch: int | None = None) -> None:
+    """score_keys: None or (k8 float8_e4m3fn of k's shape (a cache or a page pool), mult fp32 [batch] (batch: the
+    cache's own, k_shape[0], unless given)); the dense output reads K itself."""
     if score_keys is None:
         return
     if not (isinstance(score_keys, (tuple, list)) and len(score_keys) == 2):
@@ -200,8 +201,9 @@ def check_score_keys(score_keys, k_shape, dense_out: bool) -> None:
     if k8.dtype != jnp.float8_e4m3fn or tuple(k8.shape) != tuple(k_shape):
         raise ValueError(f"score_keys' k8 must be float8_e4m3fn of the K cache's shape {tuple(k_shape)}, got "
                          f"{k8.dtype} {tuple(k8.shape)}")
-    if jnp.shape(mult) != (k_shape[0],):
-        raise ValueError(f"score_keys' mult must have shape [batch]=({k_shape[0]},), got {jnp.shape(mult)}")
+    batch = k_shape[0] if batch is None else batch
+    if jnp.shape(mult) != (batch,):
+        raise ValueError(f"score_keys' mult must have shape [batch]=({batch},), got {jnp.shape(mult)}")
     if dense_out:
         raise ValueError("score_keys applies to an anchor with a sparse output; the dense output (dense_out=True) "
                          "reads the K cache itself, so its scores come from it")

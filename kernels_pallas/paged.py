@@ -77,7 +77,11 @@ class PagedLayout(dec.Layout):
         return super().load(ref, rows, valid) if self.mask == "none" else self.masked_load(ref, rows, valid)
 
     def load_k(self, ref, rows, valid):
-        return self.masked_load(ref, rows, valid) if self.mask == "kv" else super().load(ref, rows, valid)
+        # an fp8 K copy (decode_score_fp8) loads unmasked: Triton's masked load cannot fill fp8 with a constant, and
+        # K needs no mask (an unattended row's logit, NaN included, becomes -inf before the softmax)
+        if self.mask == "kv" and ref.dtype != jnp.float8_e4m3fn:
+            return self.masked_load(ref, rows, valid)
+        return super().load(ref, rows, valid)
 
     @staticmethod
     def masked_load(ref, rows, valid):
@@ -165,26 +169,32 @@ def reuse_decode(q, k_pages, v_pages, page_table, kv_len, idx, counts, head_map_
 
 def anchor_decode(q, k_pages, v_pages, page_table, kv_len, *, topk_frac: float, min_k: int, k_max: int,
                   head_map_row=None, dense_out=False, pool="gqa", scale=None, impl="auto", interpret=False,
-                  tuning: dec.DecodeTuning = dec.DEFAULT_TUNING, sinks: int = 0, window: int = 0):
+                  tuning: dec.DecodeTuning = dec.DEFAULT_TUNING, sinks: int = 0, window: int = 0, score_keys=None):
     """`decode.anchor_decode` through the page table (same arguments and results; idx are logical positions in
-    [0, max_pages * page_size), the logical length standing in for the contiguous max_len)."""
+    [0, max_pages * page_size), the logical length standing in for the contiguous max_len). score_keys: (k8 pages
+    laid out like k_pages, mult [batch]), the fp8 K copy through the same page table."""
     ref.check_forced(sinks, window)
     pallas = use_pallas(impl, interpret, dec.pallas_supported(q, k_pages, v_pages))
     b, hq, kvh, d, group = _check(q, k_pages, v_pages, page_table, kv_len, pallas, interpret)
+    dec.check_score_keys(score_keys, k_pages.shape, dense_out, batch=b)
     page_table = jnp.asarray(page_table, jnp.int32)
     if not pallas:
         k, v = gather_pages(k_pages, page_table, kv_len), gather_pages(v_pages, page_table, kv_len)
+        if score_keys is not None:
+            score_keys = (gather_pages(score_keys[0], page_table, kv_len), score_keys[1])
         return dec.anchor_decode(q, k, v, kv_len, topk_frac=topk_frac, min_k=min_k, k_max=k_max,
                                  head_map_row=head_map_row, dense_out=dense_out, pool=pool, scale=scale,
-                                 impl="reference", sinks=sinks, window=window)
+                                 impl="reference", sinks=sinks, window=window, score_keys=score_keys)
     layout = PagedLayout.of(k_pages, page_table, tuning)
     head_map_row, scale, kv_len, counts, k_eff = dec._anchor_args(
         kvh, d, layout.s_len, kv_len, topk_frac=topk_frac, min_k=min_k, k_max=k_max, head_map_row=head_map_row,
         pool=pool, scale=scale)
-    return dec._anchor_pallas(q, k_pages, v_pages, page_table, kv_len, layout,
-                              lambda: gather_pages(k_pages, page_table, kv_len), layout.s_len, counts, k_eff,
+    k_view = lambda: gather_pages(k_pages, page_table, kv_len)  # noqa: E731
+    if score_keys is not None:
+        k_view = lambda: gather_pages(score_keys[0], page_table, kv_len).astype(k_pages.dtype)  # noqa: E731
+    return dec._anchor_pallas(q, k_pages, v_pages, page_table, kv_len, layout, k_view, layout.s_len, counts, k_eff,
                               head_map_row, dense_out=dense_out, pool=pool, scale=scale, interpret=interpret,
-                              tuning=tuning, sinks=sinks, window=window)
+                              tuning=tuning, sinks=sinks, window=window, score_keys=score_keys)
 
 
 def dense_attention_paged(q, k_pages, v_pages, page_table, q_start, kv_len, *, phase: str, chunk_at_zero: bool,

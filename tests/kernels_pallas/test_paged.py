@@ -347,6 +347,56 @@ def test_triton_modules_verify_for_sm90(triton_sm90_modules):
                                                              tuning=tu), q, pool, pool, pt, kv, idx, kv)
         lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
                                                         impl="pallas", tuning=tu), q, pool, pool, pt, kv)
+        # the anchor on an fp8 K copy's pages (decode_score_fp8): the stream pass widens fp8 rows
+        pool8, mult = jax.ShapeDtypeStruct(pool.shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct((b,), jnp.float32)
+        lower(lambda q, k, v, t, l, k8, m: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
+                                                               impl="pallas", tuning=tu, score_keys=(k8, m)),
+              q, pool, pool, pt, kv, pool8, mult)
     # per setting: dense (gather, in-page); reuse; anchor = stream + the short select (the default at 640 keys; the
-    # four-launch select does not read the cache: test_decode lowers it) + reuse
-    assert len(verified) == 3 * (2 + 1 + 3)
+    # four-launch select does not read the cache: test_decode lowers it) + reuse; the same anchor on fp8 K pages
+    assert len(verified) == 3 * (2 + 1 + 3 + 3)
+
+
+def _check_fp8_pages(ps, s, hq, d, interpret, tuning=dec.DEFAULT_TUNING):
+    """The fp8 K copy through the page table (the same table as K): the contiguous copy's selection and output,
+    and the reference path the same; a mult of the pool's length (not the batch's) is refused."""
+    q, k, v, kp, vp, table, kv_len = _paged_inputs(SEED + 5, 2, s, hq, 2, d, ps, jnp.bfloat16)
+    k8, _, mult = ref.fp8_decode_keys(k, kv_len)
+    k8p = np.zeros(kp.shape, np.float32)  # unused pages: zeros (an fp8 pool is zeroed when handed out)
+    tab = np.asarray(table)
+    for bi in range(tab.shape[0]):
+        for j in range(tab.shape[1]):
+            if tab[bi, j] >= 0:
+                k8p[tab[bi, j]] = np.asarray(k8[bi, j * ps:(j + 1) * ps].astype(jnp.float32))
+    k8p = jnp.asarray(k8p, jnp.float8_e4m3fn)
+    kw = dict(topk_frac=0.2, min_k=8, k_max=ref.max_budget(s, 0.2, 8))
+    want, want_idx, _ = dec.anchor_decode(q, k, v, kv_len, impl="reference", score_keys=(k8, mult), **kw)
+    for impl in ("pallas", "reference"):
+        out, idx, counts = paged.anchor_decode(q, kp, vp, table, kv_len, interpret=interpret and impl == "pallas",
+                                               impl=impl, score_keys=(k8p, mult), tuning=tuning, **kw)
+        scores = np.asarray(ref.pooled_scores_decode_reference(ref.fp8_decode_q(q, mult), k8.astype(k.dtype),
+                                                               kv_len))
+        for bi in range(2):
+            for h in range(2):
+                c = int(counts[bi])
+                mine, theirs = set(np.asarray(idx[bi, h, :c]).tolist()), set(np.asarray(want_idx[bi, h, :c]).tolist())
+                if mine != theirs:  # only near-ties may differ (fused fp32 pooling on a GPU)
+                    sc = scores[bi, h]
+                    gap = sc[sorted(theirs - mine)].max() - sc[sorted(mine - theirs)].min()
+                    assert gap <= 1e-3 * abs(sc[sorted(theirs)].min()), (bi, h, mine ^ theirs)
+        assert _row_err(out, want) < 1e-2
+    with pytest.raises(ValueError, match=r"mult must have shape \[batch\]=\(2,\)"):
+        paged.anchor_decode(q, kp, vp, table, kv_len, impl="reference", score_keys=(k8p, jnp.ones(kp.shape[0])),
+                            **kw)
+
+
+@pytest.mark.parametrize("ps", [16, 64])
+def test_anchor_decode_fp8_score_keys_interpret(ps):
+    _check_fp8_pages(ps, 128, 4, 64, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", dec.PAGED_MASKS)
+def test_anchor_decode_fp8_score_keys_gpu(mask):
+    _check_fp8_pages(64, 8192, 32, 128, interpret=False, tuning=dec.DecodeTuning(paged_mask=mask))
+
