@@ -64,7 +64,7 @@ from kernels_pallas.reference import (
     attention_reference_rows,
     decode_counts,
     fp8_decode_keys,
-    fp8_decode_q,
+    fp8_decode_qk,
     fp8_decode_token,
     fp8_score_qk,
     gathered_logits,
@@ -128,9 +128,8 @@ class Kernels:
 
 def _anchor_decode_reference(q, k, v, kv_len, *, cfg, k_max, dense, head_map_row, score_keys=None):
     counts = decode_budget(cfg, kv_len)
-    q_s, k_s = q, k
-    if score_keys is not None:  # decode_score_fp8: the fp8 K copy widened, q with its mult
-        q_s, k_s = fp8_decode_q(q, score_keys[1]), score_keys[0].astype(k.dtype)
+    # decode_score_fp8: the fp8 K copy widened, q with its mult
+    q_s, k_s = (q, k) if score_keys is None else fp8_decode_qk(q, score_keys, k.dtype)
     scores = pooled_scores_decode_reference(q_s, k_s, kv_len, pool=cfg.pool, sinks=cfg.sink_tokens,
                                             window=cfg.recent_window)  # [batch, idx_heads, keys]
     idx = select_topk_reference(scores, counts[:, None], k_max)

@@ -728,9 +728,7 @@ def anchor_decode(q, k_cache, v_cache, kv_len, *, topk_frac: float, min_k: int, 
         kvh, d, s_len, kv_len, topk_frac=topk_frac, min_k=min_k, k_max=k_max, head_map_row=head_map_row, pool=pool,
         scale=scale)
     if not pallas:
-        q_s, k_s = q, k_cache
-        if score_keys is not None:
-            q_s, k_s = ref.fp8_decode_q(q, score_keys[1]), score_keys[0].astype(k_cache.dtype)
+        q_s, k_s = (q, k_cache) if score_keys is None else ref.fp8_decode_qk(q, score_keys, k_cache.dtype)
         scores = ref.pooled_scores_decode_reference(q_s, k_s, kv_len, pool=pool, scale=scale, sinks=sinks,
                                                     window=window)
         idx = ref.select_topk_reference(scores, counts[:, None], k_eff)  # counts per batch row

@@ -553,7 +553,8 @@ class ReuseTuning:
     # Read K and V from a head-major copy [batch, kv_heads, T, d] (one XLA transpose of each per call) instead of the
     # cache's [batch, T, kv_heads, d]: a block of kb keys is then one contiguous run of kb * d elements instead of
     # kb rows at a kv_heads * d stride (session 26: every reuse, Triton or TMA, per key or per block, ran at
-    # ~2.5 TB/s on both the H100 and the H200; the strided runs are the hypothesis).
+    # ~2.5 TB/s on both the H100 and the H200; the strided runs were the hypothesis). Refuted (H100, session 27:
+    # 43.37 -> 43.27 ms with 16-key blocks, 42.60 -> 41.90 with 32 at the 8B shape, 128K): off.
     head_major: bool = False
 
     def __post_init__(self):

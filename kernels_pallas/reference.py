@@ -79,15 +79,22 @@ def fp8_scale(x):
     return jnp.where(amax > 0, jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / jnp.where(amax > 0, amax, 1.0)))), 1.0)
 
 
+def _centred_keys(k, kv_len):
+    """k [batch, keys, kv_heads, d] in fp32 minus its mean over each sequence's valid keys (< kv_len), per KV head and
+    channel, 0 past kv_len -> (centred k, mean [batch, 1, kv_heads, d])."""
+    kf = k.astype(jnp.float32)
+    valid = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, :, None, None]
+    n = jnp.maximum(jnp.sum(valid, axis=1, keepdims=True), 1)
+    mean = jnp.sum(jnp.where(valid, kf, 0.0), axis=1, keepdims=True) / n
+    return jnp.where(valid, kf - mean, 0.0), mean
+
+
 def fp8_score_operands(q, k, kv_len):
     """The fp8 score operands of a prefill chunk: q [batch, q_len, q_heads, d], k [batch, keys, kv_heads, d] (the
     cache), kv_len [batch] -> (q8, k8 float8_e4m3fn like q and k, mult fp32 [1]) with q.k ~ (q8.k8) * mult up to a
     per-row constant: k is centred on its mean over the valid keys (< kv_len) of each sequence and KV head, and
     mult = 1 / (s_q s_k) undoes the two power-of-two scales."""
-    kf = k.astype(jnp.float32)
-    valid = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, :, None, None]
-    n = jnp.maximum(jnp.sum(valid, axis=1, keepdims=True), 1)
-    kc = jnp.where(valid, kf - jnp.sum(jnp.where(valid, kf, 0.0), axis=1, keepdims=True) / n, 0.0)
+    kc, _ = _centred_keys(k, kv_len)
     s_q, s_k = fp8_scale(q), fp8_scale(kc)
     q8 = (q.astype(jnp.float32) * s_q).astype(jnp.float8_e4m3fn)
     k8 = (kc * s_k).astype(jnp.float8_e4m3fn)
@@ -115,11 +122,7 @@ def fp8_decode_keys(k, kv_len):
     softmax is unchanged) and scaled by a power of two s (that sequence's amax to <= 448); mult = 1 / s, folded into
     q (exact: a power of two). Keys past kv_len are 0. Later keys go through `fp8_decode_token` with the same mean
     and scale."""
-    kf = k.astype(jnp.float32)
-    valid = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, :, None, None]
-    n = jnp.maximum(jnp.sum(valid, axis=1, keepdims=True), 1)
-    mean = jnp.sum(jnp.where(valid, kf, 0.0), axis=1, keepdims=True) / n
-    kc = jnp.where(valid, kf - mean, 0.0)
+    kc, mean = _centred_keys(k, kv_len)
     s = jax.vmap(fp8_scale)(kc)  # [batch]
     k8 = (kc * s[:, None, None, None]).astype(jnp.float8_e4m3fn)
     return k8, mean, 1.0 / s
@@ -136,6 +139,13 @@ def fp8_decode_q(q, mult):
     """q [batch, 1, q_heads, d] with the fp8 copy's mult [batch] folded in (a power of two: exact in q's dtype
     unless it leaves q's exponent range): (q * mult).widen(k8) = q.(k - mean) up to the fp8 rounding of k."""
     return (q.astype(jnp.float32) * mult[:, None, None, None]).astype(q.dtype)
+
+
+def fp8_decode_qk(q, score_keys, dtype):
+    """The score operands of a decode anchor on the fp8 K copy (score_keys = (k8, mult)): (q * mult, k8 widened to
+    `dtype`), whose logits are the kernels' (q * mult against k8 widened in registers)."""
+    k8, mult = score_keys
+    return fp8_decode_q(q, mult), k8.astype(dtype)
 
 
 def check_forced(sinks: int, window: int) -> None:

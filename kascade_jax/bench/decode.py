@@ -40,6 +40,25 @@ def inputs(seed, b, s, hq, kvh, d, dtype, peaky):
     return q.astype(dtype), k, v
 
 
+def _rel_err(a, r) -> float:
+    """|a - r| / |r| (Frobenius, fp32); a non-finite a fails."""
+    import numpy as np
+
+    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+    assert np.all(np.isfinite(a)), "non-finite output"
+    return float(np.linalg.norm(a - r) / np.linalg.norm(r))
+
+
+def _set_gap(mine, theirs, sc) -> tuple[int, float]:
+    """(keys in `mine` not in `theirs`, the score gap between the best key it missed and the worst it took, relative
+    to the reference's lowest selected score; 0 for equal sets): how far from a near-tie a differing selection is."""
+    a, r = set(mine.tolist()), set(theirs.tolist())
+    if a == r:
+        return 0, 0.0
+    gap = float(sc[sorted(r - a)].max() - sc[sorted(a - r)].min()) / max(float(sc[theirs].min()), 1e-30)
+    return len(a - r), gap
+
+
 def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_DEFAULT.head_dim, dtype="bfloat16",
           frac=0.1, min_k=128, peaky=False, ragged=True, interpret=False, tuning=None, log=print):
     """Compare A0, A, R (Pallas) with the references on fresh inputs; returns a dict of errors (raises on failure)."""
@@ -58,12 +77,7 @@ def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_D
     hm = jnp.asarray(rng.permutation(kvh), jnp.int32)
     tuning = tuning or dec.DEFAULT_TUNING
     kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, interpret=interpret, tuning=tuning)
-
-    def rel(a, r):
-        a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-        assert np.all(np.isfinite(a)), "non-finite output"
-        return float(np.linalg.norm(a - r) / np.linalg.norm(r))
-
+    rel = _rel_err
     out, idx, counts = jax.jit(lambda *a: dec.anchor_decode(*a, impl="pallas", **kw))(q, k, v, kv_len)
     out0, idx0, _ = jax.jit(lambda *a: dec.anchor_decode(*a, impl="pallas", dense_out=True, **kw))(q, k, v, kv_len)
     scores = jax.jit(lambda q, k, l: ref.pooled_scores_decode_reference(q, k, l))(q, k, kv_len)
@@ -83,13 +97,8 @@ def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_D
             theirs = ref_idx[bi, h][ref_idx[bi, h] >= 0]
             assert len(mine) == counts[bi] == len(theirs), (bi, h, len(mine), counts[bi], len(theirs))
             assert len(np.unique(mine)) == len(mine) and mine.max() < kv_len[bi], "bad indices"
-            a, r = set(mine.tolist()), set(theirs.tolist())
-            if a != r:
-                only_a, only_r = np.array(sorted(a - r)), np.array(sorted(r - a))
-                n_diff += len(only_a)
-                sc = scores[bi, h]
-                gap = float(sc[only_r].max() - sc[only_a].min()) / max(float(sc[theirs].min()), 1e-30)
-                worst = max(worst, gap)
+            n_only, gap = _set_gap(mine, theirs, scores[bi, h])
+            n_diff, worst = n_diff + n_only, max(worst, gap)
     errs = dict(anchor_out=rel(out, ref_sparse), anchor0_out=rel(out0, ref_dense), reuse_out=rel(r_out, ref_reuse),
                 idx_differing=n_diff, idx_worst_rel_score_gap=worst)
     log(f"check b={b} s={s} hq={hq} kvh={kvh} d={d} {dtype} peaky={peaky} ragged={ragged}: {errs}")
@@ -119,7 +128,7 @@ def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, 
                                                                           score_keys=(k8, m), **kw))(
         q, k, v, kv_len, k8, mult)
     pooled = jax.jit(lambda q, k, l: ref.pooled_scores_decode_reference(q, k, l))
-    wide = pooled(ref.fp8_decode_q(q, mult), k8.astype(k.dtype), kv_len)
+    wide = pooled(*ref.fp8_decode_qk(q, (k8, mult), k.dtype), kv_len)
     exact = pooled(q, k, kv_len)
     sel = jax.jit(lambda sc, c: ref.select_topk_reference(sc, c[:, None], k_max))
     ref_idx, exact_idx = sel(wide, counts), sel(exact, counts)
@@ -129,14 +138,9 @@ def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, 
     for bi in range(b):
         for h in range(kvh):
             mine, theirs = idx[bi, h, :counts[bi]], ref_idx[bi, h, :counts[bi]]
-            a, r = set(mine.tolist()), set(theirs.tolist())
-            if a != r:
-                sc = wide[bi, h]
-                gap = (sc[sorted(r - a)].max() - sc[sorted(a - r)].min()) / max(float(sc[theirs].min()), 1e-30)
-                worst_gap = max(worst_gap, float(gap))
+            worst_gap = max(worst_gap, _set_gap(mine, theirs, wide[bi, h])[1])
             recalls.append(float(exact[bi, h][mine].sum() / exact[bi, h][exact_idx[bi, h, :counts[bi]]].sum()))
-    err = float(np.linalg.norm(np.asarray(out, np.float32) - np.asarray(ref_out, np.float32))
-                / np.linalg.norm(np.asarray(ref_out, np.float32)))
+    err = _rel_err(out, ref_out)
     res = dict(peaky=peaky, fp8_idx_worst_rel_score_gap=worst_gap, fp8_out_err=err,
                fp8_mass_recall_worst=min(recalls), fp8_mass_recall_mean=float(np.mean(recalls)))
     log(f"check fp8 K copy b={b} s={s} hq={hq} kvh={kvh} d={d} peaky={peaky}: {res}")

@@ -412,7 +412,7 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
                 out.update(decode_cost=None, decode_speedup=None)
                 continue
             p, g = pools[pool], pools["gqa"]
-            cost = (r["a0"] * p["a0"] / g["a0"] * (1 + da) + sa * r["anchor"] * p["anchor"] / g["anchor"]
+            cost = (r["a0"] * p["a0"] / g["a0"] * (1 + da) + sa * _pool_anchor(ratios, pool, r)
                     + sr * reuse * p["reuse"] / g["reuse"] + dr) / num_layers
         if phase == "decode" and decode_score_fp8:
             f8 = (ratios or {}).get("decode_score_fp8", {})
@@ -420,8 +420,8 @@ def attention_cost(num_layers: int, num_anchors: int, *, context: int, dense_suf
             if f8 is None:
                 out.update(decode_cost=None, decode_speedup=None)
                 continue
-            cost -= sa * anchor * (1.0 - f8) / num_layers * (
-                _pool_anchor(ratios, pool, r) / r["anchor"] if pool != "gqa" and ratios is not None else 1.0)
+            pooled = _pool_anchor(ratios, pool, r) if pool != "gqa" and ratios is not None else anchor
+            cost -= sa * pooled * (1.0 - f8) / num_layers
         if phase == "decode" and decode_tail_stride:
             cost += (num_layers - 1 - da - dr) / num_layers * reuse / df / decode_tail_stride
         if phase == "prefill":
