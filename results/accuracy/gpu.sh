@@ -97,7 +97,9 @@ case "$cmd" in
     sleep 2; cat "$log"
     ;;
   stop)  # end the runner started by launch and every job it started (its session)
-    [ -f "$ACC/logs/_runner.pid" ] && kill -- -"$(cat "$ACC/logs/_runner.pid")" 2>/dev/null
+    # By session, found by the runner's own command line: the pid file holds setsid's pid, which is not the runner's
+    # when the calling shell has job control (setsid forks then), so killing its group left a runner going (s28).
+    for s in $(ps -eo sid=,args= | awk '/gpu\.sh _run / {print $1}' | sort -u); do pkill -s "$s"; done
     sleep 1; ps -eo pid,args | grep "[e]xperiments\." | head
     ;;
   _run)
