@@ -82,6 +82,7 @@ from kernels_pallas.reference import (
     sparse_prefill_reference,
 )
 from models.cache import write_token
+from models.paged import physical_rows, write_paged
 
 # ---------------------------------------------------------------------------------------------------------------
 # The kernel seam
@@ -170,7 +171,9 @@ def _reuse_prefill_reference(q, k, v, q_start, kv_len, idx, counts, head_map_row
 
 def _gathered(fn):
     """A contiguous decode call made paged by gathering the pages first (the reference statement)."""
-    def paged(q, k_pages, v_pages, page_table, kv_len, *args, **kwargs):
+    def paged(q, k_pages, v_pages, page_table, kv_len, *args, score_keys=None, **kwargs):
+        if score_keys is not None:  # the fp8 K copy's pages, through the same table
+            kwargs["score_keys"] = (gather_pages(score_keys[0], page_table, kv_len), score_keys[1])
         return fn(q, gather_pages(k_pages, page_table, kv_len), gather_pages(v_pages, page_table, kv_len), kv_len,
                   *args, **kwargs)
     return paged
@@ -214,11 +217,11 @@ def _pallas_kernels() -> Kernels:
                                  window=cfg.recent_window + cfg.local_window, extra_k=cfg.local_window,
                                  key_block=cfg.prefill_key_block, score_fp8=cfg.prefill_score_fp8)
 
-    def paged_anchor_decode(q, k, v, page_table, kv_len, *, cfg, k_max, dense, head_map_row):
+    def paged_anchor_decode(q, k, v, page_table, kv_len, *, cfg, k_max, dense, head_map_row, score_keys=None):
         check(cfg)
         return pg.anchor_decode(q, k, v, page_table, kv_len, topk_frac=cfg.decode_frac, min_k=cfg.min_k, k_max=k_max,
                                 head_map_row=head_map_row, dense_out=dense, pool=cfg.pool, sinks=cfg.sink_tokens,
-                                window=cfg.recent_window)
+                                window=cfg.recent_window, score_keys=score_keys)
 
     def select_topk(scores, n_valid, counts, k_max):
         if on_gpu():  # the anchors' sort-free Top-k pipeline (kernels_pallas/topk.py); a sort elsewhere
@@ -500,6 +503,24 @@ def _contiguous_view(inputs):
                                v_cache=gather_pages(inputs.v_cache, pt, inputs.kv_len), page_table=None)
 
 
+def _fp8_keys_paged(entry, inputs):
+    """decode_score_fp8 on a paged cache: a prefill chunk re-codes the sequences' keys so far (gathered through the
+    page table) and writes the copy back through it, rows past kv_len as zeros; a decode step codes each sequence's
+    new key (read from K's pool) and writes it at its position. Writes to no page (-1) are dropped."""
+    pt, pool = inputs.page_table, inputs.k_cache
+    n, ps = pool.shape[:2]
+    b = pt.shape[0]
+    if inputs.phase == "prefill":
+        kv_len = jnp.asarray(inputs.kv_len, jnp.int32)
+        k8, mean, mult = fp8_decode_keys(gather_pages(pool, pt, kv_len), kv_len)
+        pos = jnp.broadcast_to(jnp.arange(k8.shape[1], dtype=jnp.int32)[None], (b, k8.shape[1]))
+        return {"k8": write_paged(entry["k8"], k8, pt, pos), "mean": mean, "mult": mult}
+    pos = jnp.broadcast_to(jnp.asarray(inputs.q_start, jnp.int32), (b,))[:, None]
+    rows = physical_rows(pt, pos, ps, n)  # [batch, 1]; no page: one past the end (its write is dropped)
+    new = jnp.take(pool.reshape(n * ps, *pool.shape[2:]), rows, axis=0, mode="clip")  # [batch, 1, kv_heads, d]
+    return dict(entry, k8=write_paged(entry["k8"], fp8_decode_token(new, entry["mean"], entry["mult"]), pt, pos))
+
+
 _SUFFIX_BLOCK = 32  # query rows per block of the reference dense-suffix attention (bounds its materialised scores)
 
 
@@ -581,12 +602,26 @@ class KascadeStrategy:
         cfg = self.config
         return cfg.decode_score_fp8 and cfg.is_anchor(layer) and not cfg.decode_dense(layer)
 
+    @property
+    def paged_cache_state_lever(self) -> str | None:
+        """The cache-state levers without a paged form (decode_score_fp8 keeps its copy in page pools)."""
+        return "decode_prefill_keys" if self.config.decode_prefill_keys else None
+
+    @staticmethod
+    def _fp8_keys(layer: int, inputs):
+        """decode_score_fp8: the anchor's (k8, mult) from its cache-state entry."""
+        if inputs.cache_state is None or "k8" not in inputs.cache_state:
+            raise ValueError(f"decode_score_fp8: anchor layer {layer} got no fp8 K copy in the cache state; run "
+                             "prefill through models.generate (it creates the state)")
+        return inputs.cache_state["k8"], inputs.cache_state["mult"]
+
     def init_cache_state(self, num_layers: int, batch: int, max_len: int, kv_heads: int | None = None,
-                         head_dim: int | None = None):
+                         head_dim: int | None = None, pages: tuple[int, int] | None = None):
         """Per layer (None for the others; None when no lever needs one): decode_prefill_keys, per reuse layer
         {"idx" [batch, idx_heads, s_max] -1, "scores" [batch, idx_heads, max_len] 0}; decode_score_fp8, per sparse
         decode anchor {"k8" [batch, max_len, kv_heads, head_dim] float8_e4m3fn, "mean" [batch, 1, kv_heads,
-        head_dim] fp32, "mult" [batch] fp32} (head_dim needed then)."""
+        head_dim] fp32, "mult" [batch] fp32} (head_dim needed then; with pages=(num_pages, page_size), a paged
+        cache's, "k8" is a page pool [num_pages, page_size, kv_heads, head_dim] read through K's page table)."""
         cfg = self.config
         if not (cfg.decode_prefill_keys or cfg.decode_score_fp8):
             return None
@@ -594,6 +629,9 @@ class KascadeStrategy:
             raise ValueError(f"the model has {num_layers} layers but the config num_layers={cfg.num_layers}")
         if cfg.decode_score_fp8 and head_dim is None:
             raise ValueError("decode_score_fp8 needs the model's head_dim for its fp8 K copy (init_cache_state)")
+        if pages is not None and self.paged_cache_state_lever:
+            raise ValueError(f"{self.paged_cache_state_lever} is not implemented for paged caches yet; use the "
+                             "contiguous KVCache on one device")
         kvh = cfg.kv_heads if kv_heads is None else kv_heads
         s_max = max(1, prefill_keys_budget(cfg, max_len)) if cfg.decode_prefill_keys else 1
         h = cfg.idx_heads
@@ -603,7 +641,8 @@ class KascadeStrategy:
                 return {"idx": jnp.full((batch, h, s_max), -1, jnp.int32),
                         "scores": jnp.zeros((batch, h, max_len), jnp.float32)}
             if self._keeps_fp8_keys(i):
-                return {"k8": jnp.zeros((batch, max_len, kvh, head_dim), jnp.float8_e4m3fn),
+                rows = (batch, max_len) if pages is None else tuple(pages)
+                return {"k8": jnp.zeros((*rows, kvh, head_dim), jnp.float8_e4m3fn),
                         "mean": jnp.zeros((batch, 1, kvh, head_dim), jnp.float32),
                         "mult": jnp.ones((batch,), jnp.float32)}
             return None
@@ -617,6 +656,8 @@ class KascadeStrategy:
         if entry is None:
             return entry
         if "k8" in entry:
+            if inputs.page_table is not None:
+                return _fp8_keys_paged(entry, inputs)
             if inputs.phase == "prefill":
                 k8, mean, mult = fp8_decode_keys(inputs.k_cache, jnp.asarray(inputs.kv_len, jnp.int32))
                 return {"k8": k8, "mean": mean, "mult": mult}
@@ -739,12 +780,7 @@ class KascadeStrategy:
         if cfg.is_anchor(layer):
             row = tuple(range(k.shape[2])) if cfg.pool != "all" else cfg.head_map_row(layer)
             acfg, dense = rerank_config(cfg), cfg.decode_dense(layer)
-            fp8 = {}
-            if self._keeps_fp8_keys(layer):
-                if inputs.cache_state is None or "k8" not in inputs.cache_state:
-                    raise ValueError(f"decode_score_fp8: anchor layer {layer} got no fp8 K copy in the cache state; "
-                                     "run prefill through models.generate (it creates the state)")
-                fp8 = {"score_keys": (inputs.cache_state["k8"], inputs.cache_state["mult"])}
+            fp8 = {"score_keys": self._fp8_keys(layer, inputs)} if self._keeps_fp8_keys(layer) else {}
             out, idx, counts = kern.anchor_decode(q, k, v, kv_len, cfg=acfg, k_max=static_k_max(acfg, k.shape[1]),
                                                   dense=dense, head_map_row=row, **fp8)
             if cfg.decode_rerank_layers is not None:
@@ -790,9 +826,10 @@ class KascadeStrategy:
         max_len = pt.shape[1] * k.shape[1]  # the logical capacity stands in for the contiguous max_len
         if cfg.is_anchor(layer):
             acfg = rerank_config(cfg)
+            fp8 = {"score_keys": self._fp8_keys(layer, inputs)} if self._keeps_fp8_keys(layer) else {}
             out, idx, counts = kern.paged_anchor_decode(q, k, v, pt, kv_len, cfg=acfg,
                                                         k_max=static_k_max(acfg, max_len),
-                                                        dense=cfg.decode_dense(layer), head_map_row=row)
+                                                        dense=cfg.decode_dense(layer), head_map_row=row, **fp8)
             if cfg.decode_rerank_layers is not None:
                 idx = order_candidates(q, _rows_paged(k, pt), kv_len, idx, cfg, static_k_max(cfg, max_len),
                                        kern.select_topk)

@@ -60,20 +60,31 @@ class AttentionStrategy(Protocol):
     # may be None) or None (none needed); `models.generate.prefill` puts it in KVCache.strategy_state. For each layer
     # whose entry is not None the model stores update_cache_state(layer, inputs) (inputs.cache_state: the stored
     # entry) as the new entry (fixed shapes) before attend, and attend gets that new entry as inputs.cache_state.
-    # `cache_state_lever` (a str, None when no state is needed) names it in refusals: paged caches, the engine and a
-    # mesh do not carry a cache state yet (check_no_cache_state).
+    # `cache_state_lever` (a str, None when no state is needed) names it in refusals: a mesh does not carry a cache
+    # state yet (check_no_cache_state). Paged caches and the engine carry one made with init_cache_state(...,
+    # pages=(num_pages, page_size)) (models/paged.py: its [num_pages, page_size, ...] leaves are page pools) when the
+    # strategy's `paged_cache_state_lever` (default: cache_state_lever) is None: it then names what has no paged form.
 
 
-def init_cache_state(strategy, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int):
-    """The strategy's fresh cache state (see AttentionStrategy), or None for strategies without one."""
+def init_cache_state(strategy, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+                     pages: tuple[int, int] | None = None):
+    """The strategy's fresh cache state (see AttentionStrategy), or None for strategies without one; pages=(num_pages,
+    page_size) for a paged cache (its pools then hold the per-token entries)."""
     fn = getattr(strategy, "init_cache_state", None)
-    return None if fn is None else fn(num_layers, batch, max_len, kv_heads=kv_heads, head_dim=head_dim)
+    if fn is None:
+        return None
+    if pages is None:
+        return fn(num_layers, batch, max_len, kv_heads=kv_heads, head_dim=head_dim)
+    return fn(num_layers, batch, max_len, kv_heads=kv_heads, head_dim=head_dim, pages=pages)
 
 
-def check_no_cache_state(strategy, where: str) -> None:
+def check_no_cache_state(strategy, where: str, *, paged: bool = False) -> None:
     """Refuse a strategy that needs a cache state where none is carried (`where`: "paged caches", "the engine",
-    "a mesh"), with a ValueError naming the lever."""
+    "a mesh"), with a ValueError naming the lever; paged=True refuses only the levers without a paged form
+    (`paged_cache_state_lever`)."""
     lever = getattr(strategy, "cache_state_lever", None)
+    if paged:
+        lever = getattr(strategy, "paged_cache_state_lever", lever)
     if lever:
         raise ValueError(f"{lever} is not implemented for {where} yet; use the contiguous KVCache on one device")
 

@@ -23,9 +23,12 @@ Design:
 - A request leaves on EOS (unless `ignore_eos`) or after `max_new_tokens`; its pages go back to the free list and
   its slot's row to -1.
 - Strategy state: Kascade's anchor indices are recomputed by every anchor layer in every decode step and threaded
-  only through the layers of that step (`state` is None at the start of every forward), so no per-sequence state
-  survives a step, and a reused slot starts clean; the only per-slot data are the cache pages and the page-table
-  row. On release the row is reset to -1 and the pages go back to the free list as they are; every page is zeroed
+  only through the layers of that step (`state` is None at the start of every forward). A strategy's cache state
+  (models.attention.init_cache_state with pages=..., e.g. decode_score_fp8's fp8 K copy) lives in the cache: its
+  page pools beside K and V, its per-sequence entries one row per slot; a prefill runs on the slot's view
+  (`PagedKVCache.slot_view`) and writes that row back (`merge_slot`), and re-makes it from the prompt, so a reused
+  slot starts clean. Otherwise the per-slot data are the cache pages and the page-table row.
+  On release the row is reset to -1 and the pages go back to the free list as they are; every page is zeroed
   when it is handed out (`models.paged.zero_pages`: the prompt's pages at admission, a decode step's new pages in
   one call before the step), because the paged kernels read a sequence's rows past its kv_len unmasked, so even a
   stale inf/NaN cannot leak (tested: a request in a reused slot gives the same tokens as alone, also when its
@@ -37,7 +40,8 @@ Design:
   program before the first runs); if a compiled program failed after taking the donated pools, the engine is
   marked unusable and every later `submit` / `step` raises a RuntimeError naming the original error. Iterating
   an unfinished handle of an idle engine (never queued on it) raises a RuntimeError instead of spinning.
-- Construction refuses a strategy without `supports_paged` or with a cache state (`cache_state_lever`), a model
+- Construction refuses a strategy without `supports_paged` or with a cache state that has no paged form
+  (`paged_cache_state_lever`, e.g. decode_prefill_keys), a model
   placed on a mesh, a chunk_size that is not a positive multiple of 64, and a max_len that is not a whole number of
   pages (max_len=None: the model's context, rounded down to whole pages).
 
@@ -70,7 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import check_no_cache_state, check_supports_paged
+from models.attention import check_no_cache_state, check_supports_paged, init_cache_state
 from models.generate import (CHUNK_MULTIPLE, _check_pages as check_pages, _check_room as check_room,
                              _first_stop, _meta, check_sampling, prefill_chunk,
                              prefill_plan, trace_prefill_chunks)
@@ -245,7 +249,7 @@ class Engine:
             raise ValueError("the engine runs on one device: a paged KV cache on a device mesh is not supported "
                              "(this model was placed by models.sharding.shard_model); use generate() with --mesh")
         check_supports_paged(strategy)
-        check_no_cache_state(strategy, "the engine")
+        check_no_cache_state(strategy, "the engine", paged=True)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
@@ -274,6 +278,10 @@ class Engine:
         self.max_batch, self.page_size, self.chunk_size, self.chat = max_batch, page_size, chunk_size, chat
         self.max_prefill_tokens_per_step = budget
         self.cache = PagedKVCache.init(cfg, max_batch, num_pages, page_size, max_len, dtype=model.dtype)
+        cstate = init_cache_state(strategy, cfg.num_layers, max_batch, self.cache.max_len, cfg.kv_heads,
+                                  cfg.head_dim, pages=(num_pages, page_size))
+        if cstate is not None:  # per slot entries and page pools (models/paged.py), re-made by each prefill
+            self.cache = dataclasses.replace(self.cache, strategy_state=cstate)
         self.max_len = self.cache.max_len
         self.num_pages = num_pages
         self.allocator = PageAllocator(num_pages)
@@ -410,7 +418,7 @@ class Engine:
             # left holds the last prompt token and gives the logits of the first token
             h._plan = [(o, w) for o, w in prefill_plan(width, self.max_len,
                                                        self.chunk_size or self.max_prefill_tokens_per_step) if o < plen]
-            view = self.cache.with_table(self._table[slot:slot + 1], np.zeros(1, np.int32))
+            view = self.cache.slot_view(slot, self._table[slot], 0)
             try:  # trace-time refusals of a later chunk surface now, before any pool is donated
                 check_room(view, plen, "the prompt", self.model.config.max_position_embeddings)
                 check_pages(view, np.array([plen]), "prefill")
@@ -449,7 +457,7 @@ class Engine:
         h = self._slots[slot]
         offset, width = h._plan[0]
         plen = len(h.prompt_ids)
-        view = self.cache.with_table(self._table[slot:slot + 1], np.zeros(1, np.int32))
+        view = self.cache.slot_view(slot, self._table[slot], 0)
         try:
             logits, view = prefill_chunk(self.model, h._toks[:, offset:offset + width], np.array([plen], np.int32),
                                          view, self.strategy, offset, split=(self._graphdef, self._params))
@@ -458,7 +466,7 @@ class Engine:
             self._release(slot)
             self._after_failure(err)
             raise
-        self.cache = dataclasses.replace(self.cache, k=view.k, v=view.v)
+        self.cache = self.cache.merge_slot(slot, view)
         h._plan = h._plan[1:]
         if h._plan:
             return

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,10 @@ class PagedKVCache:
     v: tuple  # per layer [num_pages, page_size, kv_heads, head_dim]
     page_table: jax.Array  # [batch, max_pages] int32, -1 = no page
     lengths: jax.Array  # [batch] int32
+    # The strategy's cache state, as models.cache.KVCache's, made with init_cache_state(..., pages=(num_pages,
+    # page_size)): a leaf [num_pages, page_size, ...] is a page pool (read and written through the page table,
+    # zeroed with its pages); every other leaf is per sequence, [batch, ...] (see `slot_state`).
+    strategy_state: Any = None
 
     @property
     def page_size(self) -> int:
@@ -110,11 +115,32 @@ class PagedKVCache:
                    lengths=jnp.zeros((batch,), jnp.int32))
 
     def with_table(self, page_table, lengths) -> "PagedKVCache":
-        """The same pools seen through another page table (e.g. one slot's row for a single-request prefill)."""
+        """The same pools seen through another page table of the same batch (e.g. a decode step's masked rows)."""
         page_table = jnp.asarray(page_table, jnp.int32)
         if page_table.ndim != 2 or page_table.shape[1] != self.max_pages:
             raise ValueError(f"page_table must be [batch, {self.max_pages}], got shape {page_table.shape}")
+        if self.strategy_state is not None and page_table.shape[0] != self.batch:
+            raise ValueError(f"a cache with a strategy state keeps its batch of {self.batch} (its per-sequence "
+                             f"entries); got a page table of batch {page_table.shape[0]}: use slot_view")
         return dataclasses.replace(self, page_table=page_table, lengths=jnp.asarray(lengths, jnp.int32))
+
+    def _is_pool(self, x) -> bool:
+        return x.ndim >= 2 and tuple(x.shape[:2]) == (self.num_pages, self.page_size)
+
+    def slot_view(self, slot: int, row, length) -> "PagedKVCache":
+        """Sequence `slot` alone, as a batch-1 cache: page_table row [max_pages], its length, the shared pools and
+        the slot's per-sequence state entries (a single-request prefill; `merge_slot` puts the result back)."""
+        state = jax.tree.map(lambda x: x if self._is_pool(x) else x[slot:slot + 1], self.strategy_state)
+        row = jnp.asarray(row, jnp.int32).reshape(1, self.max_pages)
+        return dataclasses.replace(self, page_table=row, lengths=jnp.asarray(length, jnp.int32).reshape(1),
+                                   strategy_state=state)
+
+    def merge_slot(self, slot: int, view: "PagedKVCache") -> "PagedKVCache":
+        """This cache with `view`'s (a `slot_view` after a prefill) pools and slot `slot`'s state entries; the
+        page table and lengths stay this cache's."""
+        state = jax.tree.map(lambda x, y: y if self._is_pool(x) else x.at[slot].set(y[0]), self.strategy_state,
+                             view.strategy_state)
+        return dataclasses.replace(self, k=view.k, v=view.v, strategy_state=state)
 
 
 def physical_rows(page_table, positions, page_size: int, num_pages: int):
@@ -180,8 +206,19 @@ def zero_pages(cache: PagedKVCache, pages) -> PagedKVCache:
         return cache
     ids = np.full(_zero_width(len(pages)), cache.num_pages, np.int32)  # padding: dropped
     ids[:len(pages)] = pages
-    k, v = _zero_pages(cache.k, cache.v, jnp.asarray(ids))
-    return dataclasses.replace(cache, k=k, v=v)
+    k, v, state = _zero_pages(cache.k, cache.v, _state_pools(cache), jnp.asarray(ids))
+    return _with_state_pools(dataclasses.replace(cache, k=k, v=v), state)
+
+
+def _state_pools(cache: PagedKVCache) -> tuple:
+    """The page pools among the strategy state's leaves (PagedKVCache.strategy_state)."""
+    return tuple(x for x in jax.tree.leaves(cache.strategy_state) if cache._is_pool(x))
+
+
+def _with_state_pools(cache: PagedKVCache, pools: tuple) -> PagedKVCache:
+    it = iter(pools)
+    state = jax.tree.map(lambda x: next(it) if cache._is_pool(x) else x, cache.strategy_state)
+    return dataclasses.replace(cache, strategy_state=state)
 
 
 def _zero_width(n: int) -> int:
@@ -192,12 +229,12 @@ def warm_zero_pages(cache: PagedKVCache, max_pages: int) -> PagedKVCache:
     """Compile `zero_pages` for every padded width of up to `max_pages` pages (all ids padding: nothing changes), so
     that a step handing out that many pages at once builds no program."""
     for w in sorted({_zero_width(n) for n in range(1, max(max_pages, 1) + 1)}):
-        k, v = _zero_pages(cache.k, cache.v, jnp.full((w,), cache.num_pages, jnp.int32))
-        cache = dataclasses.replace(cache, k=k, v=v)
+        k, v, state = _zero_pages(cache.k, cache.v, _state_pools(cache), jnp.full((w,), cache.num_pages, jnp.int32))
+        cache = _with_state_pools(dataclasses.replace(cache, k=k, v=v), state)
     return cache
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _zero_pages(k, v, ids):
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def _zero_pages(k, v, state_pools, ids):
     zero = lambda pool: pool.at[ids].set(jnp.zeros((), pool.dtype), mode="drop")  # noqa: E731
-    return tuple(map(zero, k)), tuple(map(zero, v))
+    return tuple(map(zero, k)), tuple(map(zero, v)), tuple(map(zero, state_pools))

@@ -202,7 +202,7 @@ class Transformer(nnx.Module):
         page_table = getattr(cache, "page_table", None)  # a models.paged.PagedKVCache has one
         if page_table is not None:
             check_supports_paged(strategy)
-            check_no_cache_state(strategy, "paged caches")
+            check_no_cache_state(strategy, "paged caches", paged=True)
         if self.mesh is not None:
             check_no_cache_state(strategy, "a mesh")
         meta = dict(meta, page_table=page_table)

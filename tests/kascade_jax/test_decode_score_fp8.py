@@ -98,7 +98,8 @@ def test_the_copy_drives_the_selection_and_both_bundles_agree(rng):
 
 def test_state_flags_and_refusals(rng):
     """The lever needs a cache state: prefill_is_dense is off (the eval runs its own prefill), the anchor refuses a
-    decode without the copy, and paged caches and the engine refuse the lever by name."""
+    decode without the copy; paged caches and the engine take it, and refuse decode_prefill_keys (no paged form)
+    by name."""
     from models.engine import Engine
     from models.paged import PagedKVCache
 
@@ -116,10 +117,48 @@ def test_state_flags_and_refusals(rng):
     m = _model()
     paged = PagedKVCache.init(m.config, 2, 40, 16, 320, jnp.float32)
     paged = paged.with_table(jnp.arange(40, dtype=jnp.int32).reshape(2, 20), jnp.zeros((2,), jnp.int32))
-    with pytest.raises(ValueError, match=r"^decode_score_fp8 is not implemented for paged caches yet"):
-        G.prefill(m, _tokens(rng), LENS, paged, st)
-    with pytest.raises(ValueError, match=r"^decode_score_fp8 is not implemented for the engine yet"):
-        Engine(m, CharTokenizer(), st, max_batch=2, page_size=16, max_len=256)
+    assert st.paged_cache_state_lever is None and both.paged_cache_state_lever == "decode_prefill_keys"
+    with pytest.raises(ValueError, match=r"^decode_prefill_keys is not implemented for paged caches yet"):
+        G.prefill(m, _tokens(rng), LENS, paged, both)
+    with pytest.raises(ValueError, match=r"^decode_prefill_keys is not implemented for the engine yet"):
+        Engine(m, CharTokenizer(), both, max_batch=2, page_size=16, max_len=256)
+    with pytest.raises(ValueError, match=r"^decode_prefill_keys is not implemented for paged caches yet"):
+        both.init_cache_state(3, 2, 64, kv_heads=2, head_dim=64, pages=(8, 16))
+    _, paged = G.prefill(m, _tokens(rng), LENS, paged, st)
+    with pytest.raises(ValueError, match=r"keeps its batch of 2 .* use slot_view"):
+        paged.with_table(paged.page_table[:1], paged.lengths[:1])
+
+
+@pytest.mark.parametrize("ps,chunk_size", [(16, None), (64, 128)])
+def test_paged_copy_equals_contiguous(rng, ps, chunk_size):
+    """On a paged cache whose pages are scattered over the pool, the copy read through K's page table, its mean and
+    mult, and each decode step's logits equal the contiguous cache's (whole and chunked prefill)."""
+    from models.paged import PagedKVCache
+
+    m, toks, st = _model(), _tokens(rng), KascadeStrategy(_cfg())
+    mp, n = 512 // ps, 2 * (512 // ps) + 3
+    perm = rng.permutation(n)
+    table = np.stack([perm[:mp], perm[mp:2 * mp]]).astype(np.int32)
+    pc = PagedKVCache.init(m.config, 2, n, ps, 512, jnp.float32).with_table(table, np.zeros(2, np.int32))
+    lp, pc = G.prefill(m, toks, LENS, pc, st, chunk_size=chunk_size)
+    lc, cc = _prefill(st, toks, chunk_size)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(lc), atol=1e-5)
+    from kernels_pallas.paged import gather_pages
+
+    def check():
+        p, c = pc.strategy_state[1], cc.strategy_state[1]
+        assert p["k8"].shape == (n, ps, 2, c["k8"].shape[-1])
+        np.testing.assert_array_equal(np.asarray(gather_pages(p["k8"], pc.page_table).astype(jnp.float32)),
+                                      np.asarray(c["k8"].astype(jnp.float32)))
+        np.testing.assert_allclose(np.asarray(p["mean"]), np.asarray(c["mean"]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(p["mult"]), np.asarray(c["mult"]))
+    check()
+    for _ in range(3):
+        tok = jnp.argmax(lc, -1).astype(jnp.int32)
+        lp, pc = G.decode_step(m, tok, pc, st)
+        lc, cc = G.decode_step(m, tok, cc, st)
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(lc), atol=1e-5)
+    check()
 
 
 def test_recipe_flag_and_config_string():

@@ -28,10 +28,10 @@ def _interpret_bundle() -> str:
     name = "paged_interpret"
     base = get_kernels("reference")
 
-    def anchor(q, k, v, pt, kv_len, *, cfg, k_max, dense, head_map_row):
+    def anchor(q, k, v, pt, kv_len, *, cfg, k_max, dense, head_map_row, score_keys=None):
         return pg.anchor_decode(q, k, v, pt, kv_len, topk_frac=cfg.topk_frac, min_k=cfg.min_k, k_max=k_max,
                                 head_map_row=head_map_row, dense_out=dense, pool=cfg.pool, sinks=cfg.sink_tokens,
-                                window=cfg.recent_window, interpret=True)
+                                window=cfg.recent_window, interpret=True, score_keys=score_keys)
 
     # The first interpret-mode pallas_call of a process adds a tracing-context value (a lazy registration inside
     # JAX), which would make the first jitted step that contains one trace twice. Run one before any engine exists,
@@ -52,17 +52,20 @@ def model():
                                     max_position_embeddings=512), seed=11)
 
 
-def _kascade(kernels="reference"):
+def _kascade(kernels="reference", fp8=False):
     cfg = KascadeConfig(num_layers=3, kv_heads=2, anchors=(0, 1), head_map=((0, 1), (0, 1), (1, 0)),
-                        topk_frac=0.2, min_k=8, tile_size=16)
+                        topk_frac=0.2, min_k=8, tile_size=16, decode_score_fp8=fp8)
     return KascadeStrategy(cfg, kernels=kernels)
 
 
-@pytest.mark.parametrize("ps,kernels,budget", [(16, "reference", None), (64, "interpret", None), (16, "reference", 64)])
-def test_paged_kascade_equals_contiguous(model, rng, ps, kernels, budget):
-    """budget: prefill in 64-token chunks between decode steps (max_prefill_tokens_per_step): the same tokens."""
-    paged_strategy = _kascade(_interpret_bundle() if kernels == "interpret" else "reference")
-    contiguous = _kascade()
+@pytest.mark.parametrize("ps,kernels,budget,fp8", [(16, "reference", None, False), (64, "interpret", None, False),
+                                                   (16, "reference", 64, False), (16, "reference", None, True),
+                                                   (64, "interpret", None, True), (16, "reference", 64, True)])
+def test_paged_kascade_equals_contiguous(model, rng, ps, kernels, budget, fp8):
+    """budget: prefill in 64-token chunks between decode steps (max_prefill_tokens_per_step): the same tokens.
+    fp8: decode_score_fp8, its K copy in page pools and per-slot mean / mult (the engine's cache state)."""
+    paged_strategy = _kascade(_interpret_bundle() if kernels == "interpret" else "reference", fp8)
+    contiguous = _kascade(fp8=fp8)
     prompts = [rng.integers(5, 128, n).tolist() for n in (70, 127, 97)]  # ragged, one prefill width (128)
     eng = Engine(model, Tok(), paged_strategy, max_batch=2, page_size=ps, max_len=256,
                  max_prefill_tokens_per_step=budget)
@@ -102,9 +105,10 @@ def test_paged_kascade_logits_sparse_and_close(model, rng):
     assert np.abs(np.asarray(ld) - np.asarray(lc)).max() > 1e-3
 
 
-def test_kascade_slot_reuse_leaks_nothing(model, rng):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kascade_slot_reuse_leaks_nothing(model, rng, fp8):
     a, other = rng.integers(5, 128, 70).tolist(), rng.integers(5, 128, 140).tolist()
-    s = _kascade()
+    s = _kascade(fp8=fp8)
     alone = Engine(model, Tok(), s, max_batch=1, page_size=16, max_len=256)
     want = alone.submit(a, SamplingParams(max_new_tokens=6)).result()
     eng = Engine(model, Tok(), s, max_batch=1, page_size=16, max_len=256, num_pages=16)
@@ -148,7 +152,7 @@ def test_bundle_without_paged_decode_is_refused(model, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["dense", "kascade"])
+@pytest.mark.parametrize("name", ["dense", "kascade", "kascade_fp8"])
 def test_engine_paged_pallas_gpu(rng, name):
     """On the GPU (bf16, d 128, the Pallas kernels through the page table): the engine's greedy tokens match
     contiguous generate() for the first 8 tokens of every request (bf16 kernels with different tilings may
@@ -163,7 +167,8 @@ def test_engine_paged_pallas_gpu(rng, name):
     if name == "dense":
         paged_s = contig_s = DenseStrategy()
     else:
-        cfg = KascadeConfig(num_layers=4, kv_heads=2, anchors=(0, 2), topk_frac=0.1, min_k=64, tile_size=32)
+        cfg = KascadeConfig(num_layers=4, kv_heads=2, anchors=(0, 2), topk_frac=0.1, min_k=64, tile_size=32,
+                            decode_score_fp8=name == "kascade_fp8")
         paged_s = contig_s = KascadeStrategy(cfg, kernels="pallas")
     prompts = [rng.integers(5, 512, n).tolist() for n in (1500, 3100, 700)]
     eng = Engine(m, Tok(), paged_s, max_batch=2, page_size=64, max_len=4096)

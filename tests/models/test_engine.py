@@ -318,6 +318,30 @@ def test_zero_pages_zeroes_those_pages_only(model):
         assert np.asarray(pool).reshape(10, -1).any(axis=1).tolist() == [p not in (3, 9) for p in range(10)]
 
 
+def test_state_slot_view_merge_and_zero_pages(model):
+    """A cache state on a paged cache (models/paged.py): a [num_pages, page_size, ...] leaf is a page pool, shared by
+    a slot's view and zeroed with its pages; other leaves are per sequence: the view takes the slot's row, merge_slot
+    writes it back there only."""
+    cache = PagedKVCache.init(model.config, 3, 10, 16, 64, dtype=jnp.float32)
+    seq = jnp.arange(15, dtype=jnp.float32).reshape(3, 5)
+    cache = dataclasses.replace(cache, strategy_state=({"pool": jnp.ones((10, 16, 2, 4)), "seq": seq}, None))
+    view = cache.slot_view(1, [0, 1, 2, 3], 5)
+    assert view.batch == 1 and view.page_table.shape == (1, 4) and int(view.lengths[0]) == 5
+    assert view.strategy_state[1] is None and view.strategy_state[0]["pool"].shape == (10, 16, 2, 4)
+    np.testing.assert_array_equal(np.asarray(view.strategy_state[0]["seq"]), np.asarray(seq[1:2]))
+    done = dataclasses.replace(view, strategy_state=({"pool": jnp.full((10, 16, 2, 4), 2.0),
+                                                      "seq": jnp.full((1, 5), 99.0)}, None))
+    merged = cache.merge_slot(1, done)
+    want = np.asarray(seq).copy()
+    want[1] = 99
+    np.testing.assert_array_equal(np.asarray(merged.strategy_state[0]["seq"]), want)
+    assert (np.asarray(merged.strategy_state[0]["pool"]) == 2).all() and merged.batch == 3
+    out = zero_pages(merged, [3])
+    pool = np.asarray(out.strategy_state[0]["pool"]).reshape(10, -1)
+    assert pool.any(axis=1).tolist() == [p != 3 for p in range(10)]
+    np.testing.assert_array_equal(np.asarray(out.strategy_state[0]["seq"]), want)
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasPagedDecode:
     """Dense attention whose paged decode is the Pallas kernel (interpret mode, no masked loads: what a GPU runs; on
