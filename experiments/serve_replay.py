@@ -95,7 +95,7 @@ def model_spec() -> str:
 
 def build_strategy(name: str, model, tok, spec: str):
     """dense, or kascade: on a random:* model the registry's default anchors or --anchors (identity head map, no
-    recipe: there is no calibration of random weights); on a real model exactly what every entry point builds
+    recipe: there is no calibration of random weights; --decode_score_fp8 is the one lever taken); on a real model exactly what every entry point builds
     (`common.build_strategy`: --recipe's levers, --anchors / --head_map, its calibration)."""
     import jax
 
@@ -115,7 +115,14 @@ def build_strategy(name: str, model, tok, spec: str):
     return make_strategy("kascade", cfg.num_layers, cfg.kv_heads, topk_frac=common.TOPK_FRAC.value,
                          min_k=common.MIN_K.value, tile_size=common.TILE_SIZE.value,
                          anchors=default_anchors(cfg.num_layers) if anchors == "auto" else anchors,
+                         decode_score_fp8=recipe_flags.DECODE_FP8.value,
                          kernels="pallas" if jax.default_backend() == "gpu" else "reference")
+
+
+def row_label(name: str, strategy) -> str:
+    """The replay row's strategy name: kascade with the fp8 K copy (--decode_score_fp8, or a recipe with it) is
+    kascade_fp8d, so that both rows of one trace stay side by side in paged.json."""
+    return name + "_fp8d" if getattr(getattr(strategy, "config", None), "decode_score_fp8", False) else name
 
 
 def main(argv):
@@ -232,12 +239,12 @@ def main(argv):
                 f"built in {warm['warmup_compile_s']:.1f} s")
             phase[0] = f"{name}: timed replay"
             steps0 = engine.decode_steps
-            row = dict(strategy=name, max_prefill_tokens_per_step=PREFILL_BUDGET.value, **warm,
+            row = dict(strategy=row_label(name, strategy), max_prefill_tokens_per_step=PREFILL_BUDGET.value, **warm,
                        **replay(engine, trace, log=say, progress_s=PROGRESS_S.value, deadline=deadline,
                                 compiles=compiles))
             row["decode_steps"] -= steps0
             rows.append(row)
-            say(f"{name}: {row['tokens_per_s']:.1f} generated tok/s, makespan {row['makespan_s']:.2f} s, TTFT p50 "
+            say(f"{row['strategy']}: {row['tokens_per_s']:.1f} generated tok/s, makespan {row['makespan_s']:.2f} s, TTFT p50 "
                 f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, TPOT p50 {row['tpot_p50_ms']:.2f} ms p99 "
                 f"{row['tpot_p99_ms']:.2f} ms, {row['decode_steps']} decode steps, mean active "
                 f"{row['mean_active']:.2f}, decode compilations {row['decode_compilations']}, compilations during the "

@@ -380,9 +380,12 @@ def _replay_md(sec: dict) -> list[str]:
         lines += ["", "**Stopped by the time limit** (metrics over what was generated until then; not comparable): "
                   + "; ".join(stopped or [m["stopped"]])]
     by = {r["strategy"]: r for r in sec["rows"]}
-    if "dense" in by and "kascade" in by and not stopped:
-        lines += ["", f"Kascade / dense generated tokens/s: **{by['kascade']['tokens_per_s'] / by['dense']['tokens_per_s']:.2f}x**; "
-                      f"TPOT p50 {by['kascade']['tpot_p50_ms'] / by['dense']['tpot_p50_ms']:.2f}x of dense."]
+    if "dense" in by and not stopped:
+        d = by["dense"]
+        for name, r in by.items():
+            if name != "dense":  # kascade, kascade_fp8d (decode_score_fp8), ...
+                lines += ["", f"{name} / dense generated tokens/s: **{r['tokens_per_s'] / d['tokens_per_s']:.2f}x**; "
+                              f"TPOT p50 {r['tpot_p50_ms'] / d['tpot_p50_ms']:.2f}x of dense."]
     return lines
 
 

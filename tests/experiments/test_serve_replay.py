@@ -351,3 +351,31 @@ def test_serve_replay_time_limit_stops_writes_and_exits_3():
                         "--min_new=2", "--max_new=4", "--replay_time_limit=3", "--replay_progress_s=1"], cli_fork.ENV)
     assert res.returncode == 3, res.stderr[-2000:]
     assert "STOPPED by --replay_time_limit: dense:" in res.stdout and "not run: kascade" in res.stdout, res.stdout
+
+
+def test_serve_replay_fp8_lever_on_a_random_model(tmp_path):
+    """--decode_score_fp8 on a random model: the Kascade engine carries the fp8 K copy (its page pools and per-slot
+    scale) through a whole replay, its row is named kascade_fp8d (beside kascade's in paged.json), and paged.md
+    gives each non-dense row's ratio to dense."""
+    from experiments import serve_replay as sr
+    from kascade_jax.config import KascadeConfig
+    from kascade_jax.strategies import KascadeStrategy
+
+    res = cli_fork.run(["-m", "experiments.serve_replay", "--model=random:tiny", "--replay_layers=3", "--anchors=0,1",
+                        "--num_requests=3", "--arrival_rate=50", "--min_prompt=64", "--max_prompt=128",
+                        "--min_new=2", "--max_new=4", "--strategies=kascade", "--decode_score_fp8"],
+                       cli_fork.ENV, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "kascade_fp8d: " in res.stdout and "generated tok/s" in res.stdout, res.stdout[-2000:]
+    cfg = dict(num_layers=3, kv_heads=1, anchors=(0, 1))
+    assert sr.row_label("kascade", KascadeStrategy(KascadeConfig(**cfg))) == "kascade"
+    assert sr.row_label("kascade", KascadeStrategy(KascadeConfig(**cfg, decode_score_fp8=True))) == "kascade_fp8d"
+    row = dict(requests=3, generated_tokens=9, tokens_per_s=10.0, makespan_s=1.0, ttft_p50_s=0.1, ttft_p99_s=0.2,
+               tpot_p50_ms=5.0, tpot_p99_ms=6.0, decode_steps=4, mean_active=1.5)
+    meta = dict(gpu="cpu", date="d", jax="j", command="c", model="m", num_requests=3, arrival_rate=50.0,
+                min_prompt=64, max_prompt=128, min_new=2, max_new=4, max_batch=8, page_size=64, num_pages=32, seed=0)
+    rows = [dict(row, strategy="dense"), dict(row, strategy="kascade", tokens_per_s=20.0),
+            dict(row, strategy="kascade_fp8d", tokens_per_s=25.0)]
+    text = open(paged_report.update(str(tmp_path), "replay", dict(meta=meta, rows=rows))).read()
+    assert "kascade / dense generated tokens/s: **2.00x**" in text
+    assert "kascade_fp8d / dense generated tokens/s: **2.50x**" in text
