@@ -53,7 +53,7 @@ from absl import flags
 
 from experiments import cli, common, recipe_flags
 from kascade_jax.bench.replay import (CPU_MAX_GB, RANDOM_SHAPES, Compiles, TimeLimit, Watchdog, build_model, make_trace,
-                                      random_model_gb, replay, warm_up)
+                                      random_model_gb, replay, row_label, warm_up)
 
 REPLAY_LAYERS = flags.DEFINE_integer("replay_layers", 8, "Layers of a random:* model.", lower_bound=1)
 STRATEGIES = flags.DEFINE_list("strategies", ["dense", "kascade"], "Strategies to replay (dense, kascade).")
@@ -117,12 +117,6 @@ def build_strategy(name: str, model, tok, spec: str):
                          anchors=default_anchors(cfg.num_layers) if anchors == "auto" else anchors,
                          decode_score_fp8=recipe_flags.DECODE_FP8.value,
                          kernels="pallas" if jax.default_backend() == "gpu" else "reference")
-
-
-def row_label(name: str, strategy) -> str:
-    """The replay row's strategy name: kascade with the fp8 K copy (--decode_score_fp8, or a recipe with it) is
-    kascade_fp8d, so that both rows of one trace stay side by side in paged.json."""
-    return name + "_fp8d" if getattr(getattr(strategy, "config", None), "decode_score_fp8", False) else name
 
 
 def main(argv):

@@ -71,7 +71,7 @@ class PagedKVCache:
     lengths: jax.Array  # [batch] int32
     # The strategy's cache state, as models.cache.KVCache's, made with init_cache_state(..., pages=(num_pages,
     # page_size)): a leaf [num_pages, page_size, ...] is a page pool (read and written through the page table,
-    # zeroed with its pages); every other leaf is per sequence, [batch, ...] (see `slot_state`).
+    # zeroed with its pages); every other leaf is per sequence, [batch, ...] (see `slot_view`).
     strategy_state: Any = None
 
     @property

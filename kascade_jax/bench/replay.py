@@ -131,6 +131,12 @@ class IdTokenizer:
 CPU_MAX_GB = 8.0  # a CPU replay is a functional check: refuse one whose weights and KV pool would exceed this
 
 
+def row_label(name: str, strategy) -> str:
+    """The replay row's strategy name: kascade with the fp8 K copy (--decode_score_fp8, or a recipe with it) is
+    kascade_fp8d, so that both rows of one trace stay side by side in paged.json."""
+    return name + "_fp8d" if getattr(getattr(strategy, "config", None), "decode_score_fp8", False) else name
+
+
 def random_model_gb(shape: str, layers: int, dtype: str, num_pages: int, page_size: int) -> float:
     """GB of a random:<shape> model's weights plus its engine's paged KV pool (K and V, every layer)."""
     c = RANDOM_SHAPES[shape]

@@ -357,7 +357,6 @@ def test_serve_replay_fp8_lever_on_a_random_model(tmp_path):
     """--decode_score_fp8 on a random model: the Kascade engine carries the fp8 K copy (its page pools and per-slot
     scale) through a whole replay, its row is named kascade_fp8d (beside kascade's in paged.json), and paged.md
     gives each non-dense row's ratio to dense."""
-    from experiments import serve_replay as sr
     from kascade_jax.config import KascadeConfig
     from kascade_jax.strategies import KascadeStrategy
 
@@ -368,8 +367,9 @@ def test_serve_replay_fp8_lever_on_a_random_model(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "kascade_fp8d: " in res.stdout and "generated tok/s" in res.stdout, res.stdout[-2000:]
     cfg = dict(num_layers=3, kv_heads=1, anchors=(0, 1))
-    assert sr.row_label("kascade", KascadeStrategy(KascadeConfig(**cfg))) == "kascade"
-    assert sr.row_label("kascade", KascadeStrategy(KascadeConfig(**cfg, decode_score_fp8=True))) == "kascade_fp8d"
+    label = serve_replay.row_label
+    assert label("kascade", KascadeStrategy(KascadeConfig(**cfg))) == "kascade"
+    assert label("kascade", KascadeStrategy(KascadeConfig(**cfg, decode_score_fp8=True))) == "kascade_fp8d"
     row = dict(requests=3, generated_tokens=9, tokens_per_s=10.0, makespan_s=1.0, ttft_p50_s=0.1, ttft_p99_s=0.2,
                tpot_p50_ms=5.0, tpot_p99_ms=6.0, decode_steps=4, mean_active=1.5)
     meta = dict(gpu="cpu", date="d", jax="j", command="c", model="m", num_requests=3, arrival_rate=50.0,
