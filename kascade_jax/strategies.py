@@ -81,6 +81,7 @@ from kernels_pallas.reference import (
     topk_budget,
     sparse_prefill_reference,
 )
+from models.attention import check_no_cache_state
 from models.cache import write_token
 from models.paged import physical_rows, write_paged
 
@@ -629,9 +630,8 @@ class KascadeStrategy:
             raise ValueError(f"the model has {num_layers} layers but the config num_layers={cfg.num_layers}")
         if cfg.decode_score_fp8 and head_dim is None:
             raise ValueError("decode_score_fp8 needs the model's head_dim for its fp8 K copy (init_cache_state)")
-        if pages is not None and self.paged_cache_state_lever:
-            raise ValueError(f"{self.paged_cache_state_lever} is not implemented for paged caches yet; use the "
-                             "contiguous KVCache on one device")
+        if pages is not None:
+            check_no_cache_state(self, "paged caches", paged=True)
         kvh = cfg.kv_heads if kv_heads is None else kv_heads
         s_max = max(1, prefill_keys_budget(cfg, max_len)) if cfg.decode_prefill_keys else 1
         h = cfg.idx_heads

@@ -17,6 +17,7 @@ from kascade_jax.eval import accuracy
 from kascade_jax.recipes import candidate
 from kascade_jax.strategies import KascadeStrategy
 from kernels_pallas import reference as ref
+from kernels_pallas.paged import gather_pages
 from kj_helpers import peaky_tiny_model, ragged_tokens, decode_inputs, flag_recipe, random_layer
 from models import generate as G
 from models.cache import KVCache
@@ -143,7 +144,6 @@ def test_paged_copy_equals_contiguous(rng, ps, chunk_size):
     lp, pc = G.prefill(m, toks, LENS, pc, st, chunk_size=chunk_size)
     lc, cc = _prefill(st, toks, chunk_size)
     np.testing.assert_allclose(np.asarray(lp), np.asarray(lc), atol=1e-5)
-    from kernels_pallas.paged import gather_pages
 
     def check():
         p, c = pc.strategy_state[1], cc.strategy_state[1]
