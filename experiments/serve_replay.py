@@ -54,6 +54,7 @@ from absl import flags
 from experiments import cli, common, recipe_flags
 from kascade_jax.bench.replay import (CPU_MAX_GB, RANDOM_SHAPES, Compiles, TimeLimit, Watchdog, build_model, make_trace,
                                       random_model_gb, replay, row_label, warm_up)
+from kascade_jax.bench import timing
 
 REPLAY_LAYERS = flags.DEFINE_integer("replay_layers", 8, "Layers of a random:* model.", lower_bound=1)
 STRATEGIES = flags.DEFINE_list("strategies", ["dense", "kascade"], "Strategies to replay (dense, kascade).")
@@ -137,6 +138,8 @@ def main(argv):
     on_gpu = jax.default_backend() == "gpu"
     if REPLAY_OUT.value and not on_gpu:
         raise ValueError("--replay_out writes benchmark files: run on a GPU (CPU timings would mean nothing)")
+    if on_gpu and (warning := timing.untuned_gemm_warning()) is not None:
+        print(warning, file=sys.stderr, flush=True)
     dtype = common.DTYPE.value if flags.FLAGS["dtype"].present else ("bfloat16" if on_gpu else "float32")
     if "kascade" in STRATEGIES.value:  # --anchors and --recipe, before any model is built
         from kascade_jax.calibration.resolve import parse_anchors
@@ -257,7 +260,7 @@ def main(argv):
 
             meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                         gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv),
-                        **trace_meta, topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value,
+                        **({"xla_flags": timing.xla_flags()} if timing.xla_flags() else {}), **trace_meta, topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value,
                         anchors=recipe_flags.ANCHORS.value,
                         recipe=recipe_flags.RECIPE.value, max_prefill_tokens_per_step=PREFILL_BUDGET.value,
                         time_limit_s=limit)

@@ -23,9 +23,10 @@ def _pyplot():
 
 
 def _head(title: str, meta: dict, level: int = 1) -> list[str]:
-    """A heading '<title> (<gpu>)' and the line of the run's date, JAX version and command."""
+    """A heading '<title> (<gpu>)' and the line of the run's date, JAX version, XLA_FLAGS (if set) and command."""
+    flags = f", XLA_FLAGS `{meta['xla_flags']}`" if meta.get("xla_flags") else ""
     return [f"{'#' * level} {title} ({meta['gpu']})", "",
-            f"Date {meta['date']}, JAX {meta['jax']}, command `{meta['command']}`."]
+            f"Date {meta['date']}, JAX {meta['jax']}{flags}, command `{meta['command']}`."]
 
 
 def _kernel_lines(title: str, items, digits: int, min_ms: float | None = None) -> list[str]:
@@ -217,7 +218,8 @@ def e2e_markdown(meta: dict, rows: list) -> str:
     lines = ["# End-to-end speed: dense (cuDNN) vs Kascade in the model", ""]
     for run in meta.get("runs", []):
         where = f"mesh {run['mesh']} over {run.get('devices')} devices" if run.get("mesh") else "one device"
-        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, {where}, `{run.get('command')}`")
+        flags = f", XLA_FLAGS `{run['xla_flags']}`" if run.get("xla_flags") else ""
+        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, {where}{flags}, `{run.get('command')}`")
     lines += ["", "Wall clock after compilation (TTFT: prefill of the whole prompt + first greedy sample, batch 1; "
               "decode: ms per step of the jitted decode loop, (t(N2) - t(N1)) / (N2 - N1)). Attention / rest: CUPTI "
               "kernel time split by kernel name (cuDNN attention and the Pallas kernels vs everything else; the "

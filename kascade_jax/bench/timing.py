@@ -9,12 +9,29 @@ rest, so Kascade's attention shares are lower bounds.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import statistics
 
 # (q_heads, kv_heads, head_dim, num_layers) -> model, named in the tables' headers.
 MODEL_NAMES = {(32, 8, 128, 32): "Llama-3.1-8B", (14, 2, 64, 24): "Qwen2.5-Coder-0.5B",
                (12, 2, 128, 28): "Qwen2.5-Coder-1.5B"}
 TOP_N = 15
+
+
+def xla_flags() -> str:
+    """The XLA_FLAGS this process runs under ('' if none), for a run's record. In-model timings depend on them:
+    `--xla_gpu_autotune_level=0` (the accuracy runner's setting, which saves compile time) leaves the weights' GEMMs
+    on untuned configurations, about 3x slower at decode batch 6 on the H200 (session 29)."""
+    return os.environ.get("XLA_FLAGS", "").strip()
+
+
+def untuned_gemm_warning() -> str | None:
+    """A one-line warning when XLA's autotuning is off (GEMM times then are not what users get), else None."""
+    if re.search(r"--xla_gpu_autotune_level=0\b", xla_flags()):
+        return ("warning: XLA_FLAGS turns GEMM autotuning off (--xla_gpu_autotune_level=0): the weights' GEMMs run "
+                "untuned, so in-model times overstate everything but attention; unset it for timings to report")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
