@@ -46,6 +46,9 @@ SCORE_FP8 = flags.DEFINE_boolean("decode_score_fp8", False, "Also time the ancho
                                 "K (the recipe lever decode_score_fp8; the copy is made outside the timing, as the "
                                 "cache keeps it): A_fp8, weighted and speedup with the row's A0 and R; the checks "
                                 "compare it with its reference. Tag the run (--bench_tag).")
+FP8_DOT = flags.DEFINE_boolean("decode_fp8_dot", False, "With --decode_score_fp8, also time the anchor scored by "
+                               "fp8 dots of q's two fp8 halves against the copy (DecodeTuning.stream_fp8_dot, no "
+                               "widening of K): A_fp8dot, weighted and speedup, after its own check.")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
@@ -88,6 +91,8 @@ def main(argv):
         raise app.UsageError("--decode_rerank_worst needs --decode_reranks (the C values to time)")
     if TUNING.value.strip() and not BENCH_TAG.value:
         raise app.UsageError("--decode_tuning needs --bench_tag (the table's file names do not say the tuning)")
+    if FP8_DOT.value and not SCORE_FP8.value:
+        raise app.UsageError("--decode_fp8_dot times a variant of the fp8 rows: it needs --decode_score_fp8")
     if SCORE_FP8.value and not BENCH_TAG.value:
         raise app.UsageError("--decode_score_fp8 needs --bench_tag (the default tables hold the plain rows)")
     from kascade_jax.bench import decode
@@ -103,7 +108,7 @@ def main(argv):
                max_cache_gb=MAX_GB.value, tuning=tuning,
                shape=shape_from_flags(), tag=BENCH_TAG.value, reranks=[int(c) for c in RERANKS.value],
                rerank_worst=WORST.value, pools=list(POOLS.value), short_selects=list(SHORT.value),
-               score_fp8=SCORE_FP8.value)
+               score_fp8=SCORE_FP8.value, score_fp8_dot=FP8_DOT.value)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,9 @@ def fp8_scale(x):
     """A power of two s with max|x| * s <= E4M3_MAX (fp32 scalar; 1 for an all-zero x): x * s rounds to
     float8_e4m3fn without saturating, and dividing by s is exact."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-    return jnp.where(amax > 0, jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / jnp.where(amax > 0, amax, 1.0)))), 1.0)
+    # frexp / ldexp, not exp2(floor(log2)): XLA's exp2 on the CPU gave 0.9999995 * 2^13 (session 29)
+    _, e = jnp.frexp(E4M3_MAX / jnp.where(amax > 0, amax, 1.0))  # E4M3_MAX / amax in [2^(e-1), 2^e)
+    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1.0), e - 1), 1.0)
 
 
 def _centred_keys(k, kv_len):
@@ -139,6 +141,27 @@ def fp8_decode_q(q, mult):
     """q [batch, 1, q_heads, d] with the fp8 copy's mult [batch] folded in (a power of two: exact in q's dtype
     unless it leaves q's exponent range): (q * mult).widen(k8) = q.(k - mean) up to the fp8 rounding of k."""
     return (q.astype(jnp.float32) * mult[:, None, None, None]).astype(q.dtype)
+
+
+def fp8_decode_q_split(q, mult):
+    """q [batch, 1, q_heads, d] and the fp8 copy's mult [batch] -> (q_hi, q_lo float8_e4m3fn like q, inv fp32 [batch])
+    with q * mult ~ (q_hi + q_lo) * inv to about bf16's precision: q_hi = fp8(q * mult * s) (s a power of two per
+    sequence, its amax to <= 448), q_lo = fp8 of the remainder, inv = 1 / s. Two fp8 dots against the fp8 K copy then
+    score without widening K (`DecodeTuning.stream_fp8_dot`); one fp8 q alone (3 mantissa bits) would not keep q's
+    precision, and the prefill's fp8 q cost RULER points (results/accuracy/NOTES.md, session 28)."""
+    x = q.astype(jnp.float32) * mult[:, None, None, None]
+    s = jax.vmap(fp8_scale)(x)  # [batch]
+    xs = x * s[:, None, None, None]
+    hi = xs.astype(jnp.float8_e4m3fn)
+    lo = (xs - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+    return hi, lo, 1.0 / s
+
+
+def fp8_decode_q_joined(q, mult):
+    """(q_hi + q_lo) * inv of `fp8_decode_q_split` in fp32 (exact: 3-bit mantissas a few exponents apart, a power of
+    two): the q whose scores against the widened fp8 copy are the fp8-dot kernels' logits."""
+    hi, lo, inv = fp8_decode_q_split(q, mult)
+    return (hi.astype(jnp.float32) + lo.astype(jnp.float32)) * inv[:, None, None, None]
 
 
 def fp8_decode_qk(q, score_keys, dtype):

@@ -110,8 +110,9 @@ def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_D
 def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_DEFAULT.head_dim, frac=0.1,
               min_k=128, peaky=False, tuning=None, interpret=False, log=print):
     """The anchor on the fp8 K copy (`score_keys`, `reference.fp8_decode_keys`) against the reference on the copy
-    widened (same index set up to near-ties, sparse output from bf16 K and V), and the share of the bf16 Top-k's
-    pooled mass its selection keeps (worst and mean over sequences and heads); returns the numbers."""
+    widened (with `tuning.stream_fp8_dot`, against q's two fp8 halves joined: `reference.fp8_decode_q_joined`; same
+    index set up to near-ties, sparse output from bf16 K and V), and the share of the bf16 Top-k's pooled mass its
+    selection keeps (worst and mean over sequences and heads); returns the numbers."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -128,7 +129,10 @@ def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, 
                                                                           score_keys=(k8, m), **kw))(
         q, k, v, kv_len, k8, mult)
     pooled = jax.jit(lambda q, k, l: ref.pooled_scores_decode_reference(q, k, l))
-    wide = pooled(*ref.fp8_decode_qk(q, (k8, mult), k.dtype), kv_len)
+    if kw["tuning"].stream_fp8_dot:
+        wide = pooled(ref.fp8_decode_q_joined(q, mult), k8.astype(jnp.float32), kv_len)
+    else:
+        wide = pooled(*ref.fp8_decode_qk(q, (k8, mult), k.dtype), kv_len)
     exact = pooled(q, k, kv_len)
     sel = jax.jit(lambda sc, c: ref.select_topk_reference(sc, c[:, None], k_max))
     ref_idx, exact_idx = sel(wide, counts), sel(exact, counts)
@@ -141,16 +145,17 @@ def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, 
             worst_gap = max(worst_gap, _set_gap(mine, theirs, wide[bi, h])[1])
             recalls.append(float(exact[bi, h][mine].sum() / exact[bi, h][exact_idx[bi, h, :counts[bi]]].sum()))
     err = _rel_err(out, ref_out)
-    res = dict(peaky=peaky, fp8_idx_worst_rel_score_gap=worst_gap, fp8_out_err=err,
+    res = dict(peaky=peaky, fp8_dot=kw["tuning"].stream_fp8_dot, fp8_idx_worst_rel_score_gap=worst_gap, fp8_out_err=err,
                fp8_mass_recall_worst=min(recalls), fp8_mass_recall_mean=float(np.mean(recalls)))
     log(f"check fp8 K copy b={b} s={s} hq={hq} kvh={kvh} d={d} peaky={peaky}: {res}")
     assert worst_gap <= 1e-4 and err < 2e-2, f"fp8 anchor differs from its reference: {res}"
     return res
 
 
-def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning, log=print) -> dict:
+def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning, log=print, dot=False) -> dict:
     """row["A_fp8"]: the anchor scoring on the fp8 K copy (`score_keys`; the copy is made outside the timing: the
-    cache keeps it), with the row's A0 and R, weighted_fp8 and speedup_fp8."""
+    cache keeps it), with the row's A0 and R, weighted_fp8 and speedup_fp8; with `dot`, also row["A_fp8dot"] (and
+    its weighted / speedup): the same scored by fp8 dots of q's two halves (`DecodeTuning.stream_fp8_dot`)."""
     import jax
 
     from kernels_pallas import decode as dec
@@ -159,14 +164,26 @@ def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning
     k8, _, mult = jax.jit(ref.fp8_decode_keys)(k, kv_len)
     kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(k.shape[1], frac, min_k), impl="pallas",
               tuning=tuning)
-    fn = jax.jit(lambda q, k, v, l, k8, m: dec.anchor_decode(q, k, v, l, score_keys=(k8, m), **kw))
-    row["A_fp8"], row["A_fp8_kernels"] = cupti_time(fn, (q, k, v, kv_len, k8, mult), iters)
-    row["A0_fp8"], row["R_fp8"] = row["A0"], row["R"]
-    row["weighted_fp8"] = shape.weighted(row["A0"], row["A_fp8"], row["R"])
-    row["speedup_fp8"] = dense / row["weighted_fp8"]
-    log(f"   fp8 K copy: A {row['A_fp8']:.4f} ({row['A_fp8'] / dense:.3f})  weighted {row['weighted_fp8']:.4f}  "
-        f"speedup {row['speedup_fp8']:.2f}x")
-    log("   A (fp8) kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_fp8_kernels"].items()))
+    variants = [("fp8", "fp8 K copy", tuning)]
+    if dot:
+        variants.append(("fp8dot", "fp8 K copy, fp8 dots", dataclasses.replace(tuning, stream_fp8_dot=True)))
+    for t, name, tu in variants:
+        fn = jax.jit(lambda q, k, v, l, k8, m, tu=tu: dec.anchor_decode(q, k, v, l, score_keys=(k8, m),
+                                                                         **dict(kw, tuning=tu)))
+        try:
+            row[f"A_{t}"], row[f"A_{t}_kernels"] = cupti_time(fn, (q, k, v, kv_len, k8, mult), iters)
+        except Exception as e:  # the new variant must not take the row's other numbers with it; it says so
+            if t == "fp8":
+                raise
+            row[f"{t}_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"   {name} FAILED: {row[f'{t}_failed']}")
+            continue
+        row[f"A0_{t}"], row[f"R_{t}"] = row["A0"], row["R"]
+        row[f"weighted_{t}"] = shape.weighted(row["A0"], row[f"A_{t}"], row["R"])
+        row[f"speedup_{t}"] = dense / row[f"weighted_{t}"]
+        log(f"   {name}: A {row[f'A_{t}']:.4f} ({row[f'A_{t}'] / dense:.3f})  weighted {row[f'weighted_{t}']:.4f}  "
+            f"speedup {row[f'speedup_{t}']:.2f}x")
+        log(f"   A ({t}) kernels: " + ", ".join(f"{n[:40]}={ms:.4f}" for n, ms in row[f"A_{t}_kernels"].items()))
     del k8
     return row
 
@@ -313,12 +330,13 @@ def cache_bytes(b, s, shape, itemsize):
 
 
 def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT, reranks=(), rerank_worst=0,
-              pools=(), short_selects=(), score_fp8=False):
+              pools=(), short_selects=(), score_fp8=False, score_fp8_dot=False):
     """One row: dense (cuDNN), A0, A and R at batch b and context s (every sequence full), their ratios to dense,
     the weighted Kascade time and its speedup, and each piece's kernels; with `reranks`, the same through the
     strategy with decode_rerank C (`rerank_row`); with `pools`, through the strategy with each selection pool
     (`pool_row`); with `short_selects`, the anchors at each short select setting (`short_select_row`, each of
-    `pools`, else gqa); with `score_fp8`, the anchor on the fp8 K copy (`fp8_row`)."""
+    `pools`, else gqa); with `score_fp8`, the anchor on the fp8 K copy (`fp8_row`; `score_fp8_dot`: also scored by
+    fp8 dots)."""
     import jax
     import jax.numpy as jnp
 
@@ -347,7 +365,7 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
         f"weighted {row['weighted']:.4f}  speedup {row['speedup']:.2f}x")
     log("   A kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_kernels"].items()))
     if score_fp8:
-        fp8_row(row, row["dense"], q, k, v, kv_len, frac, min_k, iters, shape, tuning, log)
+        fp8_row(row, row["dense"], q, k, v, kv_len, frac, min_k, iters, shape, tuning, log, dot=score_fp8_dot)
     if reranks:
         rerank_row(row, row["dense"], q, k, v, kv_len, frac, min_k, reranks, iters, shape, log, worst=rerank_worst)
     if pools:
@@ -361,10 +379,13 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
 
 def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
         max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), rerank_worst=0, pools=(),
-        short_selects=(), score_fp8=False, log=print):
+        short_selects=(), score_fp8=False, score_fp8_dot=False, log=print):
     """Time every (dtype, batch, context, top-k) on the GPU, after the checks (do_check; also one per short select
     setting, at 32K); writes <out_dir>/decode[_<tag>].json/md/png and returns the rows. Shapes whose caches exceed
-    max_cache_gb are skipped, a failing one is logged and the sweep goes on."""
+    max_cache_gb are skipped, a failing one is logged and the sweep goes on. score_fp8_dot (with score_fp8): the fp8
+    rows also scored by fp8 dots, after its own check (a failed check is recorded and drops that variant only)."""
+    if score_fp8_dot and not score_fp8:
+        raise ValueError("score_fp8_dot times a variant of the fp8 rows: it needs score_fp8")
     import jax
 
     stem = output_stem("decode", tag, shape)  # refuses before any timing: untagged files hold the default shape
@@ -381,12 +402,22 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
                                 peaky=peaky, tuning=tuning, log=log))
         checks.append(check(seed=3, b=3, s=20000, hq=12, kvh=4, d=64, dtype="float16", frac=0.2, min_k=16, peaky=True,
                             tuning=tuning, log=log))
+        from kernels_pallas import decode as dec
+
         if score_fp8:
             for peaky in (False, True):
                 checks.append(check_fp8(seed=5, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim, peaky=peaky,
                                         tuning=tuning, log=log))
-        from kernels_pallas import decode as dec
-
+        if score_fp8_dot:
+            t = dataclasses.replace(tuning or dec.DEFAULT_TUNING, stream_fp8_dot=True)
+            for peaky in (False, True):
+                try:
+                    checks.append(check_fp8(seed=5, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim,
+                                            peaky=peaky, tuning=t, log=log))
+                except Exception as e:  # recorded; the fp8-dot variant is then not timed
+                    checks.append(dict(peaky=peaky, fp8_dot=True, failed=f"{type(e).__name__}: {str(e)[:400]}"))
+                    log(f"check fp8 dots FAILED (the variant is not timed): {checks[-1]['failed']}")
+                    score_fp8_dot = False
         for spec in short_selects:  # once per setting other than the run's own tuning (checked above)
             t = short_select_tuning(spec, tuning)
             if t != (tuning or dec.DEFAULT_TUNING):
@@ -403,7 +434,7 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
         try:
             rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape, reranks=reranks,
                                   rerank_worst=rerank_worst, pools=pools, short_selects=short_selects,
-                                  score_fp8=score_fp8))
+                                  score_fp8=score_fp8, score_fp8_dot=score_fp8_dot))
         except Exception as e:  # keep the sweep going; the failure is reported
             log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
     write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), tables.decode_markdown(rows, meta, shape),

@@ -80,11 +80,13 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
             "pooled over every query head and shared, all_heads_pooled), same run and dense:")
     if any("speedup_fp8" in r for r in rows):
         lines += _lever_table(
-            rows, [("fp8 K", "fp8")], ["A"], "scores", False,
+            rows, [("fp8 K", "fp8"), ("fp8 K, fp8 dots", "fp8dot")], ["A"], "scores", False,
             "**The anchors' scores from an fp8 copy of K** (`score_keys`, the recipe lever `decode_score_fp8`: K centred "
             "on the prompt's mean key, one power-of-two scale per sequence; the copy is kept by the cache, so it is made "
             "outside the timing), A re-timed, A0 and R the row's, same run and dense:")
-        lines += _lever_kernels("Per-kernel breakdown of A on the fp8 K copy (ms):", rows, "A", [("fp8", "fp8")])
+        lines += _lever_kernels("Per-kernel breakdown of A on the fp8 K copy (ms):", rows, "A",
+                                [("fp8", "fp8"), ("fp8 dots", "fp8dot")])
+        lines += [f"- {_decode_label(r)}: fp8 dots failed: {r['fp8dot_failed']}" for r in rows if "fp8dot_failed" in r]
     shorts = list(dict.fromkeys(m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(ss\w+)", key))))
     if shorts:
         with_r = all(f"R_{t}" in r for r in rows for t in shorts if f"speedup_{t}" in r)  # (runs before session 24: no)

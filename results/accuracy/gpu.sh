@@ -21,7 +21,9 @@
 # Plan files (results/accuracy/plan_*.txt): one job per line, "NAME COMMAND-ARGS" where the command is `calibrate ...`
 # (experiments.calibrate), `eval ...` (experiments.eval, output_dir = $HOME/acc/NAME) or `gputest PYTEST-ARGS` (the
 # GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench) or `pyg SCRIPT ARGS` (a probe script
-# such as tail_probe.py, on the GPU; write its --out under $ACC to collect it); lines after a line "barrier" start
+# such as tail_probe.py, on the GPU; write its --out under $ACC to collect it); `NAME KIND mem=F` sets the job's
+# memory fraction and a following `autotune` runs an eval / calibrate job with GEMM autotuning on (the evals' default
+# is off, for compile time; pyg / gputest / sh always run with it on); lines after a line "barrier" start
 # only when every job before it has ended. Each eval writes its results after every block, so a job stopped early
 # keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into 28 MiB chunks into
 # .stage/<model>/ (git-ignored; q05 17, q15 39, smol 4; the tree is 31 MiB); one call per chunk carries
@@ -108,16 +110,17 @@ case "$cmd" in
   _run)
     plan=$1; par=$2; T0=$(date +%s)
     touch "$ACC/logs/_jobs.txt"
-    job() {  # NAME KIND [mem=FRACTION] ARGS...   (mem: this job's XLA_PYTHON_CLIENT_MEM_FRACTION)
-      local name=$1 kind=$2; shift 2
-      local t=$(date +%s) rc mem=""
+    job() {  # NAME KIND [mem=FRACTION] [autotune] ARGS...   (mem: this job's XLA_PYTHON_CLIENT_MEM_FRACTION;
+      local name=$1 kind=$2; shift 2     # autotune: an eval or calibrate job with XLA's GEMM autotuning on)
+      local t=$(date +%s) rc mem="" xla=$XLA_FLAGS
       case "${1:-}" in mem=*) mem=${1#mem=}; shift;; esac
+      case "${1:-}" in autotune) xla=""; shift;; esac
       echo "$name start $(date +%T)" >> "$ACC/logs/_jobs.txt"
       case "$kind" in
-        calibrate) XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${CAL_MEM:-0.06}} python3 -m experiments.calibrate "$@" --noplots \
+        calibrate) XLA_FLAGS=$xla XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${CAL_MEM:-0.06}} python3 -m experiments.calibrate "$@" --noplots \
                      > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         eval) local again=""; [ -d "$ACC/$name" ] && again=--resume  # a rerun keeps the blocks that finished
-              XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${EVAL_MEM:-0.07}} python3 -m experiments.eval "$@" \
+              XLA_FLAGS=$xla XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${EVAL_MEM:-0.07}} python3 -m experiments.eval "$@" \
                 --output_dir="$ACC/$name" $again --noprogress > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         py) JAX_PLATFORMS=cpu python3 -m "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;
         pyg) XLA_FLAGS= XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-0.2} python3 "$@" > "$ACC/logs/$name.log" 2>&1; rc=$? ;;  # a script, on the GPU

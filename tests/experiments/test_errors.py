@@ -383,6 +383,8 @@ def test_no_result_is_replaced_and_bad_files_are_named(tmp_path):
          ["--decode_tuning needs --bench_tag"]),
         (["-m", "experiments.bench", "--phase=decode", "--decode_score_fp8"],
          ["--decode_score_fp8 needs --bench_tag"]),
+        (["-m", "experiments.bench", "--phase=decode", "--decode_fp8_dot", "--bench_tag=x"],
+         ["--decode_fp8_dot times a variant of the fp8 rows: it needs --decode_score_fp8"]),
         (["-m", "experiments.bench", "--phase=decode", "--decode_tuning=stream_blok=64", "--bench_tag=x"],
          ["--decode_tuning: tuning override must be field=value", "'stream_blok=64'"]),
         (["-m", "experiments.bench", "--phase=decode", "--decode_tuning=stream_block=100", "--bench_tag=x"],
