@@ -99,7 +99,7 @@ def smollm2():
 @pytest.fixture
 def triton_sm90_modules(monkeypatch):
     """Lowering Pallas kernels for CUDA on the CPU, with every Triton module verified: returns the list that gets one
-    entry per verified module. Catches GPU-only lowering errors without a GPU. Uses JAX-internal hooks."""
+    entry per verified module (its text). Catches GPU-only lowering errors without a GPU. Uses JAX-internal hooks."""
     reg = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
     gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
@@ -110,7 +110,7 @@ def triton_sm90_modules(monkeypatch):
     def checked(*args, **kwargs):
         res = lower_module(*args, **kwargs)
         assert res.module.operation.verify()
-        verified.append(1)
+        verified.append(str(res.module))  # the module's text (TTIR), for tests that look inside
         return res
 
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", checked)

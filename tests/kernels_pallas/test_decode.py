@@ -12,6 +12,7 @@ planting each in the kernels); the head-mapped reuse runs on Gaussian inputs, wh
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -457,6 +458,10 @@ def test_score_keys_lower_for_sm90(triton_sm90_modules):
                                                      impl="pallas", score_keys=(k8, m), tuning=FP8DOT)
     text = jax.jit(fn).trace(q, kc, kc, kv, k8, mult).lower(lowering_platforms=("cuda",)).as_text()
     assert len(verified) == 6 and "kascade_anchor_scores" in text  # the fp8-dot stream pass verifies too
+    # the stream modules' dots: bf16 (K widened) by default, two fp8 x fp8 dots with stream_fp8_dot
+    fp8_dot = re.compile(r"tt\.dot .*: tensor<16x128xf8E4M3FN> \* tensor<128x128xf8E4M3FN> -> tensor<16x128xf32>")
+    assert [len(fp8_dot.findall(m)) for m in (verified[0], verified[3])] == [0, 2]
+    assert re.search(r"tt\.dot .*: tensor<16x128xbf16> \* tensor<128x128xbf16>", verified[0])
 
 
 @pytest.mark.gpu
