@@ -46,9 +46,13 @@ SCORE_FP8 = flags.DEFINE_boolean("decode_score_fp8", False, "Also time the ancho
                                 "K (the recipe lever decode_score_fp8; the copy is made outside the timing, as the "
                                 "cache keeps it): A_fp8, weighted and speedup with the row's A0 and R; the checks "
                                 "compare it with its reference. Tag the run (--bench_tag).")
-FP8_DOT = flags.DEFINE_boolean("decode_fp8_dot", False, "With --decode_score_fp8, also time the anchor scored by "
-                               "fp8 dots of q's two fp8 halves against the copy (DecodeTuning.stream_fp8_dot, no "
-                               "widening of K): A_fp8dot, weighted and speedup, after its own check.")
+FP8_F16 = flags.DEFINE_boolean("decode_fp8_f16", False, "With --decode_score_fp8, also time the anchor with the copy "
+                               "widened to float16 against a float16 q (DecodeTuning.stream_fp8_f16: one conversion "
+                               "per two values instead of three): A_fp8f16, weighted and speedup, after its own check.")
+REUSE_SWEEP = flags.DEFINE_string("decode_reuse_sweep", "", "Also time A and R at each of these reuse kernel "
+                                   "tunings, ';'-separated DecodeTuning overrides of reuse_block / reuse_splits / "
+                                   "reuse_warps / reuse_stages (e.g. 'reuse_splits=10;reuse_splits="
+                                   "20;reuse_block=128,reuse_warps=8'), each checked first; needs --bench_tag.")
 MAX_GB = flags.DEFINE_float("decode_max_cache_gb", 80.0, "Skip shapes whose K+V caches exceed this (GB).")
 
 
@@ -91,8 +95,10 @@ def main(argv):
         raise app.UsageError("--decode_rerank_worst needs --decode_reranks (the C values to time)")
     if TUNING.value.strip() and not BENCH_TAG.value:
         raise app.UsageError("--decode_tuning needs --bench_tag (the table's file names do not say the tuning)")
-    if FP8_DOT.value and not SCORE_FP8.value:
-        raise app.UsageError("--decode_fp8_dot times a variant of the fp8 rows: it needs --decode_score_fp8")
+    if REUSE_SWEEP.value.strip() and not BENCH_TAG.value:
+        raise app.UsageError("--decode_reuse_sweep needs --bench_tag (the default tables hold the plain rows)")
+    if FP8_F16.value and not SCORE_FP8.value:
+        raise app.UsageError("--decode_fp8_f16 times a variant of the fp8 rows: it needs --decode_score_fp8")
     if SCORE_FP8.value and not BENCH_TAG.value:
         raise app.UsageError("--decode_score_fp8 needs --bench_tag (the default tables hold the plain rows)")
     from kascade_jax.bench import decode
@@ -102,13 +108,18 @@ def main(argv):
         tuning = dec.tuning_from_string(TUNING.value)
     except ValueError as e:
         raise app.UsageError(f"--decode_tuning: {e}") from None
+    try:
+        reuse_sweep = decode.reuse_tunings(REUSE_SWEEP.value, tuning)
+    except ValueError as e:
+        raise app.UsageError(f"--decode_reuse_sweep: {e}") from None
 
     decode.run([int(c) for c in CONTEXTS.value], [int(b) for b in BATCHES.value], [float(f) for f in FRACS.value],
                DTYPES.value, min_k=MIN_K.value, iters=ITERS.value, do_check=CHECK.value, out_dir=OUT.value,
                max_cache_gb=MAX_GB.value, tuning=tuning,
                shape=shape_from_flags(), tag=BENCH_TAG.value, reranks=[int(c) for c in RERANKS.value],
                rerank_worst=WORST.value, pools=list(POOLS.value), short_selects=list(SHORT.value),
-               score_fp8=SCORE_FP8.value, score_fp8_dot=FP8_DOT.value)
+               score_fp8=SCORE_FP8.value, score_fp8_f16=FP8_F16.value,
+               reuse_sweep=reuse_sweep)
 
 
 if __name__ == "__main__":

@@ -260,7 +260,8 @@ def main(argv):
 
             meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                         gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv),
-                        **({"xla_flags": timing.xla_flags()} if timing.xla_flags() else {}), **trace_meta, topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value,
+                        **({"xla_flags": timing.xla_flags()} if timing.xla_flags() else {}), **trace_meta,
+                        topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value,
                         anchors=recipe_flags.ANCHORS.value,
                         recipe=recipe_flags.RECIPE.value, max_prefill_tokens_per_step=PREFILL_BUDGET.value,
                         time_limit_s=limit)

@@ -50,11 +50,11 @@ class DecodeTuning:
     stream_splits: int = 0
     stream_warps: int = 4
     stream_stages: int = 3
-    # With an fp8 K copy (score_keys): score on the fp8 tensor cores, q split in two fp8 halves
-    # (`reference.fp8_decode_q_split`, two dots), instead of widening each K tile to q's dtype in registers. The
-    # widened pass ran at 2.6 TB/s on the H200 against bf16's 4.0 (session 29): the widening and its trip back through
-    # shared memory are the suspects. Off until its A/B (benchmarks/NOTES.md).
-    stream_fp8_dot: bool = False
+    # With an fp8 K copy (score_keys): widen it to float16 against q in float16 (`reference.fp8_decode_q16`: exact,
+    # one scale per sequence) instead of to bf16. Triton widens e4m3 through float16 (one cvt per two values), so bf16
+    # costs a second cvt per value: the widened pass ran at 2.6 TB/s on the H200 against bf16's 4.0 (session 29), about
+    # what that conversion rate allows (benchmarks/NOTES.md). Off until its A/B.
+    stream_fp8_f16: bool = False
     target_programs: int = 1056  # ~8 programs per SM of an H200 (132 SMs)
     # Paged layouts only, the rows that are not attended: "none" loads them as they are (models/paged.py keeps them
     # finite: pages are zeroed when handed out); "v" loads V through a zero mask (K needs none: a NaN logit is
@@ -89,7 +89,7 @@ class DecodeTuning:
                              f"got {self.short_select_warps!r}")
         if self.short_select_digit not in (1, 2, 3):
             raise ValueError(f"short_select_digit must be 1, 2 or 3, got {self.short_select_digit!r}")
-        for name in ("fused_combine", "stream_fp8_dot"):
+        for name in ("fused_combine", "stream_fp8_f16"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.short_select_rows, int) or self.short_select_rows < 1:
@@ -243,13 +243,12 @@ def _q_spec(q3):
     return pl.BlockSpec((None, *q3.shape[1:]), lambda i, *_: (i, 0, 0))
 
 
-def _load_q(q_ref, group: int, rows: int, base: int = 0):
-    """Program (i, h, ...)'s query rows [rows, d]: heads base + h*group .. base + h*group + group - 1 of q_ref
-    [heads, d], the rows past the group read as 0 (a masked gather; the clamp keeps their addresses in bounds)."""
+def _load_q(q_ref, group: int, rows: int):
+    """Program (i, h, ...)'s query rows [rows, d]: heads h*group .. h*group + group - 1 of q_ref [q_heads, d], the
+    rows past the group read as 0 (a masked gather; the clamp keeps their addresses in bounds)."""
     r = jnp.arange(rows)
-    heads = jnp.minimum(base + pl.program_id(1) * group + r, q_ref.shape[0] - 1)
-    other = 0.0 if q_ref.dtype == jnp.float8_e4m3fn else 0  # Triton casts no int to fp8
-    return plgpu.load(row_view(q_ref, heads), mask=(r < group)[:, None], other=other)
+    heads = jnp.minimum(pl.program_id(1) * group + r, q_ref.shape[0] - 1)
+    return plgpu.load(row_view(q_ref, heads), mask=(r < group)[:, None], other=0)
 
 
 def _pad_keys(x, min_len: int):
@@ -329,7 +328,7 @@ def _ungroup(out, b: int, group: int, dtype):
 
 
 def _vector(n: int):
-    """BlockSpec of a whole vector [n] (lengths, budgets, a head map, fp8 q scales) on the grid (batch, kv_heads,
+    """BlockSpec of a whole vector [n] (lengths, budgets, a head map, q scales) on the grid (batch, kv_heads,
     splits)."""
     return pl.BlockSpec((n,), lambda i, j, s: (0,))
 
@@ -513,9 +512,9 @@ def candidate_logits(q, k_cache, kv_len, cand, *, scale=None, impl="auto", inter
 
 
 def _stream_kernel(kvlen_ref, *refs, layout: Layout, block: int, split_len: int, scale: float, group: int,
-                   rows: int, dense_out: bool, write_logits: bool, fp8_dot: bool = False):
-    qinv_ref = refs[0] if fp8_dot else None  # fp8_dot: q_ref holds q_hi's heads, then q_lo's (fp8_decode_q_split)
-    refs = refs[int(fp8_dot):]
+                   rows: int, dense_out: bool, write_logits: bool, q_scaled: bool = False):
+    qinv_ref = refs[0] if q_scaled else None  # q_scaled: q was scaled per sequence; its logits times qinv_ref[b]
+    refs = refs[int(q_scaled):]
     table_ref = refs[0] if layout.has_table else None
     refs = list(refs[layout.has_table:])
     q_ref, k_ref = refs.pop(0), refs.pop(0)
@@ -527,12 +526,9 @@ def _stream_kernel(kvlen_ref, *refs, layout: Layout, block: int, split_len: int,
     start = s * split_len
     end = jnp.minimum(start + split_len, kvlen_ref[b])
     n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block)
-    if fp8_dot:
-        q_hi, q_lo = _load_q(q_ref, group, rows), _load_q(q_ref, group, rows, base=q_ref.shape[0] // 2)
-        qk_scale = scale * qinv_ref[b]
-    else:
-        q = _load_q(q_ref, group, rows)  # [rows, d]
-    d = q_ref.shape[1]
+    q = _load_q(q_ref, group, rows)  # [rows, d]
+    d = q.shape[1]
+    qk_scale = scale * qinv_ref[b] if q_scaled else scale
     real = jnp.arange(rows) < group
 
     def body(i, carry):
@@ -542,12 +538,9 @@ def _stream_kernel(kvlen_ref, *refs, layout: Layout, block: int, split_len: int,
         valid = (pos >= off) & (pos < end)
         at = layout.block(table_ref, off_c, block, pos)
         k = layout.load_k(k_ref, at, valid)  # [block, d]
-        if fp8_dot:  # fp8 q halves against the fp8 copy: no widening
-            qk = (plgpu.dot(q_hi, k, trans_b=True) + plgpu.dot(q_lo, k, trans_b=True)) * qk_scale
-        else:
-            if k.dtype != q.dtype:  # an fp8 score copy of K (decode_score_fp8), widened in registers
-                k = k.astype(q.dtype)
-            qk = plgpu.dot(q, k, trans_b=True) * scale  # [rows, block] fp32
+        if k.dtype != q.dtype:  # an fp8 score copy of K (decode_score_fp8), widened in registers (bf16 or float16)
+            k = k.astype(q.dtype)
+        qk = plgpu.dot(q, k, trans_b=True) * qk_scale  # [rows, block] fp32
         qk = jnp.where(valid[None, :], qk, -jnp.inf)
         if write_logits:
             plgpu.store(logits_ref.at[:, pl.ds(off_c, block)], qk, mask=real[:, None] & valid[None, :])
@@ -569,10 +562,10 @@ def _stream_kernel(kvlen_ref, *refs, layout: Layout, block: int, split_len: int,
 
 
 def _stream_pallas(q, k, v, table, kv_len, layout: Layout, scale, *, dense_out: bool, write_logits: bool, interpret,
-                   tuning: DecodeTuning, q_split=None):
+                   tuning: DecodeTuning, q_inv=None):
     """-> (logits [batch, kv_heads, rows, s_len] fp32 (rows >= group allocated but never written) | None,
-    lse [batch, kv_heads, group], dense out [batch, 1, q_heads, d] | None). q_split: (q_hi, q_lo, inv) of
-    `reference.fp8_decode_q_split` to score an fp8 k on the fp8 tensor cores (q then gives only the shape)."""
+    lse [batch, kv_heads, group], dense out [batch, 1, q_heads, d] | None). q_inv [batch]: q was scaled per sequence
+    (`reference.fp8_decode_q16`), the logits are multiplied back (scores only)."""
     if not (write_logits or dense_out):
         raise ValueError("_stream_pallas needs write_logits or dense_out")
     b, _, hq, d = q.shape
@@ -580,18 +573,17 @@ def _stream_pallas(q, k, v, table, kv_len, layout: Layout, scale, *, dense_out: 
     group = hq // kvh
     qg, rows = _flat_q(q, kvh)
     scalars = [(_vector(b), kv_len)]
-    if q_split is not None:  # [batch, 2 q_heads, d]: q_hi's heads, then q_lo's
-        if dense_out or k.dtype != jnp.float8_e4m3fn:
-            raise ValueError("q_split scores an fp8 K copy, sparse output only")
-        qg = jnp.concatenate([q_split[0], q_split[1]], axis=2).reshape(b, 2 * hq, d)
-        scalars.append((_vector(b), q_split[2].astype(jnp.float32)))
+    if q_inv is not None:
+        if dense_out:
+            raise ValueError("q_inv rescales score logits: not with the dense output")
+        scalars.append((_vector(b), q_inv.astype(jnp.float32)))
     block = min(tuning.stream_block, 1 << (s_len.bit_length() - 1))  # s_len >= 16 (padded by the caller)
     splits = _splits(tuning.stream_splits, b * kvh, s_len, block, tuning.target_programs)
     split_len = pl.cdiv(pl.cdiv(s_len, splits), block) * block
     splits = pl.cdiv(s_len, split_len)
     kernel = functools.partial(_stream_kernel, layout=layout, block=block, split_len=split_len, scale=scale,
                                group=group, rows=rows, dense_out=dense_out, write_logits=write_logits,
-                               fp8_dot=q_split is not None)
+                               q_scaled=q_inv is not None)
     in_specs, args = _operands(layout, table, scalars, qg, k, v if dense_out else None)
     outs = [_partial(b, kvh, splits, rows), _partial(b, kvh, splits, rows)]
     if write_logits:
@@ -721,11 +713,11 @@ def _anchor_pallas(q, k, v, table, kv_len, layout: Layout, k_view, s_len: int, c
             _, _, dense = _stream_pallas(q, k, v, table, kv_len, layout, scale, dense_out=True, write_logits=False,
                                          interpret=interpret, tuning=tuning)
     else:
-        q_split = None
-        if score_keys is not None and tuning.stream_fp8_dot:
-            q_split = ref.fp8_decode_q_split(q, score_keys[1])
+        q_inv = None
+        if score_keys is not None and tuning.stream_fp8_f16:  # q in float16 with a per-sequence scale: exact
+            q_s, q_inv = ref.fp8_decode_q16(q, score_keys[1])
         logits, lse, dense = _stream_pallas(q_s, k_s, v, table, kv_len, layout, scale, dense_out=dense_out,
-                                            write_logits=True, interpret=interpret, tuning=tuning, q_split=q_split)
+                                            write_logits=True, interpret=interpret, tuning=tuning, q_inv=q_inv)
         bits_fn = functools.partial(_pooled_bits, logits[..., :s_len], lse, kv_len, hq // kvh, pool, sinks, window)
     idx = _select(bits_fn, kv_len, counts, k_eff, b * (1 if pool == "all" else kvh), s_len, interpret, tuning)
     if dense_out:

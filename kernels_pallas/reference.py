@@ -143,25 +143,17 @@ def fp8_decode_q(q, mult):
     return (q.astype(jnp.float32) * mult[:, None, None, None]).astype(q.dtype)
 
 
-def fp8_decode_q_split(q, mult):
-    """q [batch, 1, q_heads, d] and the fp8 copy's mult [batch] -> (q_hi, q_lo float8_e4m3fn like q, inv fp32 [batch])
-    with q * mult ~ (q_hi + q_lo) * inv to about bf16's precision: q_hi = fp8(q * mult * s) (s a power of two per
-    sequence, its amax to <= 448), q_lo = fp8 of the remainder, inv = 1 / s. Two fp8 dots against the fp8 K copy then
-    score without widening K (`DecodeTuning.stream_fp8_dot`); one fp8 q alone (3 mantissa bits) would not keep q's
-    precision, and the prefill's fp8 q cost RULER points (results/accuracy/NOTES.md, session 28)."""
+def fp8_decode_q16(q, mult):
+    """q [batch, 1, q_heads, d] and the fp8 copy's mult [batch] -> (q16 float16 like q, inv fp32 [batch]): q * mult
+    times a power of two s per sequence (its amax to [2^13, 2^14)) in float16, inv = 1 / s. A bf16 q's 8 significant
+    bits fit float16's 11, so q16 * inv == `fp8_decode_q(q, mult)` exactly (but for elements 2^27 below the amax,
+    float16 subnormals), and the fp8 copy widens to float16 exactly with one conversion per two values, where
+    widening to bf16 costs a second conversion per value (`DecodeTuning.stream_fp8_f16`)."""
     x = q.astype(jnp.float32) * mult[:, None, None, None]
-    s = jax.vmap(fp8_scale)(x)  # [batch]
-    xs = x * s[:, None, None, None]
-    hi = xs.astype(jnp.float8_e4m3fn)
-    lo = (xs - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
-    return hi, lo, 1.0 / s
-
-
-def fp8_decode_q_joined(q, mult):
-    """(q_hi + q_lo) * inv of `fp8_decode_q_split` in fp32 (exact: 3-bit mantissas a few exponents apart, a power of
-    two): the q whose scores against the widened fp8 copy are the fp8-dot kernels' logits."""
-    hi, lo, inv = fp8_decode_q_split(q, mult)
-    return (hi.astype(jnp.float32) + lo.astype(jnp.float32)) * inv[:, None, None, None]
+    amax = jnp.max(jnp.abs(x), axis=(1, 2, 3))
+    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax in [2^(e-1), 2^e)
+    s = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1.0), 14 - e), 1.0)
+    return (x * s[:, None, None, None]).astype(jnp.float16), 1.0 / s
 
 
 def fp8_decode_qk(q, score_keys, dtype):

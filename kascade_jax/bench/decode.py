@@ -110,8 +110,8 @@ def check(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_D
 def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, d=_DEFAULT.head_dim, frac=0.1,
               min_k=128, peaky=False, tuning=None, interpret=False, log=print):
     """The anchor on the fp8 K copy (`score_keys`, `reference.fp8_decode_keys`) against the reference on the copy
-    widened (with `tuning.stream_fp8_dot`, against q's two fp8 halves joined: `reference.fp8_decode_q_joined`; same
-    index set up to near-ties, sparse output from bf16 K and V), and the share of the bf16 Top-k's pooled mass its
+    widened (bf16, or float16 with `tuning.stream_fp8_f16`: the same logits; same index set up to near-ties, sparse
+    output from bf16 K and V), and the share of the bf16 Top-k's pooled mass its
     selection keeps (worst and mean over sequences and heads); returns the numbers."""
     import jax
     import jax.numpy as jnp
@@ -129,10 +129,7 @@ def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, 
                                                                           score_keys=(k8, m), **kw))(
         q, k, v, kv_len, k8, mult)
     pooled = jax.jit(lambda q, k, l: ref.pooled_scores_decode_reference(q, k, l))
-    if kw["tuning"].stream_fp8_dot:
-        wide = pooled(ref.fp8_decode_q_joined(q, mult), k8.astype(jnp.float32), kv_len)
-    else:
-        wide = pooled(*ref.fp8_decode_qk(q, (k8, mult), k.dtype), kv_len)
+    wide = pooled(*ref.fp8_decode_qk(q, (k8, mult), k.dtype), kv_len)
     exact = pooled(q, k, kv_len)
     sel = jax.jit(lambda sc, c: ref.select_topk_reference(sc, c[:, None], k_max))
     ref_idx, exact_idx = sel(wide, counts), sel(exact, counts)
@@ -145,17 +142,17 @@ def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, 
             worst_gap = max(worst_gap, _set_gap(mine, theirs, wide[bi, h])[1])
             recalls.append(float(exact[bi, h][mine].sum() / exact[bi, h][exact_idx[bi, h, :counts[bi]]].sum()))
     err = _rel_err(out, ref_out)
-    res = dict(peaky=peaky, fp8_dot=kw["tuning"].stream_fp8_dot, fp8_idx_worst_rel_score_gap=worst_gap, fp8_out_err=err,
+    res = dict(peaky=peaky, fp8_f16=kw["tuning"].stream_fp8_f16, fp8_idx_worst_rel_score_gap=worst_gap, fp8_out_err=err,
                fp8_mass_recall_worst=min(recalls), fp8_mass_recall_mean=float(np.mean(recalls)))
     log(f"check fp8 K copy b={b} s={s} hq={hq} kvh={kvh} d={d} peaky={peaky}: {res}")
     assert worst_gap <= 1e-4 and err < 2e-2, f"fp8 anchor differs from its reference: {res}"
     return res
 
 
-def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning, log=print, dot=False) -> dict:
+def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning, log=print, f16=False) -> dict:
     """row["A_fp8"]: the anchor scoring on the fp8 K copy (`score_keys`; the copy is made outside the timing: the
-    cache keeps it), with the row's A0 and R, weighted_fp8 and speedup_fp8; with `dot`, also row["A_fp8dot"] (and
-    its weighted / speedup): the same scored by fp8 dots of q's two halves (`DecodeTuning.stream_fp8_dot`)."""
+    cache keeps it), with the row's A0 and R, weighted_fp8 and speedup_fp8; with `f16`, also row["A_fp8f16"] (and
+    its weighted / speedup): the same widened to float16 against a float16 q (`DecodeTuning.stream_fp8_f16`)."""
     import jax
 
     from kernels_pallas import decode as dec
@@ -165,8 +162,8 @@ def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning
     kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(k.shape[1], frac, min_k), impl="pallas",
               tuning=tuning)
     variants = [("fp8", "fp8 K copy", tuning)]
-    if dot:
-        variants.append(("fp8dot", "fp8 K copy, fp8 dots", dataclasses.replace(tuning, stream_fp8_dot=True)))
+    if f16:
+        variants.append(("fp8f16", "fp8 K copy, float16 dot", dataclasses.replace(tuning, stream_fp8_f16=True)))
     for t, name, tu in variants:
         fn = jax.jit(lambda q, k, v, l, k8, m, tu=tu: dec.anchor_decode(q, k, v, l, score_keys=(k8, m),
                                                                          **dict(kw, tuning=tu)))
@@ -324,19 +321,66 @@ def short_select_row(row: dict, dense, q, k, v, kv_len, frac, min_k, specs, pool
     return row
 
 
+def reuse_tunings(spec: str, base=None) -> list:
+    """A --decode_reuse_sweep value "field=value,...;field=value,..." -> [(spec text, DecodeTuning)]: each
+    ';'-separated override of the reuse kernel's fields (reuse_block, reuse_splits, reuse_warps, reuse_stages) applied
+    to `base`; another field is refused (the sweep re-times only A and R, and A0's dense pass must not change)."""
+    from kernels_pallas import decode as dec
+
+    out = []
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        fields = {kv.split("=", 1)[0].strip() for kv in part.split(",")}
+        bad = fields - {"reuse_block", "reuse_splits", "reuse_warps", "reuse_stages"}
+        if bad:
+            raise ValueError(f"reuse sweep setting {part!r}: only the reuse kernel's fields (reuse_block, "
+                             f"reuse_splits, reuse_warps, reuse_stages), got {sorted(bad)}")
+        out.append((part, dec.tuning_from_string(part, base or dec.DEFAULT_TUNING)))
+    return out
+
+
+def reuse_row(row: dict, dense, q, k, v, kv_len, frac, min_k, sweep, iters, shape, reuse_args, log=print) -> dict:
+    """row[f"{piece}_rs{i}"] for pieces A and R with each reuse tuning of `sweep` ([(text, DecodeTuning)] from
+    `reuse_tunings`): the reuse layers (R; reuse_args: the row's idx, counts and head map) and the anchors, whose sparse
+    output is the same reuse kernel (A); A0 (dense output, no reuse kernel) is the row's. row["reuse_sweep"] maps the
+    suffixes to the settings."""
+    import jax
+
+    from kernels_pallas import decode as dec
+    from kernels_pallas import reference as ref
+
+    k_max = ref.max_budget(k.shape[1], frac, min_k)
+    row["reuse_sweep"] = {}
+    for i, (text, t) in enumerate(sweep):
+        tag = f"rs{i}"
+        row["reuse_sweep"][tag] = text
+        re_t = jax.jit(lambda q, k, v, l, i, c, m, t=t: dec.reuse_decode(q, k, v, l, i, c, m, impl="pallas", tuning=t))
+        row[f"R_{tag}"], row[f"R_{tag}_kernels"] = cupti_time(re_t, (q, k, v, kv_len, *reuse_args), iters)
+        kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, impl="pallas", tuning=t)
+        fn = jax.jit(lambda q, k, v, l: dec.anchor_decode(q, k, v, l, **kw))
+        row[f"A_{tag}"], row[f"A_{tag}_kernels"] = cupti_time(fn, (q, k, v, kv_len), iters)
+        row[f"A0_{tag}"] = row["A0"]
+        row[f"weighted_{tag}"] = shape.weighted(row["A0"], row[f"A_{tag}"], row[f"R_{tag}"])
+        row[f"speedup_{tag}"] = dense / row[f"weighted_{tag}"]
+        log(f"   reuse {text}: A {row[f'A_{tag}']:.4f}  R {row[f'R_{tag}']:.4f} ({row[f'R_{tag}'] / dense:.3f})  "
+            f"weighted {row[f'weighted_{tag}']:.4f}  speedup {row[f'speedup_{tag}']:.2f}x")
+    return row
+
+
 def cache_bytes(b, s, shape, itemsize):
     """Bytes of the K and V caches of b sequences of s tokens."""
     return 2 * b * s * shape.kv_heads * shape.head_dim * itemsize
 
 
 def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DEFAULT, reranks=(), rerank_worst=0,
-              pools=(), short_selects=(), score_fp8=False, score_fp8_dot=False):
+              pools=(), short_selects=(), score_fp8=False, score_fp8_f16=False, reuse_sweep=()):
     """One row: dense (cuDNN), A0, A and R at batch b and context s (every sequence full), their ratios to dense,
     the weighted Kascade time and its speedup, and each piece's kernels; with `reranks`, the same through the
     strategy with decode_rerank C (`rerank_row`); with `pools`, through the strategy with each selection pool
     (`pool_row`); with `short_selects`, the anchors at each short select setting (`short_select_row`, each of
-    `pools`, else gqa); with `score_fp8`, the anchor on the fp8 K copy (`fp8_row`; `score_fp8_dot`: also scored by
-    fp8 dots)."""
+    `pools`, else gqa); with `score_fp8`, the anchor on the fp8 K copy (`fp8_row`; `score_fp8_f16`: also widened to
+    float16); with `reuse_sweep` ([(text, DecodeTuning)]), A and R at each reuse kernel tuning (`reuse_row`)."""
     import jax
     import jax.numpy as jnp
 
@@ -365,7 +409,9 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
         f"weighted {row['weighted']:.4f}  speedup {row['speedup']:.2f}x")
     log("   A kernels: " + ", ".join(f"{n[:40]}={t:.4f}" for n, t in row["A_kernels"].items()))
     if score_fp8:
-        fp8_row(row, row["dense"], q, k, v, kv_len, frac, min_k, iters, shape, tuning, log, dot=score_fp8_dot)
+        fp8_row(row, row["dense"], q, k, v, kv_len, frac, min_k, iters, shape, tuning, log, f16=score_fp8_f16)
+    if reuse_sweep:
+        reuse_row(row, row["dense"], q, k, v, kv_len, frac, min_k, reuse_sweep, iters, shape, (idx, counts, hm), log)
     if reranks:
         rerank_row(row, row["dense"], q, k, v, kv_len, frac, min_k, reranks, iters, shape, log, worst=rerank_worst)
     if pools:
@@ -379,13 +425,13 @@ def bench_one(b, s, frac, dtype, min_k, iters, tuning=None, log=print, shape=_DE
 
 def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True, out_dir="benchmarks",
         max_cache_gb=80.0, tuning=None, shape=_DEFAULT, tag="", reranks=(), rerank_worst=0, pools=(),
-        short_selects=(), score_fp8=False, score_fp8_dot=False, log=print):
+        short_selects=(), score_fp8=False, score_fp8_f16=False, reuse_sweep=(), log=print):
     """Time every (dtype, batch, context, top-k) on the GPU, after the checks (do_check; also one per short select
     setting, at 32K); writes <out_dir>/decode[_<tag>].json/md/png and returns the rows. Shapes whose caches exceed
-    max_cache_gb are skipped, a failing one is logged and the sweep goes on. score_fp8_dot (with score_fp8): the fp8
-    rows also scored by fp8 dots, after its own check (a failed check is recorded and drops that variant only)."""
-    if score_fp8_dot and not score_fp8:
-        raise ValueError("score_fp8_dot times a variant of the fp8 rows: it needs score_fp8")
+    max_cache_gb are skipped, a failing one is logged and the sweep goes on. score_fp8_f16 (with score_fp8): the fp8
+    rows also widened to float16, after its own check (a failed check is recorded and drops that variant only)."""
+    if score_fp8_f16 and not score_fp8:
+        raise ValueError("score_fp8_f16 times a variant of the fp8 rows: it needs score_fp8")
     import jax
 
     stem = output_stem("decode", tag, shape)  # refuses before any timing: untagged files hold the default shape
@@ -408,21 +454,24 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
             for peaky in (False, True):
                 checks.append(check_fp8(seed=5, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim, peaky=peaky,
                                         tuning=tuning, log=log))
-        if score_fp8_dot:
-            t = dataclasses.replace(tuning or dec.DEFAULT_TUNING, stream_fp8_dot=True)
+        if score_fp8_f16:
+            t = dataclasses.replace(tuning or dec.DEFAULT_TUNING, stream_fp8_f16=True)
             for peaky in (False, True):
                 try:
                     checks.append(check_fp8(seed=5, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim,
                                             peaky=peaky, tuning=t, log=log))
-                except Exception as e:  # recorded; the fp8-dot variant is then not timed
-                    checks.append(dict(peaky=peaky, fp8_dot=True, failed=f"{type(e).__name__}: {str(e)[:400]}"))
-                    log(f"check fp8 dots FAILED (the variant is not timed): {checks[-1]['failed']}")
-                    score_fp8_dot = False
+                except Exception as e:  # recorded; the float16 variant is then not timed
+                    checks.append(dict(peaky=peaky, fp8_f16=True, failed=f"{type(e).__name__}: {str(e)[:400]}"))
+                    log(f"check fp8 via float16 FAILED (the variant is not timed): {checks[-1]['failed']}")
+                    score_fp8_f16 = False
         for spec in short_selects:  # once per setting other than the run's own tuning (checked above)
             t = short_select_tuning(spec, tuning)
             if t != (tuning or dec.DEFAULT_TUNING):
                 checks.append(check(seed=4, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim, peaky=True,
                                     tuning=t, log=log))
+        for _, t in reuse_sweep:  # each reuse tuning against the references once
+            checks.append(check(seed=6, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim, peaky=True, tuning=t,
+                                log=log))
     rows = []
     from tqdm import tqdm
 
@@ -434,7 +483,8 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
         try:
             rows.append(bench_one(b, s, f, dtype, min_k, iters, tuning, log, shape=shape, reranks=reranks,
                                   rerank_worst=rerank_worst, pools=pools, short_selects=short_selects,
-                                  score_fp8=score_fp8, score_fp8_dot=score_fp8_dot))
+                                  score_fp8=score_fp8, score_fp8_f16=score_fp8_f16,
+                                  reuse_sweep=reuse_sweep))
         except Exception as e:  # keep the sweep going; the failure is reported
             log(f"FAILED b={b} s={s} k={f} {dtype}: {type(e).__name__}: {str(e)[:400]}")
     write_outputs(out_dir, stem, dict(meta=meta, checks=checks, rows=rows), tables.decode_markdown(rows, meta, shape),

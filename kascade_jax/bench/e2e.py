@@ -28,7 +28,8 @@ from kascade_jax.bench.e2e_models import (GB, ModelSpec, build_model, byte_floor
                                           make_strategies, mesh_name, mesh_sizes, weight_bytes)
 from kascade_jax.bench.store import (STRATEGY_NAMES, add_run, atomic_write, e2e_stem, has_run, load_e2e, mark_skipped,
                                      run_settings, write_outputs)
-from kascade_jax.bench.timing import categories, kernel_table, per_step, split, top_kernels, untuned_gemm_warning, xla_flags
+from kascade_jax.bench.timing import (categories, kernel_table, per_step, split, top_kernels, untuned_gemm_warning,
+                                      xla_flags)
 
 
 def estimate_s(metric: str, layers: int, context: int, batch: int, strategy: str, *, weight_bytes: float,

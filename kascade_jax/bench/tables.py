@@ -80,13 +80,22 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
             "pooled over every query head and shared, all_heads_pooled), same run and dense:")
     if any("speedup_fp8" in r for r in rows):
         lines += _lever_table(
-            rows, [("fp8 K", "fp8"), ("fp8 K, fp8 dots", "fp8dot")], ["A"], "scores", False,
+            rows, [("fp8 K", "fp8"), ("fp8 K, float16 dot", "fp8f16")], ["A"], "scores", False,
             "**The anchors' scores from an fp8 copy of K** (`score_keys`, the recipe lever `decode_score_fp8`: K centred "
             "on the prompt's mean key, one power-of-two scale per sequence; the copy is kept by the cache, so it is made "
             "outside the timing), A re-timed, A0 and R the row's, same run and dense:")
         lines += _lever_kernels("Per-kernel breakdown of A on the fp8 K copy (ms):", rows, "A",
-                                [("fp8", "fp8"), ("fp8 dots", "fp8dot")])
-        lines += [f"- {_decode_label(r)}: fp8 dots failed: {r['fp8dot_failed']}" for r in rows if "fp8dot_failed" in r]
+                                [("fp8", "fp8"), ("float16", "fp8f16")])
+        lines += [f"- {_decode_label(r)}: float16 dot failed: {r['fp8f16_failed']}" for r in rows
+                  if "fp8f16_failed" in r]
+    sweep = {tag: text for r in rows for tag, text in r.get("reuse_sweep", {}).items()}
+    if sweep:
+        lines += _lever_table(
+            rows, [(text, tag) for tag, text in sweep.items()], ["A", "R"], "reuse tuning", True,
+            "**The reuse kernel's tunings** (`DecodeTuning` reuse fields; A re-timed too: the anchors' sparse output is "
+            "the same kernel; A0 the row's), same run and dense:")
+        lines += _lever_kernels("Per-kernel breakdown of R with each reuse tuning (ms):", rows, "R",
+                                [(text, tag) for tag, text in sweep.items()])
     shorts = list(dict.fromkeys(m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(ss\w+)", key))))
     if shorts:
         with_r = all(f"R_{t}" in r for r in rows for t in shorts if f"speedup_{t}" in r)  # (runs before session 24: no)
@@ -221,7 +230,8 @@ def e2e_markdown(meta: dict, rows: list) -> str:
     for run in meta.get("runs", []):
         where = f"mesh {run['mesh']} over {run.get('devices')} devices" if run.get("mesh") else "one device"
         flags = f", XLA_FLAGS `{run['xla_flags']}`" if run.get("xla_flags") else ""
-        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, {where}{flags}, `{run.get('command')}`")
+        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, {where}{flags}, "
+                     f"`{run.get('command')}`")
     lines += ["", "Wall clock after compilation (TTFT: prefill of the whole prompt + first greedy sample, batch 1; "
               "decode: ms per step of the jitted decode loop, (t(N2) - t(N1)) / (N2 - N1)). Attention / rest: CUPTI "
               "kernel time split by kernel name (cuDNN attention and the Pallas kernels vs everything else; the "

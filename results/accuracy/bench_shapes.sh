@@ -15,8 +15,8 @@
 # default 0,32768: the four-launch select and the short one up to 32K keys) at both Qwen shapes, 16K/32K, batch 8/32,
 # pool all, into OUTDIR/decode_qwen*_short.* (checked on the GPU first: --decode_check).
 # `bench_shapes.sh OUTDIR fp8 [FRACS]` times the anchor on an fp8 copy of K (`--decode_score_fp8`, checked first) at
-# both Qwen shapes, 16K/32K, batch 32, Top-k 10/20/30%, into OUTDIR/decode_qwen*_fp8.*; `fp8dot` the same with the
-# fp8-dot variant beside it (`--decode_fp8_dot`: DecodeTuning.stream_fp8_dot), into OUTDIR/decode_qwen*_fp8dot.*.
+# both Qwen shapes, 16K/32K, batch 32, Top-k 10/20/30%, into OUTDIR/decode_qwen*_fp8.*; `fp8f16` the same with the
+# float16 variant beside it (`--decode_fp8_f16`: DecodeTuning.stream_fp8_f16), into OUTDIR/decode_qwen*_fp8f16.*.
 set -u
 OUTDIR=${1:?output dir}
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
@@ -51,13 +51,13 @@ if [ "${2:-}" = short ]; then  # issue 22 item 3: the short-row select vs the fo
   done
   exit 0
 fi
-if [ "${2:-}" = fp8 ] || [ "${2:-}" = fp8dot ]; then  # issue 22 / 21: the anchors' scores from an fp8 K copy
-  dot=""; [ "$2" = fp8dot ] && dot=--decode_fp8_dot  # (--decode_score_fp8), same run; fp8dot: and by fp8 dots
+if [ "${2:-}" = fp8 ] || [ "${2:-}" = fp8f16 ]; then  # issue 22 / 21: the anchors' scores from an fp8 K copy
+  f16=""; [ "$2" = fp8f16 ] && f16=--decode_fp8_f16  # (--decode_score_fp8), same run; fp8f16: also widened to f16
   for shape in "qwen05 14,2,64 24" "qwen15 12,2,128 28"; do
     read -r tag heads layers <<< "$shape"
     python3 -m experiments.bench --phase=decode --heads=$heads --num_layers=$layers --num_anchors=5 \
       --bench_tag=${tag}_$2 --decode_contexts=16384,32768 --decode_batches=32 --decode_topk_fracs=${3:-0.1,0.2,0.3} \
-      --decode_score_fp8 $dot --decode_iterations=5 --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 30
+      --decode_score_fp8 $f16 --decode_iterations=5 --decode_out="$OUTDIR" 2>&1 | grep -v "^[IW]1" | tail -n 30
   done
   exit 0
 fi

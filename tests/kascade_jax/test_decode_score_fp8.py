@@ -199,24 +199,24 @@ def test_bench_ratios_reads_the_fp8_rows(tmp_path):
     assert r["decode_score_fp8"] == {0.1: 0.625}
 
 
-def test_bench_checks_and_tables_the_fp8_dot_variant():
-    """The decode bench's check of the fp8-dot anchor (interpret, a small shape) against q's joined halves, and the
-    table's fp8-dot row, its kernels and a failed variant's line."""
+def test_bench_checks_and_tables_the_float16_variant():
+    """The decode bench's check of the anchor with the copy widened to float16 (interpret, a small shape), and the
+    table's float16 row, its kernels and a failed variant's line."""
     from kascade_jax.bench import decode as bench_decode
     from kascade_jax.bench import tables
     from kernels_pallas import decode as dec
 
     res = bench_decode.check_fp8(seed=1, b=2, s=512, hq=4, kvh=2, d=64, frac=0.1, min_k=16, peaky=True,
-                                 tuning=dec.DecodeTuning(stream_fp8_dot=True), interpret=True, log=lambda *_: None)
-    assert res["fp8_dot"] and res["fp8_idx_worst_rel_score_gap"] <= 1e-4 and res["fp8_mass_recall_worst"] > 0.97
+                                 tuning=dec.DecodeTuning(stream_fp8_f16=True), interpret=True, log=lambda *_: None)
+    assert res["fp8_f16"] and res["fp8_idx_worst_rel_score_gap"] <= 1e-4 and res["fp8_mass_recall_worst"] > 0.97
     row = dict(dtype="bfloat16", batch=64, context=131072, topk_frac=0.1, k=13107, dense=7.7, A0=9.2, A=5.9, R=0.8,
                weighted=1.7, speedup=4.53, A_kernels={"kascade_anchor_scores": 4.3})
     row.update({f"{p}/dense": row[p] / row["dense"] for p in ("A0", "A", "R")})
-    for t, a in (("fp8", 4.8), ("fp8dot", 3.9)):
+    for t, a in (("fp8", 4.8), ("fp8f16", 3.9)):
         row.update({f"A_{t}": a, f"weighted_{t}": 1.6, f"speedup_{t}": 4.9 if t == "fp8" else 5.3,
                     f"A_{t}_kernels": {"kascade_anchor_scores": a - 1.5}})
     meta = dict(date="d", gpu="NVIDIA H200", jax="0.11.2", command="bench", tuning="t")
     md = tables.decode_markdown([row], meta)
-    assert "| fp8 K, fp8 dots | 3.9000 | 1.6000 | **5.30x** | 1.17 |" in md and "10% fp8 dots: `kascade_anchor" in md
-    failed = {k: v for k, v in row.items() if "fp8dot" not in k} | {"fp8dot_failed": "ValueError: no"}
-    assert "fp8 dots failed: ValueError: no" in tables.decode_markdown([failed], meta)
+    assert "| fp8 K, float16 dot | 3.9000 | 1.6000 | **5.30x** | 1.17 |" in md and "10% float16: `kascade_anchor" in md
+    failed = {k: v for k, v in row.items() if "fp8f16" not in k} | {"fp8f16_failed": "ValueError: no"}
+    assert "float16 dot failed: ValueError: no" in tables.decode_markdown([failed], meta)

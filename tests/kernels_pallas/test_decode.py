@@ -273,7 +273,7 @@ def test_no_pad_of_q_around_the_kernels():
 
 
 FUSED = dec.DecodeTuning(fused_combine=True)
-FP8DOT = dec.DecodeTuning(stream_fp8_dot=True)  # the fp8 K copy scored on fp8 tensor cores (q in two fp8 halves)
+F16 = dec.DecodeTuning(stream_fp8_f16=True)  # the fp8 K copy widened to float16 against a float16 q
 
 
 @pytest.mark.parametrize("g, splits", [(7, 0), (3, 0), (4, 40)])
@@ -301,8 +301,8 @@ def test_fused_combine_matches_xla(g, splits):
     np.testing.assert_array_equal(np.asarray(dense[1], np.float32), np.asarray(dense[0], np.float32))
     with pytest.raises(ValueError, match="fused_combine"):
         dec.DecodeTuning(fused_combine=1)
-    with pytest.raises(ValueError, match="stream_fp8_dot must be a bool"):
-        dec.DecodeTuning(stream_fp8_dot="yes")
+    with pytest.raises(ValueError, match="stream_fp8_f16 must be a bool"):
+        dec.DecodeTuning(stream_fp8_f16="yes")
 
 
 def test_fused_combine_lowers_for_sm90(triton_sm90_modules):
@@ -343,10 +343,7 @@ def _fp8_case(seed, b, s, hq, kvh, d, dtype, peaky, frac, min_k, interpret, tuni
     kw = dict(topk_frac=frac, min_k=min_k, k_max=k_max, interpret=interpret, tuning=tuning)
     out, idx, counts = jax.jit(lambda *a: dec.anchor_decode(*a[:4], impl="pallas", score_keys=a[4:], **kw))(
         q, k, v, kv_len, k8, mult)
-    if tuning.stream_fp8_dot:  # its logits: q's two fp8 halves joined (exact in fp32) against the widened copy
-        scores = ref.pooled_scores_decode_reference(ref.fp8_decode_q_joined(q, mult), k8.astype(jnp.float32), kv_len)
-    else:
-        scores = ref.pooled_scores_decode_reference(ref.fp8_decode_q(q, mult), k8.astype(dtype), kv_len)
+    scores = ref.pooled_scores_decode_reference(ref.fp8_decode_q(q, mult), k8.astype(dtype), kv_len)
     ref_idx = ref.select_topk_reference(scores, counts[:, None], k_max)
     _assert_same_selection(idx, ref_idx, scores, np.asarray(counts), np.asarray(kv_len))
     assert _row_err(out, ref.sparse_decode_reference(q, k, v, kv_len, idx, jnp.arange(kvh))) < tol
@@ -373,12 +370,12 @@ def _mass_recall(idx, ref_idx, scores, counts):
     dict(b=2, s=300, hq=6, kvh=2, d=64, dtype=jnp.bfloat16, peaky=True, frac=0.1, min_k=16),
     dict(b=2, s=203, hq=8, kvh=2, d=128, dtype=jnp.float16, peaky=False, frac=0.2, min_k=7),
 ])
-@pytest.mark.parametrize("tuning", ["widen", "fp8_dot"])
+@pytest.mark.parametrize("tuning", ["widen", "f16"])
 def test_score_keys_fp8_match_reference(case, tuning):
-    """The whole-cache pass on the fp8 K copy (interpret), K widened in registers or scored by fp8 dots of q's two
-    halves: the selection of the reference's pooled scores, the output from bf16 K and V; the copy keeps nearly all
-    of the bf16 Top-k's mass."""
-    tuning = dict(widen=dec.DEFAULT_TUNING, fp8_dot=FP8DOT)[tuning]
+    """The whole-cache pass on the fp8 K copy (interpret), K widened in registers to q's dtype or to float16 against a
+    float16 q (the same logits): the selection of the widened copy's pooled scores, the output from bf16 K and V; the
+    copy keeps nearly all of the bf16 Top-k's mass."""
+    tuning = dict(widen=dec.DEFAULT_TUNING, f16=F16)[tuning]
     idx, idx_bf16, counts, _, bf16 = _fp8_case(SEED, interpret=True, tuning=tuning, **case)
     assert _mass_recall(idx, idx_bf16, bf16, counts) > 0.97
 
@@ -406,23 +403,20 @@ def test_fp8_decode_keys_and_tokens():
     assert np.abs(diff - diff.mean(axis=-1, keepdims=True)).max() < 0.05 * np.abs(exact).max()
 
 
-def test_fp8_q_split_keeps_q():
-    """q's two fp8 halves: q_hi the fp8 rounding of q * mult * s, q_lo its remainder's, inv = 1 / s a power of two
-    per sequence with q_hi's amax in (224, 448]; joined they are q * mult to bf16's precision (a bf16 q has 8
-    significant bits, the halves 4 each), far closer than one fp8 q."""
+def test_fp8_q16_is_exact():
+    """q in float16 for the float16 widening (`reference.fp8_decode_q16`): one power-of-two scale per sequence with
+    the amax in [2^13, 2^14), and q16 * inv is q * mult (`fp8_decode_q`) exactly: a bf16 q fits float16's mantissa; a
+    zero q keeps scale 1."""
     q, k, _, kv_len = _inputs(3, 3, 64, 8, 2, 128, jnp.bfloat16, peaky=True)
+    q = q.at[2].set(0.0)
     _, _, mult = ref.fp8_decode_keys(k, kv_len)
-    hi, lo, inv = ref.fp8_decode_q_split(q, mult)
-    assert hi.dtype == lo.dtype == jnp.float8_e4m3fn and hi.shape == lo.shape == q.shape and inv.shape == (3,)
+    q16, inv = ref.fp8_decode_q16(q, mult)
+    assert q16.dtype == jnp.float16 and q16.shape == q.shape and inv.shape == (3,)
     assert np.all(np.frexp(np.asarray(inv))[0] == 0.5)  # powers of two
-    amax = np.abs(np.asarray(hi.astype(jnp.float32))).reshape(3, -1).max(axis=1)
-    assert np.all((amax > 224) & (amax <= 448))
+    amax = np.abs(np.asarray(q16, np.float32)).reshape(3, -1).max(axis=1)
+    assert np.all((amax[:2] >= 2 ** 13) & (amax[:2] < 2 ** 14)) and amax[2] == 0 and float(inv[2]) == 1.0
     want = np.asarray(ref.fp8_decode_q(q, mult), np.float32)
-    joined = np.asarray(ref.fp8_decode_q_joined(q, mult))
-    top = np.abs(want).reshape(3, -1).max(axis=1)[:, None, None, None]
-    assert np.abs(joined - want).max() <= 2.0 ** -9 * top.max()
-    one = np.asarray(hi.astype(jnp.float32)) * np.asarray(inv)[:, None, None, None]
-    assert np.abs(one - want).max() > 8 * np.abs(joined - want).max()  # the low half is what keeps the precision
+    np.testing.assert_array_equal(np.asarray(q16, np.float32) * np.asarray(inv)[:, None, None, None], want)
 
 
 def test_score_keys_errors():
@@ -455,20 +449,21 @@ def test_score_keys_lower_for_sm90(triton_sm90_modules):
     jax.jit(fn).trace(q, kc, kc, kv, k8, mult).lower(lowering_platforms=("cuda",))
     assert len(verified) == 3  # stream, select, reuse
     fn = lambda q, k, v, l, k8, m: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600,  # noqa: E731
-                                                     impl="pallas", score_keys=(k8, m), tuning=FP8DOT)
+                                                     impl="pallas", score_keys=(k8, m), tuning=F16)
     text = jax.jit(fn).trace(q, kc, kc, kv, k8, mult).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(verified) == 6 and "kascade_anchor_scores" in text  # the fp8-dot stream pass verifies too
-    # the stream modules' dots: bf16 (K widened) by default, two fp8 x fp8 dots with stream_fp8_dot
-    fp8_dot = re.compile(r"tt\.dot .*: tensor<16x128xf8E4M3FN> \* tensor<128x128xf8E4M3FN> -> tensor<16x128xf32>")
-    assert [len(fp8_dot.findall(m)) for m in (verified[0], verified[3])] == [0, 2]
-    assert re.search(r"tt\.dot .*: tensor<16x128xbf16> \* tensor<128x128xbf16>", verified[0])
+    assert len(verified) == 6 and "kascade_anchor_scores" in text  # the float16 stream pass verifies too
+    # the stream modules: K widened to bf16 by default, to float16 (a bf16 dot is gone) with stream_fp8_f16
+    dot = r"tt\.dot .*: tensor<16x128x{0}> \* tensor<128x128x{0}> -> tensor<16x128xf32>"
+    assert re.search(dot.format("bf16"), verified[0]) and not re.search(dot.format("f16"), verified[0])
+    assert re.search(dot.format("f16"), verified[3]) and not re.search(dot.format("bf16"), verified[3])
+    assert "tt.fp_to_fp" in verified[3] or "arith.extf" in verified[3]  # fp8 -> float16 in registers
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("peaky", [False, True])
-@pytest.mark.parametrize("tuning", ["widen", "fp8_dot"])
+@pytest.mark.parametrize("tuning", ["widen", "f16"])
 def test_gpu_score_keys_fp8(peaky, tuning):
     idx, idx_bf16, counts, _, bf16 = _fp8_case(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128,
                                                interpret=False,
-                                               tuning=dict(widen=dec.DEFAULT_TUNING, fp8_dot=FP8DOT)[tuning])
+                                               tuning=dict(widen=dec.DEFAULT_TUNING, f16=F16)[tuning])
     assert _mass_recall(idx, idx_bf16, bf16, counts) > 0.97

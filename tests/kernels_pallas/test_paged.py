@@ -352,13 +352,13 @@ def test_triton_modules_verify_for_sm90(triton_sm90_modules):
         lower(lambda q, k, v, t, l, k8, m: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
                                                                impl="pallas", tuning=tu, score_keys=(k8, m)),
               q, pool, pool, pt, kv, pool8, mult)
-        tu8 = dec.DecodeTuning(paged_mask=mask, stream_fp8_dot=True)  # ... scored by fp8 dots (no widening)
+        tu8 = dec.DecodeTuning(paged_mask=mask, stream_fp8_f16=True)  # ... widened to float16
         lower(lambda q, k, v, t, l, k8, m: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
                                                                impl="pallas", tuning=tu8, score_keys=(k8, m)),
               q, pool, pool, pt, kv, pool8, mult)
     # per setting: dense (gather, in-page); reuse; anchor = stream + the short select (the default at 640 keys; the
     # four-launch select does not read the cache: test_decode lowers it) + reuse; the same anchor on fp8 K pages,
-    # widened and by fp8 dots
+    # widened to bf16 and to float16
     assert len(verified) == 3 * (2 + 1 + 3 + 3 + 3)
 
 
@@ -379,40 +379,32 @@ def _check_fp8_pages(ps, s, hq, d, interpret, tuning=dec.DEFAULT_TUNING):
     for impl in ("pallas", "reference"):
         out, idx, counts = paged.anchor_decode(q, kp, vp, table, kv_len, interpret=interpret and impl == "pallas",
                                                impl=impl, score_keys=(k8p, mult), tuning=tuning, **kw)
-        w, w_idx = want, want_idx
-        if impl == "pallas" and tuning.stream_fp8_dot:  # scored by q's two fp8 halves: their joined q's selection
-            scores = ref.pooled_scores_decode_reference(ref.fp8_decode_q_joined(q, mult), k8.astype(jnp.float32),
-                                                        kv_len)
-            w_idx = ref.select_topk_reference(scores, counts[:, None], kw["k_max"])
-            w = ref.sparse_decode_reference(q, k, v, kv_len, w_idx, jnp.arange(2))
-            scores = np.asarray(scores)
-        else:
-            scores = np.asarray(ref.pooled_scores_decode_reference(ref.fp8_decode_q(q, mult), k8.astype(k.dtype),
-                                                                   kv_len))
+        scores = np.asarray(ref.pooled_scores_decode_reference(ref.fp8_decode_q(q, mult), k8.astype(k.dtype),
+                                                               kv_len))
         for bi in range(2):
             for h in range(2):
                 c = int(counts[bi])
-                mine, theirs = set(np.asarray(idx[bi, h, :c]).tolist()), set(np.asarray(w_idx[bi, h, :c]).tolist())
+                mine, theirs = set(np.asarray(idx[bi, h, :c]).tolist()), set(np.asarray(want_idx[bi, h, :c]).tolist())
                 if mine != theirs:  # only near-ties may differ (fused fp32 pooling on a GPU)
                     sc = scores[bi, h]
                     gap = sc[sorted(theirs - mine)].max() - sc[sorted(mine - theirs)].min()
                     assert gap <= 1e-3 * abs(sc[sorted(theirs)].min()), (bi, h, mine ^ theirs)
-        assert _row_err(out, w) < 1e-2
+        assert _row_err(out, want) < 1e-2
     with pytest.raises(ValueError, match=r"mult must have shape \[batch\]=\(2,\)"):
         paged.anchor_decode(q, kp, vp, table, kv_len, impl="reference", score_keys=(k8p, jnp.ones(kp.shape[0])),
                             **kw)
 
 
 @pytest.mark.parametrize("ps", [16, 64])
-@pytest.mark.parametrize("fp8_dot", [False, True])
-def test_anchor_decode_fp8_score_keys_interpret(ps, fp8_dot):
-    _check_fp8_pages(ps, 128, 4, 64, interpret=True, tuning=dec.DecodeTuning(stream_fp8_dot=fp8_dot))
+@pytest.mark.parametrize("f16", [False, True])
+def test_anchor_decode_fp8_score_keys_interpret(ps, f16):
+    _check_fp8_pages(ps, 128, 4, 64, interpret=True, tuning=dec.DecodeTuning(stream_fp8_f16=f16))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask", dec.PAGED_MASKS)
-@pytest.mark.parametrize("fp8_dot", [False, True])
-def test_anchor_decode_fp8_score_keys_gpu(mask, fp8_dot):
+@pytest.mark.parametrize("f16", [False, True])
+def test_anchor_decode_fp8_score_keys_gpu(mask, f16):
     _check_fp8_pages(64, 8192, 32, 128, interpret=False, tuning=dec.DecodeTuning(paged_mask=mask,
-                                                                                  stream_fp8_dot=fp8_dot))
+                                                                                  stream_fp8_f16=f16))
 
