@@ -33,24 +33,34 @@ REGS_PER_SM, SMEM_PER_SM, THREADS_PER_SM = 65536, 228 * 1024, 2048
 
 def lowered_modules(kernel: str, batch: int, context: int, heads, tuning_spec: str):
     """[(TTIR text, num_warps, num_stages, grid)] of the Triton modules the kernel's call lowers to for sm_90."""
-    import jax
-    import jax.numpy as jnp
     from jax._src.pallas.triton import gpu_info
     from jax._src.pallas.triton import pallas_call_registration as reg
 
-    from kernels_pallas import decode as dec
-    from kernels_pallas import reference as ref
-
-    reg.gpu_info_lib.get_gpu_info = lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="sm_90",
-                                                             compute_capability=90)
-    lower_module, found = reg.lowering.lower_jaxpr_to_triton_module, []
+    saved = reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module
+    lower_module, found = saved[1], []
 
     def keep(*args, **kwargs):
         res = lower_module(*args, **kwargs)
         found.append(res)
         return res
 
+    reg.gpu_info_lib.get_gpu_info = lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="sm_90",
+                                                             compute_capability=90)
     reg.lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        return _lower(kernel, batch, context, heads, tuning_spec, found)
+    finally:  # JAX's hooks back as they were (a test process goes on lowering)
+        reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module = saved
+
+
+def _lower(kernel, batch, context, heads, tuning_spec, found):
+    """`lowered_modules` with the hooks in place: lower the kernel's call, pick its modules from `found`."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas import decode as dec
+    from kernels_pallas import reference as ref
+
     tuning = dec.tuning_from_string(tuning_spec)
     hq, kvh, d = heads
     k_max = ref.max_budget(context, 0.1, 128)

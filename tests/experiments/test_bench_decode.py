@@ -32,3 +32,30 @@ def test_reuse_sweep_table():
     md = tables.decode_markdown([row], dict(date="d", gpu="NVIDIA H200", jax="0.11.2", command="bench", tuning="t"))
     assert "| reuse_splits=10 | 0.7500 | 0.0800 | 0.084 | 0.1980 | **4.83x** | 1.18 |" in md
     assert "reuse_splits=10: `kascade_reuse_decode` 0.0780" in md
+
+
+def _triton_sass():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "triton_sass.py"
+    spec = importlib.util.spec_from_file_location("triton_sass", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("kernel", ["anchor", "anchor_fp8", "anchor0", "reuse"])
+def test_triton_sass_finds_each_kernels_module(kernel):
+    """The SASS probe's lowering half (the compile needs a pip Triton): each kernel's sm_90 module, its launch shape
+    and the warps and stages it would be compiled with."""
+    ts = _triton_sass()
+    mods = ts.lowered_modules(kernel, 2, 4096, (8, 2, 64), "reuse_splits=3" if kernel == "reuse" else "")
+    assert len(mods) == 1
+    text, warps, stages, grid = mods[0]
+    assert ("reuse_decode" if kernel == "reuse" else "anchor_scores") in text and warps == 4
+    assert list(grid)[:2] == [2, 2] and stages == (2 if kernel == "reuse" else 3)
+    if kernel == "reuse":
+        assert list(grid) == [2, 2, 3]  # reuse_splits=3
+    if kernel == "anchor_fp8":
+        assert "f8E4M3FN" in text
