@@ -10,7 +10,8 @@ PTX and a cubin, and prints registers, shared memory, programs per SM and the SA
   python benchmarks/triton_sass.py --triton /tmp/tri --kernel reuse --batch 8 --tuning reuse_splits=10
 
 Kernels: anchor (the whole-cache score pass, bf16 K), anchor_fp8 (on the fp8 K copy; `--tuning stream_fp8_f16=true`
-for the float16 widening), anchor0 (the dense-output pass of anchor layer 0), reuse. Shapes: --heads Q,KV,D (default
+for the float16 widening), anchor0 (the dense-output pass of anchor layer 0), reuse, and prefill_reuse (the sparse
+prefill's reuse layers, batch 1 from position 0, tile 32; --tuning then takes PrefillTuning fields). Shapes: --heads Q,KV,D (default
 the 8B's 32,8,128). Session 29 (benchmarks/NOTES.md) read the fp8 pass's F2F count and the batch-8 reuse occupancy
 this way.
 """
@@ -27,7 +28,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-KERNELS = ("anchor", "anchor_fp8", "anchor0", "reuse")
+KERNELS = ("anchor", "anchor_fp8", "anchor0", "reuse", "prefill_reuse")
 REGS_PER_SM, SMEM_PER_SM, THREADS_PER_SM = 65536, 228 * 1024, 2048
 
 
@@ -61,7 +62,7 @@ def _lower(kernel, batch, context, heads, tuning_spec, found):
     from kernels_pallas import decode as dec
     from kernels_pallas import reference as ref
 
-    tuning = dec.tuning_from_string(tuning_spec)
+    tuning = dec.tuning_from_string("" if kernel == "prefill_reuse" else tuning_spec)
     hq, kvh, d = heads
     k_max = ref.max_budget(context, 0.1, 128)
     q = jax.ShapeDtypeStruct((batch, 1, hq, d), jnp.bfloat16)
@@ -71,6 +72,19 @@ def _lower(kernel, batch, context, heads, tuning_spec, found):
     mult = jax.ShapeDtypeStruct((batch,), jnp.float32)
     idx = jax.ShapeDtypeStruct((batch, kvh, k_max), jnp.int32)
     kw = dict(topk_frac=0.1, min_k=128, k_max=k_max, impl="pallas", tuning=tuning)
+    if kernel == "prefill_reuse":  # the sparse prefill's reuse layers: batch 1 from position 0, tile 32
+        from kernels_pallas import prefill as pf
+
+        ptuning, tiles = pf.tuning_from_string(tuning_spec), context // 32
+        qp = jax.ShapeDtypeStruct((batch, context, hq, d), jnp.bfloat16)
+        pidx = jax.ShapeDtypeStruct((batch, kvh, tiles, k_max), jnp.int32)
+        cnt = jax.ShapeDtypeStruct((batch, tiles), jnp.int32)
+        fn = lambda q, k, v, s0, l, i, c: pf.reuse_prefill(q, k, v, s0, l, i, c, jnp.arange(kvh), 32,  # noqa: E731
+                                                           impl="pallas", tuning=ptuning)
+        jax.jit(fn).trace(qp, kc, kc, kv, kv, pidx, cnt).lower(lowering_platforms=("cuda",))
+        lay = pf._layout(qp, kc, 32, ptuning.reuse_rows)  # the reuse kernel's own row packing and warps
+        return [(str(r.module), ptuning.reuse_warps or lay.warps, ptuning.reuse_stages,
+                 getattr(r, "grid", None)) for r in found if "prefill_reuse" in str(r.module)]
     if kernel == "reuse":
         fn, args = (lambda q, k, v, l, i: dec.reuse_decode(q, k, v, l, i, l // 10, jnp.arange(kvh), impl="pallas",
                                                            tuning=tuning)), (q, kc, kc, kv, idx)
@@ -114,12 +128,13 @@ def sass_report(text: str, warps: int, stages: int, triton_dir: str) -> dict:
         res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"REG:(\d+)", res).group(1))
+    stack = int(m.group(1)) if (m := re.search(r"STACK:(\d+)", res)) else 0  # spills land on the stack
     ops = collections.Counter(m.group(1).split(".")[0]
                               for m in re.finditer(r"^\s+/\*[0-9a-f]{4}\*/\s+([A-Z0-9_.]+)", sass, re.M))
     threads = 32 * warps
     smem = compiled.metadata.shared
     fit = min(REGS_PER_SM // max(regs * threads, 1), SMEM_PER_SM // max(smem, 1), THREADS_PER_SM // threads)
-    return dict(registers=regs, shared=smem, warps=warps, stages=stages, programs_per_sm=fit,
+    return dict(registers=regs, stack=stack, shared=smem, warps=warps, stages=stages, programs_per_sm=fit,
                 instructions=sum(ops.values()), ops=ops)
 
 
@@ -146,7 +161,7 @@ def main():
         waves = f", {programs} programs = {programs / (132 * max(r['programs_per_sm'], 1)):.2f} waves on 132 SMs" \
             if grid else ""
         print(f"{a.kernel} b={a.batch} s={a.context} heads={heads} tuning='{a.tuning}': grid {grid}{waves}")
-        print(f"  {r['registers']} registers, {r['shared'] / 1024:.1f} KB shared, {r['warps']} warps, "
+        print(f"  {r['registers']} registers ({r['stack']} B stack), {r['shared'] / 1024:.1f} KB shared, {r['warps']} warps, "
               f"{r['stages']} stages -> {r['programs_per_sm']} programs an SM; {r['instructions']} SASS instructions")
         print("  " + "  ".join(f"{op} {n}" for op, n in r["ops"].most_common(a.top)))
 
