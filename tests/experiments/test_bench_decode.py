@@ -45,6 +45,14 @@ def _triton_sass():
     return mod
 
 
+def test_triton_sass_finds_the_prefill_reuse_module():
+    ts = _triton_sass()
+    mods = ts.lowered_modules("prefill_reuse", 1, 4096, (8, 2, 64), "reuse_rows=64")
+    assert len(mods) == 1
+    text, warps, stages, grid = mods[0]
+    assert "prefill_reuse" in text and warps == 4 and stages == 3  # 64 rows (tile 32 x 2 heads): 4 warps
+
+
 @pytest.mark.parametrize("kernel", ["anchor", "anchor_fp8", "anchor0", "reuse"])
 def test_triton_sass_finds_each_kernels_module(kernel):
     """The SASS probe's lowering half (the compile needs a pip Triton): each kernel's sm_90 module, its launch shape
