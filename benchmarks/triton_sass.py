@@ -10,10 +10,10 @@ PTX and a cubin, and prints registers, shared memory, programs per SM and the SA
   python benchmarks/triton_sass.py --triton /tmp/tri --kernel reuse --batch 8 --tuning reuse_splits=10
 
 Kernels: anchor (the whole-cache score pass, bf16 K), anchor_fp8 (on the fp8 K copy; `--tuning stream_fp8_f16=true`
-for the float16 widening), anchor0 (the dense-output pass of anchor layer 0), reuse, and prefill_reuse (the sparse
-prefill's reuse layers, batch 1 from position 0, tile 32; --tuning then takes PrefillTuning fields). Shapes: --heads Q,KV,D (default
-the 8B's 32,8,128). Session 29 (benchmarks/NOTES.md) read the fp8 pass's F2F count and the batch-8 reuse occupancy
-this way.
+for the float16 widening), anchor0 (the dense-output pass of anchor layer 0), reuse, and prefill_reuse (the
+sparse prefill's reuse layers, batch 1 from position 0, tile 32; --tuning then takes PrefillTuning fields).
+Shapes: --heads Q,KV,D (default the 8B's 32,8,128). Session 29 (benchmarks/NOTES.md) read the fp8 pass's F2F count
+and the batch-8 reuse occupancy this way.
 """
 
 from __future__ import annotations
@@ -161,8 +161,9 @@ def main():
         waves = f", {programs} programs = {programs / (132 * max(r['programs_per_sm'], 1)):.2f} waves on 132 SMs" \
             if grid else ""
         print(f"{a.kernel} b={a.batch} s={a.context} heads={heads} tuning='{a.tuning}': grid {grid}{waves}")
-        print(f"  {r['registers']} registers ({r['stack']} B stack), {r['shared'] / 1024:.1f} KB shared, {r['warps']} warps, "
-              f"{r['stages']} stages -> {r['programs_per_sm']} programs an SM; {r['instructions']} SASS instructions")
+        print(f"  {r['registers']} registers ({r['stack']} B stack), {r['shared'] / 1024:.1f} KB shared, "
+              f"{r['warps']} warps, {r['stages']} stages -> {r['programs_per_sm']} programs an SM; "
+              f"{r['instructions']} SASS instructions")
         print("  " + "  ".join(f"{op} {n}" for op, n in r["ops"].most_common(a.top)))
 
 

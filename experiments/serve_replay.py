@@ -96,8 +96,9 @@ def model_spec() -> str:
 
 def build_strategy(name: str, model, tok, spec: str):
     """dense, or kascade: on a random:* model the registry's default anchors or --anchors (identity head map, no
-    recipe: there is no calibration of random weights; --decode_score_fp8 is the one lever taken); on a real model exactly what every entry point builds
-    (`common.build_strategy`: --recipe's levers, --anchors / --head_map, its calibration)."""
+    recipe: there is no calibration of random weights; --decode_score_fp8 is the one lever taken); on a real model
+    exactly what every entry point builds (`common.build_strategy`: --recipe's levers, --anchors / --head_map, its
+    calibration)."""
     import jax
 
     from kascade_jax.registry import default_anchors, make_strategy
@@ -138,8 +139,7 @@ def main(argv):
     on_gpu = jax.default_backend() == "gpu"
     if REPLAY_OUT.value and not on_gpu:
         raise ValueError("--replay_out writes benchmark files: run on a GPU (CPU timings would mean nothing)")
-    if on_gpu and (warning := timing.untuned_gemm_warning()) is not None:
-        print(warning, file=sys.stderr, flush=True)
+    flags_record = timing.xla_flags_record() if on_gpu else {}  # warns now, before the long run, if GEMMs are untuned
     dtype = common.DTYPE.value if flags.FLAGS["dtype"].present else ("bfloat16" if on_gpu else "float32")
     if "kascade" in STRATEGIES.value:  # --anchors and --recipe, before any model is built
         from kascade_jax.calibration.resolve import parse_anchors
@@ -241,9 +241,9 @@ def main(argv):
                                 compiles=compiles))
             row["decode_steps"] -= steps0
             rows.append(row)
-            say(f"{row['strategy']}: {row['tokens_per_s']:.1f} generated tok/s, makespan {row['makespan_s']:.2f} s, TTFT p50 "
-                f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, TPOT p50 {row['tpot_p50_ms']:.2f} ms p99 "
-                f"{row['tpot_p99_ms']:.2f} ms, {row['decode_steps']} decode steps, mean active "
+            say(f"{row['strategy']}: {row['tokens_per_s']:.1f} generated tok/s, makespan {row['makespan_s']:.2f} s, "
+                f"TTFT p50 {row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s, TPOT p50 {row['tpot_p50_ms']:.2f} "
+                f"ms p99 {row['tpot_p99_ms']:.2f} ms, {row['decode_steps']} decode steps, mean active "
                 f"{row['mean_active']:.2f}, decode compilations {row['decode_compilations']}, compilations during the "
                 f"replay {row['replay_compilations']}" +
                 (f", FAILED requests {row['failed_requests']} ({row.get('first_error')})"
@@ -260,7 +260,7 @@ def main(argv):
 
             meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                         gpu=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv),
-                        **({"xla_flags": timing.xla_flags()} if timing.xla_flags() else {}), **trace_meta,
+                        **flags_record, **trace_meta,
                         topk_frac=common.TOPK_FRAC.value, min_k=common.MIN_K.value,
                         anchors=recipe_flags.ANCHORS.value,
                         recipe=recipe_flags.RECIPE.value, max_prefill_tokens_per_step=PREFILL_BUDGET.value,

@@ -173,11 +173,11 @@ def prefill(model, tokens, prompt_lens, cache: KVCache, strategy, *, chunk_size:
         raise ValueError(f"prompt_lens must be [batch] in [1, {p}], got {prompt_lens.tolist()}")
     _check_room(cache, int(prompt_lens.max()), "the prompt", model.config.max_position_embeddings)
     _check_pages(cache, prompt_lens, "prefill")
-    if getattr(cache, "page_table", None) is not None:
+    paged = getattr(cache, "page_table", None) is not None
+    if paged:
         check_no_cache_state(strategy, "paged caches", paged=True)
     if getattr(model, "mesh", None) is not None:
         check_no_cache_state(strategy, "a mesh")
-    paged = getattr(cache, "page_table", None) is not None
     cstate = init_cache_state(strategy, model.config.num_layers, b, cache.max_len, model.config.kv_heads,
                               model.config.head_dim, pages=(cache.num_pages, cache.page_size) if paged else None)
     if cstate is not None or getattr(cache, "strategy_state", None) is not None:  # a new prompt starts it fresh

@@ -111,8 +111,8 @@ def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, 
               min_k=128, peaky=False, tuning=None, interpret=False, log=print):
     """The anchor on the fp8 K copy (`score_keys`, `reference.fp8_decode_keys`) against the reference on the copy
     widened (bf16, or float16 with `tuning.stream_fp8_f16`: the same logits; same index set up to near-ties, sparse
-    output from bf16 K and V), and the share of the bf16 Top-k's pooled mass its
-    selection keeps (worst and mean over sequences and heads); returns the numbers."""
+    output from bf16 K and V), and the share of the bf16 Top-k's pooled mass its selection keeps (worst and mean
+    over sequences and heads); returns the numbers."""
     import jax
     import jax.numpy as jnp
     import numpy as np

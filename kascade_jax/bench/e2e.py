@@ -28,8 +28,7 @@ from kascade_jax.bench.e2e_models import (GB, ModelSpec, build_model, byte_floor
                                           make_strategies, mesh_name, mesh_sizes, weight_bytes)
 from kascade_jax.bench.store import (STRATEGY_NAMES, add_run, atomic_write, e2e_stem, has_run, load_e2e, mark_skipped,
                                      run_settings, write_outputs)
-from kascade_jax.bench.timing import (categories, kernel_table, per_step, split, top_kernels, untuned_gemm_warning,
-                                      xla_flags)
+from kascade_jax.bench.timing import categories, kernel_table, per_step, split, top_kernels, xla_flags_record
 
 
 def estimate_s(metric: str, layers: int, context: int, batch: int, strategy: str, *, weight_bytes: float,
@@ -290,10 +289,7 @@ def run(specs, *, metrics, contexts, decode_specs, strategies, steps=(8, 40), it
     meta, rows = load_e2e(out_dir, stem)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     gpu = jax.devices()[0].device_kind
-    if (warning := untuned_gemm_warning()) is not None:
-        print(warning, file=sys.stderr, flush=True)
-    meta["runs"].append(dict(date=date, gpu=gpu, jax=jax.__version__, command=" ".join(sys.argv),
-                             **({"xla_flags": xla_flags()} if xla_flags() else {}),
+    meta["runs"].append(dict(date=date, gpu=gpu, jax=jax.__version__, command=" ".join(sys.argv), **xla_flags_record(),
                              devices=n_data * n_model, mesh=mname, topk_frac=topk_frac, min_k=min_k,
                              steps=list(steps), seed=seed, recipe=recipe, **({"levers": levers} if levers else {})))
     dtype = jnp.bfloat16

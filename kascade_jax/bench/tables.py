@@ -22,11 +22,15 @@ def _pyplot():
     return plt
 
 
+def _flags_text(run: dict) -> str:
+    """', XLA_FLAGS `...`' for a run record that has them (`timing.xla_flags_record`), else ''."""
+    return f", XLA_FLAGS `{run['xla_flags']}`" if run.get("xla_flags") else ""
+
+
 def _head(title: str, meta: dict, level: int = 1) -> list[str]:
     """A heading '<title> (<gpu>)' and the line of the run's date, JAX version, XLA_FLAGS (if set) and command."""
-    flags = f", XLA_FLAGS `{meta['xla_flags']}`" if meta.get("xla_flags") else ""
     return [f"{'#' * level} {title} ({meta['gpu']})", "",
-            f"Date {meta['date']}, JAX {meta['jax']}{flags}, command `{meta['command']}`."]
+            f"Date {meta['date']}, JAX {meta['jax']}{_flags_text(meta)}, command `{meta['command']}`."]
 
 
 def _kernel_lines(title: str, items, digits: int, min_ms: float | None = None) -> list[str]:
@@ -92,8 +96,8 @@ def decode_markdown(rows, meta, shape=_DEFAULT):
     if sweep:
         lines += _lever_table(
             rows, [(text, tag) for tag, text in sweep.items()], ["A", "R"], "reuse tuning", True,
-            "**The reuse kernel's tunings** (`DecodeTuning` reuse fields; A re-timed too: the anchors' sparse output is "
-            "the same kernel; A0 the row's), same run and dense:")
+            "**The reuse kernel's tunings** (`DecodeTuning` reuse fields; A re-timed too: the anchors' sparse output "
+            "is the same kernel; A0 the row's), same run and dense:")
         lines += _lever_kernels("Per-kernel breakdown of R with each reuse tuning (ms):", rows, "R",
                                 [(text, tag) for tag, text in sweep.items()])
     shorts = list(dict.fromkeys(m.group(1) for r in rows for key in r if (m := re.fullmatch(r"speedup_(ss\w+)", key))))
@@ -229,8 +233,7 @@ def e2e_markdown(meta: dict, rows: list) -> str:
     lines = ["# End-to-end speed: dense (cuDNN) vs Kascade in the model", ""]
     for run in meta.get("runs", []):
         where = f"mesh {run['mesh']} over {run.get('devices')} devices" if run.get("mesh") else "one device"
-        flags = f", XLA_FLAGS `{run['xla_flags']}`" if run.get("xla_flags") else ""
-        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, {where}{flags}, "
+        lines.append(f"- {run.get('date')}: {run.get('gpu')}, JAX {run.get('jax')}, {where}{_flags_text(run)}, "
                      f"`{run.get('command')}`")
     lines += ["", "Wall clock after compilation (TTFT: prefill of the whole prompt + first greedy sample, batch 1; "
               "decode: ms per step of the jitted decode loop, (t(N2) - t(N1)) / (N2 - N1)). Attention / rest: CUPTI "

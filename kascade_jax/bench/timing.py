@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import statistics
+import sys
 
 # (q_heads, kv_heads, head_dim, num_layers) -> model, named in the tables' headers.
 MODEL_NAMES = {(32, 8, 128, 32): "Llama-3.1-8B", (14, 2, 64, 24): "Qwen2.5-Coder-0.5B",
@@ -32,6 +33,14 @@ def untuned_gemm_warning() -> str | None:
         return ("warning: XLA_FLAGS turns GEMM autotuning off (--xla_gpu_autotune_level=0): the weights' GEMMs run "
                 "untuned, so in-model times overstate everything but attention; unset it for timings to report")
     return None
+
+
+def xla_flags_record() -> dict:
+    """For a timed run's metadata: {"xla_flags": ...} when XLA_FLAGS is set (else {}), after printing
+    `untuned_gemm_warning` to stderr when it applies."""
+    if (warning := untuned_gemm_warning()) is not None:
+        print(warning, file=sys.stderr, flush=True)
+    return {"xla_flags": xla_flags()} if xla_flags() else {}
 
 
 @dataclasses.dataclass(frozen=True)

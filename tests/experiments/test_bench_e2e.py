@@ -406,15 +406,18 @@ def test_failure_notes_survive_later_successes():
     assert rows[0]["skipped"] == "kascade: out of memory" and rows[0]["notes"] == ["qwen3: raised"]
 
 
-def test_untuned_gemms_are_flagged_and_recorded(monkeypatch):
+def test_untuned_gemms_are_flagged_and_recorded(monkeypatch, capsys):
     """The accuracy runner turns GEMM autotuning off; a timing taken so says so (warning, run line, header)."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     assert timing.xla_flags() == "" and timing.untuned_gemm_warning() is None
+    assert timing.xla_flags_record() == {} and capsys.readouterr().err == ""
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
     assert timing.untuned_gemm_warning() is None
     monkeypatch.setenv("XLA_FLAGS", " --xla_gpu_autotune_level=0 --xla_dump_to=/tmp/x ")
     assert "autotune_level=0" in timing.untuned_gemm_warning()
     assert timing.xla_flags() == "--xla_gpu_autotune_level=0 --xla_dump_to=/tmp/x"
+    assert timing.xla_flags_record() == {"xla_flags": "--xla_gpu_autotune_level=0 --xla_dump_to=/tmp/x"}
+    assert "warning: XLA_FLAGS turns GEMM autotuning off" in capsys.readouterr().err
     run = dict(date="d", gpu="NVIDIA H200", jax="0.11.2", command="bench", xla_flags=timing.xla_flags())
     md = tables.e2e_markdown(dict(runs=[run, dict(run, xla_flags="")], notes=[]), [])
     assert md.count("XLA_FLAGS `--xla_gpu_autotune_level=0 --xla_dump_to=/tmp/x`") == 1
