@@ -356,7 +356,7 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), lse_type] if with_out else [lse_type]
     res = plgpu.kernel(
         entry, out_type=out_type, grid=(hq, t // (wgs * block_q), b), grid_names=("heads", "q_seq", "batch"),
-        num_threads=wgs + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+        num_threads=wgs + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interp,
     )(*_mult_operand(scale_mult), *((q, k, v) if with_out else (q, k)))
     return (res[0], res[1]) if with_out else (None, res[0])
@@ -531,7 +531,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
             q_bar=plgpu.Barrier(num_arrivals=n_sub + 1), k_bar=plgpu.Barrier(num_barriers=wgs * steps),
             k_free=plgpu.Barrier(num_barriers=wgs * steps)),
         grid=(n_w, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interp,
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=interp,
     )(*_mult_operand(scale_mult), first, qp, lsep, k)
 
 
@@ -544,18 +544,12 @@ class ReuseTuning:
     """Pipeline of `reuse_blocks` (untuned: the GPU session picks it)."""
 
     block_kv: int = 128  # keys per pipeline step (block_kv // key_block TMA copies each of K and V)
-    steps: int = 2  # K/V ring depth
+    steps: int = 2  # K/V ring depth (3 at block_kv 128 fits shared memory only without the reduction scratch)
     p_in_regs: bool | None = None  # P as a register wgmma operand; None: yes on GPU, no in interpret mode
-    # Where the producer reads each run's first id: False, a scalar load from global memory per run (block_kv / kb of
-    # them a step, possibly serialised: session 25 measured 16-key blocks slower than 32-key ones); True, from the
-    # step's ids in shared memory once their copy has landed (one wait a step, then shared-memory loads).
-    starts_in_smem: bool = False
-    # Read K and V from a head-major copy [batch, kv_heads, T, d] (one XLA transpose of each per call) instead of the
-    # cache's [batch, T, kv_heads, d]: a block of kb keys is then one contiguous run of kb * d elements instead of
-    # kb rows at a kv_heads * d stride (session 26: every reuse, Triton or TMA, per key or per block, ran at
-    # ~2.5 TB/s on both the H100 and the H200; the strided runs were the hypothesis). Refuted (H100, session 27:
-    # 43.37 -> 43.27 ms with 16-key blocks, 42.60 -> 41.90 with 32 at the 8B shape, 128K): off.
-    head_major: bool = False
+    # Steps wholly inside the selection mask each key column with one additive bias (0 or -inf from its id) and skip
+    # the per-element causal compare (a selected key is before the tile, so before every row); only the steps that
+    # reach the diagonal build the full mask. Same logits either way; off until timed.
+    column_mask: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -671,7 +665,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
             lim = jnp.minimum(kvl, ts)
             plgpu.barrier_wait(q_bar.at[wg])
 
-            def step(j, carry):
+            def step(j, carry, full_mask=True):
                 acc, m_i, l_i = carry
                 slot = lax.rem(j, jnp.int32(steps))
                 plgpu.barrier_wait(k_bar.at[slot])
@@ -684,15 +678,19 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                 plgpu.barrier_wait(id_bar.at[slot])
                 ids = plgpu.load(id_smem.at[slot], layout=col)
                 plgpu.barrier_arrive(k_free.at[slot])
-                p = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bkv,), 0, layout=col)
-                act = d0 + (p - cnt)  # the diagonal's key in this lane (a run clamped at the cache end holds
-                # rows before its own: those keys are >= s_len >= kv_len, so masked)
-                sel = (p < cnt) & (ids >= 0) & (ids < lim)
-                diag = (p >= cnt) & (act >= ts) & (act < jnp.minimum(ts + tile_size, kvl))
-                key = jnp.where(p < cnt, ids, act)
-                ok = lax.broadcast_in_dim(sel | diag, (bq, bkv), [1]) & (
-                    lax.broadcast_in_dim(key, (bq, bkv), [1]) <= lax.broadcast_in_dim(pos, (bq, bkv), [0]))
-                s = jnp.where(ok, s * scale2, -jnp.inf)
+                if full_mask:
+                    p = j * bkv + plgpu.broadcasted_iota(jnp.int32, (bkv,), 0, layout=col)
+                    act = d0 + (p - cnt)  # the diagonal's key in this lane (a run clamped at the cache end holds
+                    # rows before its own: those keys are >= s_len >= kv_len, so masked)
+                    sel = (p < cnt) & (ids >= 0) & (ids < lim)
+                    diag = (p >= cnt) & (act >= ts) & (act < jnp.minimum(ts + tile_size, kvl))
+                    key = jnp.where(p < cnt, ids, act)
+                    ok = lax.broadcast_in_dim(sel | diag, (bq, bkv), [1]) & (
+                        lax.broadcast_in_dim(key, (bq, bkv), [1]) <= lax.broadcast_in_dim(pos, (bq, bkv), [0]))
+                    s = jnp.where(ok, s * scale2, -jnp.inf)
+                else:  # every lane inside the count: a selected id, before the tile
+                    bias = jnp.where((ids >= 0) & (ids < lim), 0.0, -jnp.inf).astype(jnp.float32)
+                    s = s * scale2 + lax.broadcast_in_dim(bias, (bq, bkv), [1])
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -711,7 +709,9 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
             init = (plgpu.layout_cast(jnp.full((bq, d), 0, jnp.float32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((bq,), -1e30, jnp.float32), row),
                     plgpu.layout_cast(jnp.full((bq,), 0, jnp.float32), row))
-            acc, _, l_i = lax.fori_loop(0, n_steps, step, init)
+            n_sel = lax.div(cnt, jnp.int32(bkv)) if tuning.column_mask else jnp.int32(0)  # steps inside the count
+            carry = lax.fori_loop(0, n_sel, lambda j, c: step(j, c, False), init)
+            acc, _, l_i = lax.fori_loop(n_sel, n_steps, step, carry)
             l_i = jnp.where(l_i > 0, l_i, 1.0)
             q_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(q.dtype)
             plgpu.commit_smem()
@@ -726,19 +726,15 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                 off = pl.multiple_of(jnp.minimum(j * bkv, w - bkv), bkv)  # (a step past the selection reads no
                 # selected id)
                 plgpu.copy_gmem_to_smem(idx_ref.at[bi, src, tt, pl.ds(off, bkv)], id_smem.at[slot], id_bar.at[slot])
-                if tuning.starts_in_smem:
-                    plgpu.barrier_wait(id_bar.at[slot])
                 for r in range(runs):
                     p0 = j * bkv + r * kb
-                    first = (id_smem[slot, r * kb] if tuning.starts_in_smem  # (== idx[p0] wherever p0 < cnt)
-                             else idx_ref[bi, src, tt, jnp.minimum(p0, w - 1)])
+                    first = idx_ref[bi, src, tt, jnp.minimum(p0, w - 1)]
                     chosen = jnp.clip(lax.div(first, jnp.int32(kb)) * kb, 0, s_len - kb)
                     diag = jnp.minimum(d0 + jnp.maximum(p0 - cnt, 0), s_len - kb)
                     start = jnp.where(p0 < cnt, chosen, jnp.where(p0 < cnt + d_len, diag, 0))
                     blk = pl.ds(pl.multiple_of(start, kb), kb)  # (every branch is a multiple of kb)
-                    rows = (bi, h, blk) if tuning.head_major else (bi, blk, h)
-                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot, pl.ds(r * kb, kb)], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot, pl.ds(r * kb, kb)], v_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(k_ref.at[bi, blk, h], k_smem.at[slot, pl.ds(r * kb, kb)], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[bi, blk, h], v_smem.at[slot, pl.ds(r * kb, kb)], v_bar.at[slot])
 
             def consumed(j):  # both compute warpgroups are done with step j's buffers
                 plgpu.barrier_wait(k_free.at[lax.rem(j, steps)])
@@ -758,8 +754,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
             k_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
             v_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps)),
         grid=(nt * n_sub, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interp,
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=interp,
     )(jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32), counts,
-      jnp.asarray(head_map_row, jnp.int32), qp, *((jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)) if tuning.head_major
-                                                 else (k, v)), idx)
+      jnp.asarray(head_map_row, jnp.int32), qp, k, v, idx)
     return _unpack_rows(out, q.shape, tile_size)

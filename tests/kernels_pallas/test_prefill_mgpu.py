@@ -182,6 +182,10 @@ def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
     calls = [(lambda q, k, v: M.flash_lse(q, k, v), (q, k, k)),
              (lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(p_in_regs=False, block_kv=64)), (q, k, k)),
              (lambda q, k: M.flash_lse(q, k, with_out=False), (q, k)),
+             # 3-deep rings: the dense pass at 128-key steps, the LSE-only pass at 256 (they fit sm_90's 227 KB of
+             # shared memory only without the reduction scratch, which no reduction here needs)
+             (lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(max_concurrent_steps=3)), (q, k, k)),
+             (lambda q, k: M.flash_lse(q, k, with_out=False, tuning=M.MgpuTuning(max_concurrent_steps=3)), (q, k)),
              (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse)),
              (lambda q, k, l, f: M.pooled_scores(q, k, l, tile, first_tile=f, n_tiles=32, width=5120),
               (q, k, lse, jax.ShapeDtypeStruct((1,), jnp.int32)))]
@@ -482,11 +486,13 @@ def _block_selection(rng, b, idx_heads, n_tiles, tile, kb, q_start, kv_len, frac
 
 
 def _check_reuse_blocks(b, t, max_len, hq, kvh, d, tile, kb, q_start, kv_len, dtype, *, pool_all=False, seed=0,
-                        tuning=None, interpret=True, peaky=False, frac=0.3):
+                        tuning=None, interpret=True, peaky=False, frac=0.3, hole=False):
     rng = np.random.default_rng(SEED + seed)
     q, k, v = _inputs(rng, b, t, hq, kvh, d, max_len, dtype, peaky=peaky)
     nt = -(-t // tile)
     idx, counts = _block_selection(rng, b, 1 if pool_all else kvh, nt, tile, kb, q_start, kv_len, frac)
+    if hole:  # head 0 lacks its first block: -1 lanes inside every count
+        idx = idx.at[:, 0, :, :kb].set(-1)
     hm = jnp.zeros((kvh,), jnp.int32) if pool_all else jnp.arange(kvh, dtype=jnp.int32)
     qs, kl = jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32)
     if interpret is True:
@@ -508,15 +514,14 @@ def _check_reuse_blocks(b, t, max_len, hq, kvh, d, tile, kb, q_start, kv_len, dt
     # one selection shared by all KV heads (head map of zeros); blocks of 8; the 2-deep ring wraps many times
     dict(b=2, t=64, max_len=320, hq=6, kvh=2, d=64, tile=16, kb=8, q_start=[256, 200], kv_len=[320, 250],
          dtype=jnp.bfloat16, pool_all=True, frac=0.6, tuning=M.ReuseTuning(block_kv=64)),
-    # the first case with the producer reading the runs' first ids from shared memory
+    # the first case with column masks on the steps inside the count and a 3-deep ring (two KV heads, ragged batch,
+    # head 0 missing a block inside the count)
     dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
-         dtype=jnp.bfloat16, seed=1, tuning=M.ReuseTuning(starts_in_smem=True)),
-    # the second case (off-boundary diagonal, clamped copies) from a head-major copy of K and V
-    dict(b=1, t=100, max_len=160, hq=4, kvh=1, d=128, tile=32, kb=32, q_start=[60], kv_len=[160],
-         dtype=jnp.float16, seed=2, tuning=M.ReuseTuning(block_kv=128, head_major=True)),
-    # the first case head-major: two KV heads, ragged batch (a head or batch mix-up shows here)
-    dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
-         dtype=jnp.bfloat16, seed=3, tuning=M.ReuseTuning(head_major=True)),
+         dtype=jnp.bfloat16, seed=1, frac=0.9, hole=True,
+         tuning=M.ReuseTuning(block_kv=64, steps=3, column_mask=True)),
+    # the second case (off-boundary diagonal, clamped copies) with column masks: many whole 64-key steps
+    dict(b=1, t=100, max_len=416, hq=4, kvh=1, d=128, tile=32, kb=32, q_start=[316], kv_len=[416],
+         dtype=jnp.float16, seed=2, frac=0.8, tuning=M.ReuseTuning(block_kv=64, column_mask=True)),
 ])
 def test_reuse_blocks_interpret(interp, case):
     """Against `reference.sparse_prefill_reference` on the same expanded ids (rows of queries inside kv_len)."""
@@ -534,7 +539,7 @@ def test_reuse_blocks_races():
     gpu_callbacks.reset_gpu_interpret_mode_state()
     err = max(err, _check_reuse_blocks(1, 64, 192, 4, 2, 64, 16, 16, [96], [192], jnp.bfloat16, seed=5, peaky=True,
                                        interpret=plgpu.InterpretGPUParams(detect_races=True),
-                                       tuning=M.ReuseTuning(starts_in_smem=True)))
+                                       tuning=M.ReuseTuning(block_kv=64, steps=3, column_mask=True)))
     assert not mi.get_races().races_found
     gpu_callbacks.reset_gpu_interpret_mode_state()
     assert err < _tol(jnp.bfloat16), err
@@ -612,17 +617,19 @@ def test_reuse_backend_routes_key_blocks_interpret(monkeypatch, interp):
 
 
 @pytest.mark.parametrize("hq,kvh,d,tile,kb,block_kv,steps,dtype", [
-    (32, 8, 128, 32, 16, 128, 2, jnp.bfloat16), (14, 2, 64, 32, 16, 128, 2, jnp.bfloat16),
-    (12, 2, 128, 64, 8, 64, 3, jnp.float16), (14, 2, 64, 16, 16, 64, 4, jnp.bfloat16)])
+    (32, 8, 128, 32, 16, 128, 2, jnp.bfloat16), (32, 8, 128, 32, 16, 128, 3, jnp.bfloat16),
+    (14, 2, 64, 32, 16, 128, 2, jnp.bfloat16), (12, 2, 128, 64, 8, 64, 3, jnp.float16),
+    (14, 2, 64, 16, 16, 64, 4, jnp.bfloat16)])
 def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtype):
     """The Mosaic GPU lowering on the CPU at realistic shapes (it once refused a TMA box whose start was not provably
-    a multiple of the ring's 8-row tiling: the diagonal now starts on a block boundary)."""
+    a multiple of the ring's 8-row tiling: the diagonal now starts on a block boundary). It also checks the shared
+    memory against sm_90's 227 KB: 3 steps of 128 keys at d 128 fit only without the 2 KB reduction scratch."""
     t = 4096
     q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
-    for smem, hmaj in ((False, False), (True, False), (False, True)):
-        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, starts_in_smem=smem, head_major=hmaj)
+    for cmask in (False, True):
+        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=cmask)
         f = lambda q, k, v, qs, kl, idx, c, hm, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
                                                                          tuning=tun)
         assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -637,13 +644,13 @@ _GPU_SHAPES = [(14, 2, 64), (32, 8, 128)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("peaky", [False, True])
 @pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
-@pytest.mark.parametrize("p_in_regs", [None, False])
+@pytest.mark.parametrize("p_in_regs,steps", [(None, 2), (False, 2), (None, 3)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_gpu_flash_4k(peaky, hq, kvh, d, p_in_regs, dtype):
+def test_gpu_flash_4k(peaky, hq, kvh, d, p_in_regs, steps, dtype):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     q, k, v = _inputs(np.random.default_rng(SEED), 1, 4096, hq, kvh, d, 4096, dtype, peaky=peaky)
-    tuning = M.MgpuTuning(p_in_regs=p_in_regs)
+    tuning = M.MgpuTuning(p_in_regs=p_in_regs, max_concurrent_steps=steps)
     _, lse_err, out_err = _check_flash(q, k, v, True, tuning=tuning)
     # (approx exp2/log2 on the GPU: looser LSE bound than interpret mode)
     assert lse_err < 1e-3 and out_err < _OUT_TOL[jnp.dtype(dtype).name], (lse_err, out_err)
@@ -749,13 +756,15 @@ def test_gpu_anchor_padded_chunk_4k(hq, kvh, d, dense_out):
 @pytest.mark.gpu
 @pytest.mark.parametrize("peaky", [False, True])
 @pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
-@pytest.mark.parametrize("kb", [8, 16])
-def test_gpu_reuse_blocks_4k(peaky, hq, kvh, d, kb):
-    """The block reuse on the GPU (P in registers, TMA block copies) against the reference, at 4K from position 0."""
+@pytest.mark.parametrize("kb,tuning", [(8, None), (16, None),
+                                       (16, M.ReuseTuning(steps=3, column_mask=True))])
+def test_gpu_reuse_blocks_4k(peaky, hq, kvh, d, kb, tuning):
+    """The block reuse on the GPU (P in registers, TMA block copies) against the reference, at 4K from position 0
+    (also with column masks and a 3-deep ring of 128-key steps, head 0 missing a block)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     err = _check_reuse_blocks(1, 4096, 4096, hq, kvh, d, 32, kb, [0], [4096], jnp.bfloat16, seed=kb, peaky=peaky,
-                              interpret=False, frac=0.1)
+                              interpret=False, frac=0.1, tuning=tuning, hole=tuning is not None)
     assert err < _tol(jnp.bfloat16), err
 
 
