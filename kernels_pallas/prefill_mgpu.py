@@ -550,6 +550,9 @@ class ReuseTuning:
     # the per-element causal compare (a selected key is before the tile, so before every row); only the steps that
     # reach the diagonal build the full mask. Same logits either way; off until timed.
     column_mask: bool = False
+    # FA3's ping-pong (`MgpuTuning.use_schedule_barrier`): the two compute warpgroups take turns, one's softmax under
+    # the other's wgmma, instead of both running each phase at once on the same step; off until timed.
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -639,7 +642,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
     row = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref, out_ref,
-               q_smem, k_smem, v_smem, id_smem, p_smem, q_bar, k_bar, id_bar, v_bar, k_free, v_free):
+               q_smem, k_smem, v_smem, id_smem, p_smem, q_bar, k_bar, id_bar, v_bar, k_free, v_free, sched):
         bi = lax.axis_index("batch")
         h = lax.axis_index("kvh")
         prog = lax.axis_index("tile")
@@ -655,6 +658,11 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
         d0 = lax.div(ts, jnp.int32(kb)) * kb
         d_len = ts + tile_size - d0 + lax.rem(kb - lax.rem(ts + tile_size, jnp.int32(kb)), jnp.int32(kb))
         n_steps = lax.div(cnt + d_len + bkv - 1, jnp.int32(bkv))
+
+        def schedule_barrier():  # (both compute warpgroups arrive, then go on: one is a phase behind the other)
+            if tuning.pingpong:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
 
         @pl.when(wg < wgs)
         def _compute():
@@ -672,6 +680,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                    schedule_barrier()
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
@@ -696,7 +705,12 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                 pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + pr.sum(axis=1)
                 p_op = _p_operand(pr, q.dtype, None if p_regs else p_smem.at[wg])
+                if tuning.pingpong:  # (as flash_lse: the softmax is done before this warpgroup's turn comes)
+                    acc, l_i, m_new = lax.optimization_barrier((acc, l_i, m_new))
+                    plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
+                if tuning.pingpong:
+                    plgpu.barrier_wait(sched)
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
@@ -710,8 +724,10 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                     plgpu.layout_cast(jnp.full((bq,), -1e30, jnp.float32), row),
                     plgpu.layout_cast(jnp.full((bq,), 0, jnp.float32), row))
             n_sel = lax.div(cnt, jnp.int32(bkv)) if tuning.column_mask else jnp.int32(0)  # steps inside the count
+            pl.when(wg == 1)(schedule_barrier)  # warpgroup 1 starts a phase behind ...
             carry = lax.fori_loop(0, n_sel, lambda j, c: step(j, c, False), init)
             acc, _, l_i = lax.fori_loop(n_sel, n_steps, step, carry)
+            pl.when(wg == 0)(schedule_barrier)  # ... and 0 ends one later: both see every phase
             l_i = jnp.where(l_i > 0, l_i, 1.0)
             q_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(q.dtype)
             plgpu.commit_smem()
@@ -752,7 +768,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
             k_bar=plgpu.Barrier(num_arrivals=runs, num_barriers=steps), id_bar=plgpu.Barrier(num_barriers=steps),
             v_bar=plgpu.Barrier(num_arrivals=runs, num_barriers=steps),
             k_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
-            v_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps)),
+            v_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps), sched=plgpu.Barrier(num_arrivals=wgs)),
         grid=(nt * n_sub, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=interp,
     )(jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32), counts,
