@@ -39,6 +39,10 @@ _HEAD_DIMS = (64, 128)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)  # the score passes only (no P.V): `flash_lse(with_out=False)`, `pooled_scores`
 _COMPUTE_WGS = 2
+# Without Mosaic GPU's default 2 KB reduction scratch: no reduction here crosses warps (a WGMMA-layout tile's row max
+# and sum stay within a warp; the lowering raises if one would need it), and those 2 KB are what kept 3-deep K/V
+# rings out of sm_90's 227 KB (the block reuse at 128-key steps, the dense pass at 128, the LSE pass at 256).
+_COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,8 +360,7 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), lse_type] if with_out else [lse_type]
     res = plgpu.kernel(
         entry, out_type=out_type, grid=(hq, t // (wgs * block_q), b), grid_names=("heads", "q_seq", "batch"),
-        num_threads=wgs + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=interp,
+        num_threads=wgs + 1, thread_name="wg", compiler_params=_COMPILER_PARAMS, interpret=interp,
     )(*_mult_operand(scale_mult), *((q, k, v) if with_out else (q, k)))
     return (res[0], res[1]) if with_out else (None, res[0])
 
@@ -531,7 +534,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
             q_bar=plgpu.Barrier(num_arrivals=n_sub + 1), k_bar=plgpu.Barrier(num_barriers=wgs * steps),
             k_free=plgpu.Barrier(num_barriers=wgs * steps)),
         grid=(n_w, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=interp,
+        compiler_params=_COMPILER_PARAMS, interpret=interp,
     )(*_mult_operand(scale_mult), first, qp, lsep, k)
 
 
@@ -544,7 +547,7 @@ class ReuseTuning:
     """Pipeline of `reuse_blocks` (untuned: the GPU session picks it)."""
 
     block_kv: int = 128  # keys per pipeline step (block_kv // key_block TMA copies each of K and V)
-    steps: int = 2  # K/V ring depth (3 at block_kv 128 fits shared memory only without the reduction scratch)
+    steps: int = 2  # K/V ring depth (3 fits at block_kv 128, d 128: `_COMPILER_PARAMS`)
     p_in_regs: bool | None = None  # P as a register wgmma operand; None: yes on GPU, no in interpret mode
     # Steps wholly inside the selection mask each key column with one additive bias (0 or -inf from its id) and skip
     # the per-element causal compare (a selected key is before the tile, so before every row); only the steps that
@@ -553,6 +556,10 @@ class ReuseTuning:
     # FA3's ping-pong (`MgpuTuning.use_schedule_barrier`): the two compute warpgroups take turns, one's softmax under
     # the other's wgmma, instead of both running each phase at once on the same step; off until timed.
     pingpong: bool = False
+    # P.V accumulates into the running output inside the wgmma (`run_state` on `ACC.init(acc * alpha)`, as
+    # attention_mgpu does) instead of into a zeroed accumulator added afterwards: 64 fewer live registers a thread
+    # and no add. The interpreter cannot run it (module docstring): a GPU-only option, off until timed.
+    acc_in_wgmma: bool = False
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -636,6 +643,8 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
     qp = _pack_rows(q, kvh, tile_size)
     n_sub = qp.shape[3] // _REUSE_ROWS
     interp = _interpret_params(interpret)
+    if tuning.acc_in_wgmma and interp is not None:
+        raise ValueError("prefill_mgpu.reuse_blocks: acc_in_wgmma runs on a GPU only (the interpreter lacks run_state)")
     p_regs = tuning.p_in_regs if tuning.p_in_regs is not None else interp is None
     wgs, bq = _COMPUTE_WGS, 64
     col = plgpu.Layout.WGMMA.reduce(0)
@@ -705,12 +714,20 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                 pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + pr.sum(axis=1)
                 p_op = _p_operand(pr, q.dtype, None if p_regs else p_smem.at[wg])
+                if tuning.acc_in_wgmma:
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if tuning.pingpong:  # (as flash_lse: the softmax is done before this warpgroup's turn comes)
                     acc, l_i, m_new = lax.optimization_barrier((acc, l_i, m_new))
                     plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
                 if tuning.pingpong:
                     plgpu.barrier_wait(sched)
+
+                if tuning.acc_in_wgmma:
+                    acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_op, v_smem.at[slot]))(
+                        plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l_i
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
@@ -770,7 +787,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
             k_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
             v_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps), sched=plgpu.Barrier(num_arrivals=wgs)),
         grid=(nt * n_sub, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=interp,
+        compiler_params=_COMPILER_PARAMS, interpret=interp,
     )(jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32), counts,
       jnp.asarray(head_map_row, jnp.int32), qp, k, v, idx)
     return _unpack_rows(out, q.shape, tile_size)

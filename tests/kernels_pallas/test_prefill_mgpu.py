@@ -553,7 +553,7 @@ def test_reuse_blocks_races():
 @pytest.mark.parametrize("case,needle", [
     (dict(kb=4), "key_block"), (dict(kb=32, tile=16), "key_block"), (dict(d=96), "head_dim"),
     (dict(dtype=jnp.float32), "dtype"), (dict(max_len=200), "cache length"), (dict(tile=8, kb=8), "tile_size"),
-    (dict(w=20), "idx must be"),
+    (dict(w=20), "idx must be"), (dict(tuning=M.ReuseTuning(acc_in_wgmma=True)), "GPU only"),
 ])
 def test_reuse_blocks_unsupported_raises_one_line(case, needle):
     kb, tile, d = case.get("kb", 16), case.get("tile", 32), case.get("d", 64)
@@ -563,7 +563,8 @@ def test_reuse_blocks_unsupported_raises_one_line(case, needle):
     idx = jnp.zeros((1, 2, 64 // tile, case.get("w", 32)), jnp.int32)
     z = jnp.zeros((1,), jnp.int32)
     with pytest.raises(ValueError, match=needle) as e:
-        M.reuse_blocks(q, k, k, z, z + 64, idx, jnp.zeros((1, 64 // tile), jnp.int32), jnp.arange(2), tile, kb)
+        M.reuse_blocks(q, k, k, z, z + 64, idx, jnp.zeros((1, 64 // tile), jnp.int32), jnp.arange(2), tile, kb,
+                       tuning=case.get("tuning"), interpret=True)
     assert "\n" not in str(e.value)
 
 
@@ -633,8 +634,8 @@ def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtyp
     q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
-    for cmask, pp in ((False, False), (True, False), (True, True)):
-        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=cmask, pingpong=pp)
+    for cmask, pp, acc in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=cmask, pingpong=pp, acc_in_wgmma=acc)
         f = lambda q, k, v, qs, kl, idx, c, hm, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
                                                                          tuning=tun)
         assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -762,10 +763,13 @@ def test_gpu_anchor_padded_chunk_4k(hq, kvh, d, dense_out):
 @pytest.mark.parametrize("peaky", [False, True])
 @pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
 @pytest.mark.parametrize("kb,tuning", [(8, None), (16, None), (16, M.ReuseTuning(steps=3, column_mask=True)),
-                                       (16, M.ReuseTuning(steps=3, column_mask=True, pingpong=True))])
+                                       (16, M.ReuseTuning(steps=3, column_mask=True, pingpong=True)),
+                                       (16, M.ReuseTuning(steps=3, column_mask=True, pingpong=True,
+                                                          acc_in_wgmma=True))])
 def test_gpu_reuse_blocks_4k(peaky, hq, kvh, d, kb, tuning):
     """The block reuse on the GPU (P in registers, TMA block copies) against the reference, at 4K from position 0
-    (also with column masks and a 3-deep ring of 128-key steps, head 0 missing a block, with and without ping-pong)."""
+    (also with column masks and a 3-deep ring of 128-key steps, head 0 missing a block, with and without ping-pong,
+    and P.V accumulated inside the wgmma)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     err = _check_reuse_blocks(1, 4096, 4096, hq, kvh, d, 32, kb, [0], [4096], jnp.bfloat16, seed=kb, peaky=peaky,
