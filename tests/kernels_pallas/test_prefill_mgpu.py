@@ -634,8 +634,9 @@ def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtyp
     q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
-    for cmask, pp, acc in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
-        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=cmask, pingpong=pp, acc_in_wgmma=acc)
+    for opts in (False, True):  # the defaults, and every GPU-path option at once (column masks, ping-pong, P.V in
+        # the wgmma; interpret mode runs the first two)
+        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=opts, pingpong=opts, acc_in_wgmma=opts)
         f = lambda q, k, v, qs, kl, idx, c, hm, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
                                                                          tuning=tun)
         assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
