@@ -8,11 +8,12 @@ post-softmax probabilities exp2(s * scale2 - lse_row) of each key strictly befor
 (`reference.pooled_scores_prefill_reference`). Computed transposed, S^T = K_blk . Q_tile^T (wgmma M = 64 keys per
 compute warpgroup, N = tile rows x heads), so pooling over the tile's rows is a reduction within each thread quad
 of the accumulator (no cross-warp reduction); the group's heads sit in N (or in a loop of sub-groups).
+(c) `reuse_blocks`: the sparse reuse prefill over selections of whole key blocks, K/V moved by TMA block copies.
 
 Decisions: wgmma accumulators start at zero (`run_scoped` ACC) and the PV product is added to the running output in
 registers, and in interpret mode P goes to wgmma through shared memory: the Mosaic GPU interpreter of JAX 0.11.2
 handles neither `run_state` (pre-initialised accumulators) nor a wgmma operand held in registers. On a GPU P stays
-in registers (`p_in_regs`). Scope: batch 1, q_start 0, kv_len = q_len, q_len a multiple of the blocks; everything
+in registers (`p_in_regs`), and the block reuse can accumulate P.V inside the wgmma (`ReuseTuning.acc_in_wgmma`). Scope: batch 1, q_start 0, kv_len = q_len, q_len a multiple of the blocks; everything
 else raises ValueError so that callers keep the Triton path (`supported`). `supported` checks q_start on the host;
 `prefill.anchor_prefill` calls these kernels for any chunk at position 0, whatever its kv_len (traced or not): the keys
 past the chunk are never visible from there, and padding rows get an infinite LSE, which takes them out of the
