@@ -22,8 +22,8 @@
 # (experiments.calibrate), `eval ...` (experiments.eval, output_dir = $HOME/acc/NAME) or `gputest PYTEST-ARGS` (the
 # GPU tier, pytest -m gpu) or `sh SCRIPT ARGS` (e.g. bench_shapes.sh $ACC/bench) or `pyg SCRIPT ARGS` (a probe script
 # such as tail_probe.py, on the GPU; write its --out under $ACC to collect it); `NAME KIND mem=F` sets the job's
-# memory fraction and a following `autotune` runs an eval / calibrate job with GEMM autotuning on (the evals' default
-# is off, for compile time; pyg / gputest / sh always run with it on); lines after a line "barrier" start
+# memory fraction and a following `noautotune` runs an eval / calibrate job with GEMM autotuning off (`autotune` is
+# accepted and changes nothing: every kind runs with it on since session 31); lines after a line "barrier" start
 # only when every job before it has ended. Each eval writes its results after every block, so a job stopped early
 # keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into 28 MiB chunks into
 # .stage/<model>/ (git-ignored; q05 17, q15 39, smol 4; the tree is 31 MiB); one call per chunk carries
@@ -35,10 +35,10 @@ ACC=$HOME/acc
 SITE=$HOME/site
 export PYTHONPATH=$SITE:${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$HOME/jaxcache
 export KASCADE_JAX_CALIBRATION_DIR=$ACC/calib KASCADE_JAX_MODELS_DIR=$HOME/models
-# GEMM autotuning off saves the evals' compile time; the benchmark kinds (pyg, gputest, sh) run with it on (below):
-# untuned, the weights' GEMMs took ~3x longer at decode batch 6 on the H200, so session 28's in-model A/B (and session
-# 29's) overstated everything but attention.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0"
+# GEMM autotuning on everywhere: off, the weights' GEMMs took ~3x longer at decode batch 6 on the H200, and an eval
+# (1.5B, 16K, 65 dev prompts, H100, session 31) ran 2.11 prompts/s after its compiles against 6.52 with it on, same
+# scores, its first batch's compiles 20.0 s against 18.6.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=""
 declare -A SHA=(
   [q05]="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
   [q15]="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf"
@@ -110,11 +110,11 @@ case "$cmd" in
   _run)
     plan=$1; par=$2; T0=$(date +%s)
     touch "$ACC/logs/_jobs.txt"
-    job() {  # NAME KIND [mem=FRACTION] [autotune] ARGS...   (mem: this job's XLA_PYTHON_CLIENT_MEM_FRACTION;
-      local name=$1 kind=$2; shift 2     # autotune: an eval or calibrate job with XLA's GEMM autotuning on)
+    job() {  # NAME KIND [mem=FRACTION] [noautotune] ARGS...   (mem: this job's XLA_PYTHON_CLIENT_MEM_FRACTION;
+      local name=$1 kind=$2; shift 2     # noautotune: an eval or calibrate job with XLA's GEMM autotuning off)
       local t=$(date +%s) rc mem="" xla=$XLA_FLAGS
       case "${1:-}" in mem=*) mem=${1#mem=}; shift;; esac
-      case "${1:-}" in autotune) xla=""; shift;; esac
+      case "${1:-}" in autotune) shift;; noautotune) xla="--xla_gpu_autotune_level=0"; shift;; esac
       echo "$name start $(date +%T)" >> "$ACC/logs/_jobs.txt"
       case "$kind" in
         calibrate) XLA_FLAGS=$xla XLA_PYTHON_CLIENT_MEM_FRACTION=${mem:-${CAL_MEM:-0.06}} python3 -m experiments.calibrate "$@" --noplots \

@@ -511,9 +511,10 @@ def _check_reuse_blocks(b, t, max_len, hq, kvh, d, tile, kb, q_start, kv_len, dt
     # end (clamped copies), fp16 d 128, 128-key steps
     dict(b=1, t=100, max_len=160, hq=4, kvh=1, d=128, tile=32, kb=32, q_start=[60], kv_len=[160],
          dtype=jnp.float16, tuning=M.ReuseTuning(block_kv=128)),
-    # one selection shared by all KV heads (head map of zeros); blocks of 8; the 2-deep ring wraps many times
+    # one selection shared by all KV heads (head map of zeros); blocks of 8; the 2-deep ring wraps many times; the
+    # per-element mask on every step (column masks off)
     dict(b=2, t=64, max_len=320, hq=6, kvh=2, d=64, tile=16, kb=8, q_start=[256, 200], kv_len=[320, 250],
-         dtype=jnp.bfloat16, pool_all=True, frac=0.6, tuning=M.ReuseTuning(block_kv=64)),
+         dtype=jnp.bfloat16, pool_all=True, frac=0.6, tuning=M.ReuseTuning(block_kv=64, column_mask=False)),
     # the first case with column masks on the steps inside the count and a 3-deep ring (two KV heads, ragged batch,
     # head 0 missing a block inside the count)
     dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
@@ -634,8 +635,8 @@ def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtyp
     q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
-    for opts in (False, True):  # the defaults, and every GPU-path option at once (column masks, ping-pong, P.V in
-        # the wgmma; interpret mode runs the first two)
+    for opts in (False, True):  # every GPU-path option off, and all at once (column masks, ping-pong, P.V in the
+        # wgmma; interpret mode runs the first two)
         tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=opts, pingpong=opts, acc_in_wgmma=opts)
         f = lambda q, k, v, qs, kl, idx, c, hm, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
                                                                          tuning=tun)
