@@ -20,8 +20,11 @@ import jax.numpy as jnp
 
 from kernels_pallas import decode as dec
 from kernels_pallas import paged
-from kernels_pallas import reference as ref
+from kernels_pallas import reference
+from tests.jitted import jitted
 from tests.kernels_pallas.errors import row_err_global as _row_err
+
+ref = jitted(reference)  # the references under jit: fewer, larger compiles (tests/jitted.py)
 
 SEED = 0
 

@@ -9,8 +9,11 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import prefill as P
-from kernels_pallas import reference as R
+from kernels_pallas import reference
+from tests.jitted import jitted
 from tests.kernels_pallas.errors import row_err_relative as _row_err
+
+R = jitted(reference)  # the references under jit: fewer, larger compiles (tests/jitted.py)
 
 SEED = 20251  # fixed: whether a planted error is detected must not depend on the draw
 

@@ -14,9 +14,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import prefill as P
 from kernels_pallas import prefill_mgpu as M
-from kernels_pallas import reference as R
+from kernels_pallas import reference
+from tests.jitted import jitted
 from tests.kernels_pallas.errors import row_err_relative as _row_err
 from tests.kernels_pallas.test_prefill import _inputs, _tol
+
+R = jitted(reference)  # the references under jit: fewer, larger compiles (tests/jitted.py)
 
 SEED = 20260  # fixed: whether a planted error is detected must not depend on the draw
 _LSE_TOL = 1e-4  # base-2 units; interpret mode measures ~1e-6 (fp32 exp2/log2 on identical bf16/fp16 inputs)
