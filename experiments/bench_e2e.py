@@ -38,9 +38,9 @@ MIN_K = flags.DEFINE_integer("e2e_min_k", 128, "Kascade minimum Top-k budget.")
 HEADROOM = flags.DEFINE_float("e2e_headroom_gb", 10.0, "Memory left free when choosing the largest batch (GB).")
 HBM = flags.DEFINE_float("e2e_hbm_tbps", 4.3, "HBM bandwidth of the byte floor (TB/s).")
 OUT = flags.DEFINE_string("e2e_out", "benchmarks", "Output folder for e2e[_<tag>].json/md/png.")
-ANCHOR_BACKEND = flags.DEFINE_enum("e2e_anchor_backend", "triton", ["triton", "mgpu"], "Sparse prefill's anchor "
-                                   "LSE and score passes (kernels_pallas.prefill.set_default_anchor_backend); mgpu "
-                                   "needs its own --e2e_tag.")
+ANCHOR_BACKEND = flags.DEFINE_enum("e2e_anchor_backend", "auto", ["auto", "triton", "mgpu"], "Sparse prefill's "
+                                   "anchor LSE and score passes (kernels_pallas.prefill.set_default_anchor_backend; "
+                                   "auto: Mosaic GPU on Hopper); another value needs its own --e2e_tag.")
 DECODE_FP8 = flags.DEFINE_boolean("e2e_decode_score_fp8", False, "Kascade's decode anchors score keys from an fp8 "
                                   "copy of K kept in the cache (the recipe lever decode_score_fp8, on top of "
                                   "--e2e_recipe); needs its own --e2e_tag.")
@@ -119,7 +119,7 @@ def main(argv):
     if RECIPE.value != "default" and not TAG.value and not PROFILE.value:
         raise ValueError(f"--e2e_recipe={RECIPE.value} needs its own --e2e_tag: the rows of e2e.json are the default "
                          "recipe's, and would be measured over")
-    if ANCHOR_BACKEND.value != "triton" and not TAG.value and not PROFILE.value:
+    if ANCHOR_BACKEND.value != "auto" and not TAG.value and not PROFILE.value:
         raise ValueError(f"--e2e_anchor_backend={ANCHOR_BACKEND.value} needs its own --e2e_tag: the rows of e2e.json "
                          "are the default backend's, and would be measured over")
     if DECODE_FP8.value and not TAG.value and not PROFILE.value:

@@ -36,12 +36,12 @@ SWEEP = flags.DEFINE_string("prefill_sweep", "", "Tuning variants to A/B, ';'-se
                             "kernels a variant touches are re-timed.")
 SWEEP_CONTEXTS = flags.DEFINE_list("prefill_sweep_contexts", ["32768"], "Contexts of the --prefill_sweep.")
 KEY_BLOCK = flags.DEFINE_enum("prefill_key_block", "1", ["1", "8", "16", "32", "64"],
-                              "The anchors select aligned blocks of this many keys (1: single keys); with "
-                              "--prefill_tuning=reuse_backend=mgpu the reuse runs prefill_mgpu.reuse_blocks. Tag the "
-                              "run (--bench_tag): the table's file names do not say it.")
+                              "The anchors select aligned blocks of this many keys (1: single keys); on Hopper the "
+                              "reuse runs prefill_mgpu.reuse_blocks (reuse_backend=auto; =triton: the Triton reuse). "
+                              "Tag the run (--bench_tag): the table's file names do not say it.")
 SCORE_FP8 = flags.DEFINE_boolean("prefill_score_fp8", False, "The anchors other than layer 0 score keys from fp8 "
                                  "copies of q and the mean-centred k (the recipe lever prefill_score_fp8; on fp8 in "
-                                 "the Mosaic GPU passes: --prefill_tuning=anchor_backend=mgpu). Tag the run.")
+                                 "the Mosaic GPU passes, the default on Hopper: anchor_backend=auto). Tag the run.")
 
 for _name, _kind, _example in (("prefill_contexts", "int", "8192,32768"), ("prefill_long_contexts", "int", "262144"),
                                ("prefill_topk_fracs", "frac", "0.1,0.2"), ("prefill_sweep_contexts", "int", "32768")):

@@ -53,8 +53,10 @@ class DecodeTuning:
     # With an fp8 K copy (score_keys): widen it to float16 against q in float16 (`reference.fp8_decode_q16`: exact,
     # one scale per sequence) instead of to bf16. Triton widens e4m3 through float16 (one cvt per two values), so bf16
     # costs a second cvt per value: the widened pass ran at 2.6 TB/s on the H200 against bf16's 4.0 (session 29), about
-    # what that conversion rate allows (benchmarks/NOTES.md). Off until its A/B.
-    stream_fp8_f16: bool = False
+    # what that conversion rate allows (benchmarks/NOTES.md). On by its A/B (2026-12-06, 128K, same selections and
+    # outputs): the score pass -22% at batch 64 and -28% at batch 8 on the H200 (decode 4.92x -> 5.23x at batch 64),
+    # -1.4% on the H100.
+    stream_fp8_f16: bool = True
     target_programs: int = 1056  # ~8 programs per SM of an H200 (132 SMs)
     # Paged layouts only, the rows that are not attended: "none" loads them as they are (models/paged.py keeps them
     # finite: pages are zeroed when handed out); "v" loads V through a zero mask (K needs none: a NaN logit is

@@ -338,7 +338,7 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
 
             _producer_ring(prog_kv_steps, steps, load, consumed)
 
-    def entry(*refs):
+    def kascade_prefill_lse_mgpu(*refs):
         mult_ref, refs = (refs[0], refs[1:]) if scale_mult is not None else (None, refs)
         if with_out:
             q_ref, k_ref, v_ref, out_ref, lse_ref = refs
@@ -360,7 +360,8 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
     lse_type = jax.ShapeDtypeStruct((b, hq, t), jnp.float32)
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), lse_type] if with_out else [lse_type]
     res = plgpu.kernel(
-        entry, out_type=out_type, grid=(hq, t // (wgs * block_q), b), grid_names=("heads", "q_seq", "batch"),
+        kascade_prefill_lse_mgpu, out_type=out_type, grid=(hq, t // (wgs * block_q), b),
+        grid_names=("heads", "q_seq", "batch"),
         num_threads=wgs + 1, thread_name="wg", compiler_params=_COMPILER_PARAMS, interpret=interp,
     )(*_mult_operand(scale_mult), *((q, k, v) if with_out else (q, k)))
     return (res[0], res[1]) if with_out else (None, res[0])
@@ -456,7 +457,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
                          f"got shapes {qp.shape} / {lsep.shape}")
     interp = _interpret_params(interpret)
 
-    def kernel(*refs, q_smem, lse_smem, k_smem, o_smem, q_bar, k_bar, k_free):
+    def kascade_prefill_scores_mgpu(*refs, q_smem, lse_smem, k_smem, o_smem, q_bar, k_bar, k_free):
         mult_ref, refs = (refs[0], refs[1:]) if scale_mult is not None else (None, refs)
         first_ref, q_ref, lse_ref, k_ref, out_ref = refs
         s2 = scale2 if mult_ref is None else scale2 * mult_ref[0]
@@ -528,7 +529,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
             _producer_ring(n_steps, steps, load, consumed)
 
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((b, kvh, n_w, width), jnp.float32),
+        kascade_prefill_scores_mgpu, out_type=jax.ShapeDtypeStruct((b, kvh, n_w, width), jnp.float32),
         scratch_types=dict(
             q_smem=_swizzled((n_sub, n, d), q.dtype), lse_smem=plgpu.SMEM((n_sub, n), jnp.float32),
             k_smem=_swizzled((wgs, steps, bk, d), q.dtype), o_smem=plgpu.SMEM((wgs, 3, bk), jnp.float32),
@@ -651,8 +652,9 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
     col = plgpu.Layout.WGMMA.reduce(0)
     row = plgpu.Layout.WGMMA.reduce(1)
 
-    def kernel(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref, out_ref,
-               q_smem, k_smem, v_smem, id_smem, p_smem, q_bar, k_bar, id_bar, v_bar, k_free, v_free, sched):
+    def kascade_prefill_reuse_mgpu(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref, out_ref,
+                                   q_smem, k_smem, v_smem, id_smem, p_smem, q_bar, k_bar, id_bar, v_bar, k_free,
+                                   v_free, sched):
         bi = lax.axis_index("batch")
         h = lax.axis_index("kvh")
         prog = lax.axis_index("tile")
@@ -777,7 +779,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
             _producer_ring(n_steps, steps, load, consumed)
 
     out = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        kascade_prefill_reuse_mgpu, out_type=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         scratch_types=dict(
             q_smem=_swizzled((wgs, bq, d), q.dtype), k_smem=_swizzled((steps, bkv, d), q.dtype),
             v_smem=_swizzled((steps, bkv, d), q.dtype), id_smem=plgpu.SMEM((steps, bkv), jnp.int32),

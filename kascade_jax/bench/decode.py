@@ -150,8 +150,8 @@ def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, 
 
 
 def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning, log=print, f16=False) -> dict:
-    """row["A_fp8"]: the anchor scoring on the fp8 K copy (`score_keys`; the copy is made outside the timing: the
-    cache keeps it), with the row's A0 and R, weighted_fp8 and speedup_fp8; with `f16`, also row["A_fp8f16"] (and
+    """row["A_fp8"]: the anchor scoring on the fp8 K copy widened to bf16 (`score_keys`; the copy is made outside the
+    timing: the cache keeps it), with the row's A0 and R, weighted_fp8 and speedup_fp8; with `f16`, also row["A_fp8f16"] (and
     its weighted / speedup): the same widened to float16 against a float16 q (`DecodeTuning.stream_fp8_f16`)."""
     import jax
 
@@ -161,7 +161,7 @@ def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning
     k8, _, mult = jax.jit(ref.fp8_decode_keys)(k, kv_len)
     kw = dict(topk_frac=frac, min_k=min_k, k_max=ref.max_budget(k.shape[1], frac, min_k), impl="pallas",
               tuning=tuning)
-    variants = [("fp8", "fp8 K copy", tuning)]
+    variants = [("fp8", "fp8 K copy", dataclasses.replace(tuning, stream_fp8_f16=False))]
     if f16:
         variants.append(("fp8f16", "fp8 K copy, float16 dot", dataclasses.replace(tuning, stream_fp8_f16=True)))
     for t, name, tu in variants:
@@ -453,7 +453,8 @@ def run(contexts, batches, fracs, dtypes, *, min_k=128, iters=10, do_check=True,
         if score_fp8:
             for peaky in (False, True):
                 checks.append(check_fp8(seed=5, hq=shape.q_heads, kvh=shape.kv_heads, d=shape.head_dim, peaky=peaky,
-                                        tuning=tuning, log=log))
+                                        tuning=dataclasses.replace(tuning or dec.DEFAULT_TUNING,
+                                                                   stream_fp8_f16=False), log=log))
         if score_fp8_f16:
             t = dataclasses.replace(tuning or dec.DEFAULT_TUNING, stream_fp8_f16=True)
             for peaky in (False, True):

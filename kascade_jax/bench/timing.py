@@ -150,11 +150,15 @@ def per_step(k1: dict, k2: dict, n1: int, n2: int) -> dict[str, float]:
     return {name: (k2.get(name, 0.0) - k1.get(name, 0.0)) / (n2 - n1) for name in set(k1) | set(k2)}
 
 
-_ATTN_WORDS = ("sdpa", "fmha", "flash_fprop", "flash_fwd", "flash_attn", "lean_reduction")
+# "_mosaic_gpu": JAX 0.11.2 names a Pallas Mosaic GPU kernel after its body function, <body>_mosaic_gpu_kernel
+# (pallas_call's name is dropped). The project's are kascade_prefill_{lse,scores,reuse}_mgpu_...; runs before
+# 2026-12-06 show entry_ / kernel_mosaic_gpu_kernel. XLA emits no Mosaic GPU kernels, so any is attention.
+_ATTN_WORDS = ("sdpa", "fmha", "flash_fprop", "flash_fwd", "flash_attn", "lean_reduction", "_mosaic_gpu")
 
 
 def classify(name: str) -> str:
-    """'attention' (cuDNN fused attention and its split combine, the project's Pallas kernels) or 'rest'."""
+    """'attention' (cuDNN fused attention and its split combine, the project's Pallas kernels, Triton and Mosaic
+    GPU) or 'rest'."""
     n = name.lower()
     if n.startswith("kascade_") or any(w in n for w in _ATTN_WORDS):
         return "attention"

@@ -171,7 +171,8 @@ def test_bench_help_lists_mesh_and_kernel_phases_refuse_it():
 
 def test_classify_and_categories():
     for name in (CUDNN_DECODE, CUDNN_COMBINE, CUDNN_PREFILL, "kascade_anchor_scores", "kascade_topk_finish",
-                 "kascade_reuse_decode", "kascade_prefill_select", "kascade_dense_decode"):
+                 "kascade_reuse_decode", "kascade_prefill_select", "kascade_dense_decode",
+                 "kascade_prefill_scores_mgpu_mosaic_gpu_kernel", "entry_mosaic_gpu_kernel"):  # Mosaic GPU
         assert timing.classify(name) == "attention", name
     for name, cat in (("loop_select_fusion_2", "fusion"), ("input_scatter_fusion_3", "cache_write"),
                       ("nvjet_tst_128x8_64x8_2x1_v_bz_TNT", "gemm"), ("triton_gemm_dot_12", "gemm"),

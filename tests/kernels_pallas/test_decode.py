@@ -273,7 +273,8 @@ def test_no_pad_of_q_around_the_kernels():
 
 
 FUSED = dec.DecodeTuning(fused_combine=True)
-F16 = dec.DecodeTuning(stream_fp8_f16=True)  # the fp8 K copy widened to float16 against a float16 q
+F16 = dec.DecodeTuning(stream_fp8_f16=True)  # the fp8 K copy widened to float16 against a float16 q (the default)
+WIDEN = dec.DecodeTuning(stream_fp8_f16=False)  # ... widened to bf16
 
 
 @pytest.mark.parametrize("g, splits", [(7, 0), (3, 0), (4, 40)])
@@ -375,7 +376,7 @@ def test_score_keys_fp8_match_reference(case, tuning):
     """The whole-cache pass on the fp8 K copy (interpret), K widened in registers to q's dtype or to float16 against a
     float16 q (the same logits): the selection of the widened copy's pooled scores, the output from bf16 K and V; the
     copy keeps nearly all of the bf16 Top-k's mass."""
-    tuning = dict(widen=dec.DEFAULT_TUNING, f16=F16)[tuning]
+    tuning = dict(widen=WIDEN, f16=F16)[tuning]
     idx, idx_bf16, counts, _, bf16 = _fp8_case(SEED, interpret=True, tuning=tuning, **case)
     assert _mass_recall(idx, idx_bf16, bf16, counts) > 0.97
 
@@ -445,14 +446,14 @@ def test_score_keys_lower_for_sm90(triton_sm90_modules):
     kv = jax.ShapeDtypeStruct((b,), jnp.int32)
     mult = jax.ShapeDtypeStruct((b,), jnp.float32)
     fn = lambda q, k, v, l, k8, m: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600,  # noqa: E731
-                                                     impl="pallas", score_keys=(k8, m))
+                                                     impl="pallas", score_keys=(k8, m), tuning=WIDEN)
     jax.jit(fn).trace(q, kc, kc, kv, k8, mult).lower(lowering_platforms=("cuda",))
     assert len(verified) == 3  # stream, select, reuse
     fn = lambda q, k, v, l, k8, m: dec.anchor_decode(q, k, v, l, topk_frac=0.1, min_k=16, k_max=600,  # noqa: E731
                                                      impl="pallas", score_keys=(k8, m), tuning=F16)
     text = jax.jit(fn).trace(q, kc, kc, kv, k8, mult).lower(lowering_platforms=("cuda",)).as_text()
     assert len(verified) == 6 and "kascade_anchor_scores" in text  # the float16 stream pass verifies too
-    # the stream modules: K widened to bf16 by default, to float16 (a bf16 dot is gone) with stream_fp8_f16
+    # the stream modules: K widened to bf16 without stream_fp8_f16, to float16 (a bf16 dot is gone) with it
     dot = r"tt\.dot .*: tensor<16x128x{0}> \* tensor<128x128x{0}> -> tensor<16x128xf32>"
     assert re.search(dot.format("bf16"), verified[0]) and not re.search(dot.format("f16"), verified[0])
     assert re.search(dot.format("f16"), verified[3]) and not re.search(dot.format("bf16"), verified[3])
@@ -465,5 +466,5 @@ def test_score_keys_lower_for_sm90(triton_sm90_modules):
 def test_gpu_score_keys_fp8(peaky, tuning):
     idx, idx_bf16, counts, _, bf16 = _fp8_case(SEED, 8, 32768, 32, 8, 128, jnp.bfloat16, peaky, 0.1, 128,
                                                interpret=False,
-                                               tuning=dict(widen=dec.DEFAULT_TUNING, f16=F16)[tuning])
+                                               tuning=dict(widen=WIDEN, f16=F16)[tuning])
     assert _mass_recall(idx, idx_bf16, bf16, counts) > 0.97

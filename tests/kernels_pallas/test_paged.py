@@ -350,12 +350,13 @@ def test_triton_modules_verify_for_sm90(triton_sm90_modules):
                                                              tuning=tu), q, pool, pool, pt, kv, idx, kv)
         lower(lambda q, k, v, t, l: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
                                                         impl="pallas", tuning=tu), q, pool, pool, pt, kv)
-        # the anchor on an fp8 K copy's pages (decode_score_fp8): the stream pass widens fp8 rows
+        # the anchor on an fp8 K copy's pages (decode_score_fp8): the stream pass widens fp8 rows (to bf16 here)
         pool8, mult = jax.ShapeDtypeStruct(pool.shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct((b,), jnp.float32)
+        tuw = dec.DecodeTuning(paged_mask=mask, stream_fp8_f16=False)
         lower(lambda q, k, v, t, l, k8, m: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
-                                                               impl="pallas", tuning=tu, score_keys=(k8, m)),
+                                                               impl="pallas", tuning=tuw, score_keys=(k8, m)),
               q, pool, pool, pt, kv, pool8, mult)
-        tu8 = dec.DecodeTuning(paged_mask=mask, stream_fp8_f16=True)  # ... widened to float16
+        tu8 = dec.DecodeTuning(paged_mask=mask, stream_fp8_f16=True)  # ... widened to float16 (the default)
         lower(lambda q, k, v, t, l, k8, m: paged.anchor_decode(q, k, v, t, l, topk_frac=0.1, min_k=16, k_max=64,
                                                                impl="pallas", tuning=tu8, score_keys=(k8, m)),
               q, pool, pool, pt, kv, pool8, mult)

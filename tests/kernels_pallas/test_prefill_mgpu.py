@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -448,6 +449,36 @@ def test_anchor_backend_errors():
     with pytest.raises(ValueError, match="anchor_backend"):
         P.tuning_from_string("anchor_backend=mosaic")
     assert P.tuning_from_string("anchor_backend=mgpu").anchor_backend == "mgpu"
+
+
+def test_auto_backend_resolves_by_device(monkeypatch):
+    """"auto" (both backend fields' default) is Mosaic GPU only on a Hopper GPU outside interpret mode; Triton on this
+    CPU, in interpret mode, and on another GPU; a named backend is kept as it is."""
+    assert P.DEFAULT_TUNING.anchor_backend == "auto" and P.DEFAULT_TUNING.reuse_backend == "auto"
+    assert P._backend("auto", interpret=False) == "triton" and P._backend("auto", interpret=True) == "triton"
+    assert P._backend("mgpu", interpret=True) == "mgpu" and P._backend("triton", interpret=False) == "triton"
+    monkeypatch.setattr(P.jax, "default_backend", lambda: "gpu")
+    for cc, want in (("9.0", "mgpu"), ("8.0", "triton"), ("10.0", "triton")):
+        dev = types.SimpleNamespace(platform="gpu", compute_capability=cc)
+        monkeypatch.setattr(P.jax, "devices", lambda dev=dev: [dev])
+        assert P._backend("auto", interpret=False) == want, cc
+        assert P._backend("auto", interpret=True) == "triton", cc
+
+
+@pytest.mark.gpu
+def test_gpu_default_tuning_takes_mgpu_on_hopper(monkeypatch):
+    """On a Hopper GPU the default tuning's anchor call (the models' prefill, no tuning passed) runs the Mosaic GPU
+    passes."""
+    if jax.default_backend() != "gpu" or not P._hopper():
+        pytest.skip("needs a Hopper GPU")
+    ran = _ran(monkeypatch)
+    t = 1024
+    q, k, v = _inputs(np.random.default_rng(SEED + 74), 1, t, 8, 2, 128, t, jnp.bfloat16, peaky=False)
+    kl = jnp.full((1,), t, jnp.int32)
+    out = P.anchor_prefill(q, k, v, jnp.zeros((1,), jnp.int32), kl, kl, 32, topk_frac=0.25, min_k=8,
+                           k_max=R.max_budget(t, 0.25, 8), impl="pallas", chunk_at_zero=True)
+    jax.block_until_ready(out)
+    assert ran, "the default tuning did not take the Mosaic GPU passes"
 
 
 def test_set_default_anchor_backend(monkeypatch):
