@@ -44,6 +44,10 @@ ANCHOR_BACKEND = flags.DEFINE_enum("e2e_anchor_backend", "auto", ["auto", "trito
 DECODE_FP8 = flags.DEFINE_boolean("e2e_decode_score_fp8", False, "Kascade's decode anchors score keys from an fp8 "
                                   "copy of K kept in the cache (the recipe lever decode_score_fp8, on top of "
                                   "--e2e_recipe); needs its own --e2e_tag.")
+PREFILL_KB = flags.DEFINE_enum("e2e_prefill_key_block", "1", ["1", "8", "16", "32", "64"], "Kascade's prefill "
+                               "anchors select aligned blocks of this many keys (the lever prefill_key_block, on top "
+                               "of --e2e_recipe; random-weight models too); on Hopper the reuse then runs the Mosaic "
+                               "GPU block reuse. Other than 1 needs its own --e2e_tag.")
 TAG = flags.DEFINE_string("e2e_tag", "", "Output stem suffix: e2e_<tag>.* ('' = e2e.*).")
 RESUME = flags.DEFINE_boolean("e2e_resume", True, "Skip (row, strategy) measurements already in the JSON with "
                               "the same settings; --noe2e_resume measures the planned ones again, keeping all other "
@@ -125,9 +129,14 @@ def main(argv):
     if DECODE_FP8.value and not TAG.value and not PROFILE.value:
         raise ValueError("--e2e_decode_score_fp8 needs its own --e2e_tag: the rows of e2e.json are the plain "
                          "decode's, and would be measured over")
+    if PREFILL_KB.value != "1" and not TAG.value and not PROFILE.value:
+        raise ValueError(f"--e2e_prefill_key_block={PREFILL_KB.value} needs its own --e2e_tag: the rows of e2e.json "
+                         "are the single-key selection's, and would be measured over")
     from kernels_pallas import prefill
 
     prefill.set_default_anchor_backend(ANCHOR_BACKEND.value)
+    levers = {**(dict(decode_score_fp8=True) if DECODE_FP8.value else {}),
+              **(dict(prefill_key_block=int(PREFILL_KB.value)) if PREFILL_KB.value != "1" else {})}
     if not PROFILE.value:
         specs = [model_spec(m) for m in MODELS.value]
         for spec in specs:
@@ -141,7 +150,7 @@ def main(argv):
     mesh = devices.setup()  # --mesh / --distributed (experiments/devices.py); None: one device
     kw = dict(steps=steps, iterations=ITERS.value, topk_frac=TOPK_FRAC.value, min_k=MIN_K.value,
               headroom_gb=HEADROOM.value, hbm_tbps=HBM.value, out_dir=OUT.value, seed=SEED.value, mesh=mesh,
-              recipe=RECIPE.value, levers=dict(decode_score_fp8=True) if DECODE_FP8.value else {})
+              recipe=RECIPE.value, levers=levers)
     if PROFILE.value:
         parts = PROFILE_SHAPE.value.split(":")
         if len(parts) != 3:

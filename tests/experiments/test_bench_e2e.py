@@ -724,4 +724,7 @@ def test_e2e_recipe_is_checked_before_the_gpu():
     assert res.returncode == 2 and "--e2e_anchor_backend=mgpu needs its own --e2e_tag" in res.stderr, res.stderr[-2000:]
     res = cli_fork.run([*base, "--e2e_decode_score_fp8"], cli_fork.ENV, cwd=ROOT)
     assert res.returncode == 2 and "--e2e_decode_score_fp8 needs its own --e2e_tag" in res.stderr, res.stderr[-2000:]
+    res = cli_fork.run([*base, "--e2e_prefill_key_block=16"], cli_fork.ENV, cwd=ROOT)
+    assert res.returncode == 2 and "--e2e_prefill_key_block=16 needs its own --e2e_tag" in res.stderr, \
+        res.stderr[-2000:]
     assert "qwen2.5-coder-0.5b" in em.SPECS and not em.SPECS["qwen2.5-coder-0.5b"].random
