@@ -13,7 +13,7 @@ of the accumulator (no cross-warp reduction); the group's heads sit in N (or in 
 Decisions: wgmma accumulators start at zero (`run_scoped` ACC) and the PV product is added to the running output in
 registers, and in interpret mode P goes to wgmma through shared memory: the Mosaic GPU interpreter of JAX 0.11.2
 handles neither `run_state` (pre-initialised accumulators) nor a wgmma operand held in registers. On a GPU P stays
-in registers (`p_in_regs`), and the block reuse can accumulate P.V inside the wgmma (`ReuseTuning.acc_in_wgmma`). Scope: batch 1, q_start 0, kv_len = q_len, q_len a multiple of the blocks; everything
+in registers (`p_in_regs`). Scope: batch 1, q_start 0, kv_len = q_len, q_len a multiple of the blocks; everything
 else raises ValueError so that callers keep the Triton path (`supported`). `supported` checks q_start on the host;
 `prefill.anchor_prefill` calls these kernels for any chunk at position 0, whatever its kv_len (traced or not): the keys
 past the chunk are never visible from there, and padding rows get an infinite LSE, which takes them out of the
@@ -555,13 +555,8 @@ class ReuseTuning:
     # the per-element causal compare (a selected key is before the tile, so before every row); only the steps that
     # reach the diagonal build the full mask. Same logits either way; on since it measured 14-31% faster (H100, 128K).
     column_mask: bool = True
-    # FA3's ping-pong (`MgpuTuning.use_schedule_barrier`): the two compute warpgroups take turns, one's softmax under
-    # the other's wgmma, instead of both running each phase at once on the same step; off until timed at steps=2.
-    pingpong: bool = False
-    # P.V accumulates into the running output inside the wgmma (`run_state` on `ACC.init(acc * alpha)`, as
-    # attention_mgpu does) instead of into a zeroed accumulator added afterwards: 64 fewer live registers a thread
-    # and no add. The interpreter cannot run it (module docstring): a GPU-only option, off until timed.
-    acc_in_wgmma: bool = False
+    # (FA3's ping-pong between the two compute warpgroups and P.V accumulated inside the wgmma were options until
+    # session 32: ping-pong measured 9-24% slower, the in-wgmma accumulation +1%, on the H100 and the H200.)
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -645,8 +640,6 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
     qp = _pack_rows(q, kvh, tile_size)
     n_sub = qp.shape[3] // _REUSE_ROWS
     interp = _interpret_params(interpret)
-    if tuning.acc_in_wgmma and interp is not None:
-        raise ValueError("prefill_mgpu.reuse_blocks: acc_in_wgmma runs on a GPU only (the interpreter lacks run_state)")
     p_regs = tuning.p_in_regs if tuning.p_in_regs is not None else interp is None
     wgs, bq = _COMPUTE_WGS, 64
     col = plgpu.Layout.WGMMA.reduce(0)
@@ -654,7 +647,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
 
     def kascade_prefill_reuse_mgpu(qs_ref, kvl_ref, cnt_ref, hm_ref, q_ref, k_ref, v_ref, idx_ref, out_ref,
                                    q_smem, k_smem, v_smem, id_smem, p_smem, q_bar, k_bar, id_bar, v_bar, k_free,
-                                   v_free, sched):
+                                   v_free):
         bi = lax.axis_index("batch")
         h = lax.axis_index("kvh")
         prog = lax.axis_index("tile")
@@ -670,11 +663,6 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
         d0 = lax.div(ts, jnp.int32(kb)) * kb
         d_len = ts + tile_size - d0 + lax.rem(kb - lax.rem(ts + tile_size, jnp.int32(kb)), jnp.int32(kb))
         n_steps = lax.div(cnt + d_len + bkv - 1, jnp.int32(bkv))
-
-        def schedule_barrier():  # (both compute warpgroups arrive, then go on: one is a phase behind the other)
-            if tuning.pingpong:
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(sched)
 
         @pl.when(wg < wgs)
         def _compute():
@@ -692,7 +680,6 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-                    schedule_barrier()
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
@@ -717,20 +704,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                 pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + pr.sum(axis=1)
                 p_op = _p_operand(pr, q.dtype, None if p_regs else p_smem.at[wg])
-                if tuning.acc_in_wgmma:
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if tuning.pingpong:  # (as flash_lse: the softmax is done before this warpgroup's turn comes)
-                    acc, l_i, m_new = lax.optimization_barrier((acc, l_i, m_new))
-                    plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
-                if tuning.pingpong:
-                    plgpu.barrier_wait(sched)
-
-                if tuning.acc_in_wgmma:
-                    acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_op, v_smem.at[slot]))(
-                        plgpu.ACC.init(acc))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_new, l_i
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
@@ -744,10 +718,8 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                     plgpu.layout_cast(jnp.full((bq,), -1e30, jnp.float32), row),
                     plgpu.layout_cast(jnp.full((bq,), 0, jnp.float32), row))
             n_sel = lax.div(cnt, jnp.int32(bkv)) if tuning.column_mask else jnp.int32(0)  # steps inside the count
-            pl.when(wg == 1)(schedule_barrier)  # warpgroup 1 starts a phase behind ...
             carry = lax.fori_loop(0, n_sel, lambda j, c: step(j, c, False), init)
             acc, _, l_i = lax.fori_loop(n_sel, n_steps, step, carry)
-            pl.when(wg == 0)(schedule_barrier)  # ... and 0 ends one later: both see every phase
             l_i = jnp.where(l_i > 0, l_i, 1.0)
             q_smem[wg] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(q.dtype)
             plgpu.commit_smem()
@@ -788,7 +760,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
             k_bar=plgpu.Barrier(num_arrivals=runs, num_barriers=steps), id_bar=plgpu.Barrier(num_barriers=steps),
             v_bar=plgpu.Barrier(num_arrivals=runs, num_barriers=steps),
             k_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
-            v_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps), sched=plgpu.Barrier(num_arrivals=wgs)),
+            v_free=plgpu.Barrier(num_arrivals=wgs, num_barriers=steps)),
         grid=(nt * n_sub, kvh, b), grid_names=("tile", "kvh", "batch"), num_threads=wgs + 1, thread_name="wg",
         compiler_params=_COMPILER_PARAMS, interpret=interp,
     )(jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32), counts,

@@ -84,6 +84,8 @@ def serve():
         try:
             for name in PRELOAD:
                 importlib.import_module(name)
+            if os.environ.get("KASCADE_TEST_JAX_CACHE"):  # the run's shared compile cache: atomic writes
+                importlib.import_module("tests.jax_cache").install()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -9,13 +9,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 if os.environ.get("KASCADE_TEST_JAX_CACHE"):
-    # launch.sh test: a persistent compile cache per worker (set before jax is imported, inherited by the CLIs the
-    # tests start). Per worker, not shared: JAX writes entries unlocked, and its locking mode rescans the folder on
-    # every write (the suite slowed down with it on the 2-core box).
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["KASCADE_TEST_JAX_CACHE"],
-                                                           os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    # launch.sh test: one persistent compile cache for the run, shared by both workers and the CLIs their tests
+    # start (set before jax is imported); entries are renamed into place (tests/jax_cache.py).
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["KASCADE_TEST_JAX_CACHE"]
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    from tests import jax_cache
+
+    jax_cache.install()
 
 
 # The files with the longest tests (a fresh clone's --durations on the 2-core box, 2026-12-03), handed to the two

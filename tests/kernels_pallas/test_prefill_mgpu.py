@@ -557,10 +557,6 @@ def _check_reuse_blocks(b, t, max_len, hq, kvh, d, tile, kb, q_start, kv_len, dt
     # the second case (off-boundary diagonal, clamped copies) with column masks: many whole 64-key steps
     dict(b=1, t=100, max_len=416, hq=4, kvh=1, d=128, tile=32, kb=32, q_start=[316], kv_len=[416],
          dtype=jnp.float16, seed=2, frac=0.8, tuning=M.ReuseTuning(block_kv=64, column_mask=True)),
-    # the first case with the two compute warpgroups in ping-pong
-    dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
-         dtype=jnp.bfloat16, seed=3, frac=0.9, hole=True,
-         tuning=M.ReuseTuning(block_kv=64, steps=3, column_mask=True, pingpong=True)),
 ])
 def test_reuse_blocks_interpret(interp, case):
     """Against `reference.sparse_prefill_reference` on the same expanded ids (rows of queries inside kv_len)."""
@@ -576,19 +572,13 @@ def test_reuse_blocks_races():
                               interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not mi.get_races().races_found
     gpu_callbacks.reset_gpu_interpret_mode_state()
-    err = max(err, _check_reuse_blocks(1, 64, 192, 4, 2, 64, 16, 16, [96], [192], jnp.bfloat16, seed=5, peaky=True,
-                                       interpret=plgpu.InterpretGPUParams(detect_races=True),
-                                       tuning=M.ReuseTuning(block_kv=64, steps=3, column_mask=True,
-                                                            pingpong=True)))
-    assert not mi.get_races().races_found
-    gpu_callbacks.reset_gpu_interpret_mode_state()
     assert err < _tol(jnp.bfloat16), err
 
 
 @pytest.mark.parametrize("case,needle", [
     (dict(kb=4), "key_block"), (dict(kb=32, tile=16), "key_block"), (dict(d=96), "head_dim"),
     (dict(dtype=jnp.float32), "dtype"), (dict(max_len=200), "cache length"), (dict(tile=8, kb=8), "tile_size"),
-    (dict(w=20), "idx must be"), (dict(tuning=M.ReuseTuning(acc_in_wgmma=True)), "GPU only"),
+    (dict(w=20), "idx must be"),
 ])
 def test_reuse_blocks_unsupported_raises_one_line(case, needle):
     kb, tile, d = case.get("kb", 16), case.get("tile", 32), case.get("d", 64)
@@ -669,9 +659,8 @@ def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtyp
     q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
-    for opts in (False, True):  # every GPU-path option off, and all at once (column masks, ping-pong, P.V in the
-        # wgmma; interpret mode runs the first two)
-        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=opts, pingpong=opts, acc_in_wgmma=opts)
+    for opts in (False, True):  # with and without column masks
+        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=opts)
         f = lambda q, k, v, qs, kl, idx, c, hm, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
                                                                          tuning=tun)
         assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -798,14 +787,12 @@ def test_gpu_anchor_padded_chunk_4k(hq, kvh, d, dense_out):
 @pytest.mark.gpu
 @pytest.mark.parametrize("peaky", [False, True])
 @pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
-@pytest.mark.parametrize("kb,tuning", [(8, None), (16, None), (16, M.ReuseTuning(steps=3, column_mask=True)),
-                                       (16, M.ReuseTuning(steps=3, column_mask=True, pingpong=True)),
-                                       (16, M.ReuseTuning(steps=3, column_mask=True, pingpong=True,
-                                                          acc_in_wgmma=True))])
+@pytest.mark.parametrize("kb,tuning", [(8, None), (16, None), (16, M.ReuseTuning(steps=3)),
+                                       (16, M.ReuseTuning(column_mask=False))])
 def test_gpu_reuse_blocks_4k(peaky, hq, kvh, d, kb, tuning):
     """The block reuse on the GPU (P in registers, TMA block copies) against the reference, at 4K from position 0
-    (also with column masks and a 3-deep ring of 128-key steps, head 0 missing a block, with and without ping-pong,
-    and P.V accumulated inside the wgmma)."""
+    (column masks, the default, also with a 3-deep ring of 128-key steps and head 0 missing a block; and without
+    column masks)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     err = _check_reuse_blocks(1, 4096, 4096, hq, kvh, d, 32, kb, [0], [4096], jnp.bfloat16, seed=kb, peaky=peaky,
