@@ -43,9 +43,9 @@ TUNING = flags.DEFINE_string("decode_tuning", "", "DecodeTuning overrides, 'fiel
                              "stream_block=256,stream_warps=8): every row's tuning, recorded in the table's header; "
                              "needs --bench_tag, so that the default tables are never overwritten by a variant.")
 SCORE_FP8 = flags.DEFINE_boolean("decode_score_fp8", False, "Also time the anchor (A) scoring keys from an fp8 copy of "
-                                "K widened to bf16 (the recipe lever decode_score_fp8; the copy is made outside the timing, as the "
-                                "cache keeps it): A_fp8, weighted and speedup with the row's A0 and R; the checks "
-                                "compare it with its reference. Tag the run (--bench_tag).")
+                                "K widened to bf16 (the recipe lever decode_score_fp8; the copy is made outside the "
+                                "timing, as the cache keeps it): A_fp8, weighted and speedup with the row's A0 and R; "
+                                "the checks compare it with its reference. Tag the run (--bench_tag).")
 FP8_F16 = flags.DEFINE_boolean("decode_fp8_f16", False, "With --decode_score_fp8, also time the anchor with the copy "
                                "widened to float16 against a float16 q (DecodeTuning.stream_fp8_f16: one conversion "
                                "per two values instead of three; the kernels' default): A_fp8f16, weighted and speedup, "

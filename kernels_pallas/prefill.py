@@ -166,8 +166,8 @@ DEFAULT_TUNING = PrefillTuning()
 
 
 def set_default_anchor_backend(name: str) -> None:
-    """Process-wide: the anchor backend ("auto" | "triton" | "mgpu") of every later call that passes no tuning (the models'
-    prefill). Set it before the first trace: a compiled program keeps the backend it was traced with."""
+    """Process-wide: the anchor backend ("auto" | "triton" | "mgpu") of every later call that passes no tuning (the
+    models' prefill). Set it before the first trace: a compiled program keeps the backend it was traced with."""
     global DEFAULT_TUNING
     DEFAULT_TUNING = dataclasses.replace(DEFAULT_TUNING, anchor_backend=name)  # (an unknown name raises)
 

@@ -151,8 +151,9 @@ def check_fp8(seed=0, b=8, s=32768, hq=_DEFAULT.q_heads, kvh=_DEFAULT.kv_heads, 
 
 def fp8_row(row: dict, dense, q, k, v, kv_len, frac, min_k, iters, shape, tuning, log=print, f16=False) -> dict:
     """row["A_fp8"]: the anchor scoring on the fp8 K copy widened to bf16 (`score_keys`; the copy is made outside the
-    timing: the cache keeps it), with the row's A0 and R, weighted_fp8 and speedup_fp8; with `f16`, also row["A_fp8f16"] (and
-    its weighted / speedup): the same widened to float16 against a float16 q (`DecodeTuning.stream_fp8_f16`)."""
+    timing: the cache keeps it), with the row's A0 and R, weighted_fp8 and speedup_fp8; with `f16`, also
+    row["A_fp8f16"] (and its weighted / speedup): the same widened to float16 against a float16 q
+    (`DecodeTuning.stream_fp8_f16`, the kernels' default)."""
     import jax
 
     from kernels_pallas import decode as dec
