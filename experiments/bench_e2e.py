@@ -120,18 +120,17 @@ def main(argv):
     e2e.check_strategies(STRATEGIES.value)
     from kascade_jax.recipes import load_recipe
 
-    if RECIPE.value != "default" and not TAG.value and not PROFILE.value:
-        raise ValueError(f"--e2e_recipe={RECIPE.value} needs its own --e2e_tag: the rows of e2e.json are the default "
-                         "recipe's, and would be measured over")
-    if ANCHOR_BACKEND.value != "auto" and not TAG.value and not PROFILE.value:
-        raise ValueError(f"--e2e_anchor_backend={ANCHOR_BACKEND.value} needs its own --e2e_tag: the rows of e2e.json "
-                         "are the default backend's, and would be measured over")
-    if DECODE_FP8.value and not TAG.value and not PROFILE.value:
-        raise ValueError("--e2e_decode_score_fp8 needs its own --e2e_tag: the rows of e2e.json are the plain "
-                         "decode's, and would be measured over")
-    if PREFILL_KB.value != "1" and not TAG.value and not PROFILE.value:
-        raise ValueError(f"--e2e_prefill_key_block={PREFILL_KB.value} needs its own --e2e_tag: the rows of e2e.json "
-                         "are the single-key selection's, and would be measured over")
+    if not TAG.value and not PROFILE.value:  # a variant's rows would be measured over the default's in e2e.json
+        for changed, flag, default in (
+                (RECIPE.value != "default", f"--e2e_recipe={RECIPE.value}", "the default recipe's"),
+                (ANCHOR_BACKEND.value != "auto", f"--e2e_anchor_backend={ANCHOR_BACKEND.value}",
+                 "the default backend's"),
+                (DECODE_FP8.value, "--e2e_decode_score_fp8", "the plain decode's"),
+                (PREFILL_KB.value != "1", f"--e2e_prefill_key_block={PREFILL_KB.value}",
+                 "the single-key selection's")):
+            if changed:
+                raise ValueError(f"{flag} needs its own --e2e_tag: the rows of e2e.json are {default}, and would be "
+                                 "measured over")
     from kernels_pallas import prefill
 
     prefill.set_default_anchor_backend(ANCHOR_BACKEND.value)

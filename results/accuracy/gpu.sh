@@ -28,8 +28,9 @@
 # keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into 24 MiB chunks into
 # .stage/<model>/ (git-ignored; q05 20, q15 45; the tree is 33 MiB); one call per chunk carries
 # .stage/<model>/part.NN. The tree travels with every call, so `gpu.sh carry_check` (here, before a lease) checks tree
-# + largest chunk <= 60 MiB (session 32: 62.8 MiB by this count was refused as over 64); committed runs keep their examples gzipped (`gzip -9n DIR/*/examples.jsonl` before `git
-# add`: the readers and `restore` take either) to keep the tree small.
+# + largest chunk <= 60 MiB (session 32: 62.8 MiB by this count was refused as over 64); committed runs keep their
+# examples gzipped (`gzip -9n DIR/*/examples.jsonl` before `git add`: the readers and `restore` take either) to keep
+# the tree small.
 set -u
 ACC=$HOME/acc
 SITE=$HOME/site
