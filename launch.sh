@@ -62,8 +62,8 @@ case "${1:-}" in
     fi
     # The suite is bound by XLA's CPU compiles of interpret-mode kernels, not by running them: compile at XLA's lowest
     # effort (JAX_DISABLE_MOST_OPTIMIZATIONS; the tests check values, not speed), and keep a persistent cache of
-    # compiled programs in a fresh folder per run, one subfolder per worker (tests/conftest.py) shared with the CLIs
-    # its tests start. Measured on the 2-core box: docs/testing.md.
+    # compiled programs in a fresh folder per run, shared by both workers and the CLIs their tests start
+    # (tests/conftest.py, tests/jax_cache.py). Measured on the 2-core box: docs/testing.md.
     export JAX_DISABLE_MOST_OPTIMIZATIONS=${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}
     KASCADE_TEST_JAX_CACHE=$(mktemp -d "${TMPDIR:-/tmp}/kascade-test-jaxcache.XXXXXX")
     trap 'rm -rf "$KASCADE_TEST_JAX_CACHE"' EXIT
