@@ -64,7 +64,8 @@ def _kascade(kernels="reference", fp8=False):
 def test_paged_kascade_equals_contiguous(model, rng, ps, kernels, budget, fp8):
     """budget: prefill in 64-token chunks between decode steps (max_prefill_tokens_per_step): the same tokens.
     fp8: decode_score_fp8, its K copy in page pools and per-slot mean / mult (the engine's cache state), with the
-    interpret kernels whole and the reference in chunks (the reference whole with fp8 added 6.5 s for neither)."""
+    interpret kernels whole and the reference in chunks (a reference run whole with fp8 cost 6.5 s and covered
+    nothing these two leave out)."""
     paged_strategy = _kascade(_interpret_bundle() if kernels == "interpret" else "reference", fp8)
     contiguous = _kascade(fp8=fp8)
     prompts = [rng.integers(5, 128, n).tolist() for n in (70, 127, 97)]  # ragged, one prefill width (128)

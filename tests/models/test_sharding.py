@@ -121,7 +121,7 @@ def check_same(got, want, what):
 # (kv_heads, mesh): every mesh at 8 KV heads (1 and 2 heads per shard, data 1/2/8), one head per shard with data
 # split at 4, and the meshes whose model axis does not divide the heads (errors, cheap). The data-only mesh at 2 and
 # 4 heads repeated (8, 1) at 8 heads at 6 compiles' cost (test time, issue 24). Kascade runs every case; dense (whose
-# attention is also Kascade's layer 0 here) the mesh with both axes: its other meshes took 14 s of the suite for no
+# attention is also Kascade's layer 0 here) the mesh with both axes: its other meshes took 12 s of the suite for no
 # path Kascade's runs leave out, and the errors are raised by shard_model, before any strategy runs.
 GEN_CASES = [(8, m) for m in MESHES] + [(4, (2, 4)), (4, (1, 8)), (2, (2, 4)), (2, (1, 8))]
 GEN_RUNS = [(s, kv, m) for kv, m in GEN_CASES for s in ("dense", "kascade")
