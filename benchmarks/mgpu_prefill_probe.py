@@ -8,11 +8,16 @@ over the main kernel's time, as a fraction of the H200 dense bf16 ceiling (989 T
 819 TFLOP/s measured). Each row also checks the MGPU result
 against cuDNN / Triton (`err`). `--fp8` adds the two score passes on float8_e4m3fn copies of q and k (`lse fp8`,
 `scores fp8`; their FLOP fractions stay of the bf16 ceiling), each checked against the same MGPU pass on those
-values widened to bf16 (`err`: LSE max abs, base 2; scores as above on the last window of tiles). Needs a GPU; one
-line and exit status 1 anywhere else.
+values widened to bf16 (`err`: LSE max abs, base 2; scores as above on the last window of tiles). `--no_exp2` adds
+each MGPU pass traced with exp2 as the identity (`no_exp2`: wrong values, err `probe`): the time without the MUFU's
+exponentials, so the difference is what they cost. Needs a GPU; one line and exit status 1 anywhere else.
 
   python benchmarks/mgpu_prefill_probe.py [--contexts 32768,131072] [--shapes 32/8/128,14/2/64,12/2/128]
-      [--tile 32] [--iters 3] [--mgpu "block_kv=64;block_kv=128,max_concurrent_steps=3"] [--fp8] [--json out.json]
+      [--tile 32] [--iters 3] [--mgpu "block_kv=64;block_kv=128,max_concurrent_steps=3"] [--fp8] [--no_exp2]
+      [--json out.json]
+
+With MOSAIC_GPU_DUMP_TO=DIR MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 (DIR must exist) Mosaic GPU also writes
+each kernel's SASS and ptxas report there (instruction mix: MUFU.EX2, FFMA, FMNMX per logit; registers; spills).
 """
 
 from __future__ import annotations
@@ -112,6 +117,20 @@ def _flops(s, hq, d, tile, kind):
     return 2 * d * hq * tile * tile * n_t * (n_t - 1) / 2
 
 
+def no_exp2(fn):
+    """jit of `fn` (not itself jitted: a cached trace would keep the exponentials) traced with jnp.exp2 as the
+    identity: a timing probe of a kernel without its exponentials (its values are wrong; only the time counts)."""
+    import jax
+    import jax.numpy as jnp
+    from unittest import mock
+
+    def f(*args):
+        with mock.patch.object(jnp, "exp2", lambda x: x):
+            return fn(*args)
+
+    return jax.jit(f)
+
+
 def _time(fn, args, iters):
     from kascade_jax.bench.timing import cupti_time
 
@@ -120,7 +139,7 @@ def _time(fn, args, iters):
     return total, main, name
 
 
-def probe(s, hq, kvh, d, tile, iters, tunings, log=print, fp8=False):
+def probe(s, hq, kvh, d, tile, iters, tunings, log=print, fp8=False, drop_exp2=False):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -173,14 +192,20 @@ def probe(s, hq, kvh, d, tile, iters, tunings, log=print, fp8=False):
     ref_sc = call(jnp.full((1,), n_chunks - 1, jnp.int32), qs, kl, qp, lse_t, k)  # the last chunk of tiles
     for spec, tun in tunings:
         tag = f"mgpu[{spec}]" if spec else "mgpu"
-        dense = jax.jit(lambda q, k, v, tun=tun: M.flash_lse(q, k, v, with_out=True, tuning=tun))
-        lse_only = jax.jit(lambda q, k, tun=tun: M.flash_lse(q, k, with_out=False, tuning=tun)[1])
-        scores = jax.jit(lambda q, k, l, tun=tun: M.pooled_scores(q, k, l, tile, tuning=tun))
+        fns = dict(dense=lambda q, k, v, tun=tun: M.flash_lse(q, k, v, with_out=True, tuning=tun),
+                   lse=lambda q, k, tun=tun: M.flash_lse(q, k, with_out=False, tuning=tun)[1],
+                   scores=lambda q, k, l, tun=tun: M.pooled_scores(q, k, l, tile, tuning=tun))
+        dense, lse_only, scores = (jax.jit(fns[n]) for n in ("dense", "lse", "scores"))
         errs, lse_m = _check_mgpu(dense, lse_only, scores, q, k, v, ref_out, lse_t, ref_sc, lay, tile, chunk, n_chunks)
         row(f"{tag} dense+lse", "dense", dense, (q, k, v), err=errs[0])
         row(f"{tag} lse", "lse", lse_only, (q, k), err=errs[1])
         if lse_m is not None:
             row(f"{tag} scores", "scores", scores, (q, k, lse_m), err=errs[2])
+        if drop_exp2:
+            row(f"{tag} dense+lse no_exp2", "dense", no_exp2(fns["dense"]), (q, k, v), err="probe")
+            row(f"{tag} lse no_exp2", "lse", no_exp2(fns["lse"]), (q, k), err="probe")
+            if lse_m is not None:
+                row(f"{tag} scores no_exp2", "scores", no_exp2(fns["scores"]), (q, k, lse_m), err="probe")
         del lse_m
         if fp8:
             _fp8_rows(row, tag, lse_only, scores, q, k, tile, chunk)
@@ -268,6 +293,7 @@ def main(argv=None):
     shape_args(ap)
     ap.add_argument("--mgpu", default="", help="MgpuTuning variants: 'field=v,field=v;field=v' (empty: defaults)")
     ap.add_argument("--fp8", action="store_true", help="also the score passes on float8_e4m3fn q and k")
+    ap.add_argument("--no_exp2", action="store_true", help="also each MGPU pass without its exp2 (timing probe)")
     ap.add_argument("--json", default="", help="also write the rows here")
     a = ap.parse_args(argv)
     tunings = [(spec.strip(), _mgpu_tuning(spec)) for spec in a.mgpu.split(";")]
@@ -275,7 +301,7 @@ def main(argv=None):
         return 1
     rows = []
     for s, hq, kvh, d in shapes(a):
-        rows += probe(s, hq, kvh, d, a.tile, a.iters, tunings, fp8=a.fp8)
+        rows += probe(s, hq, kvh, d, a.tile, a.iters, tunings, fp8=a.fp8, drop_exp2=a.no_exp2)
     return report(rows, table(rows), a.json)
 
 

@@ -7,11 +7,13 @@ synthetic and scattered: each tile takes its budget (`reference.prefill_counts`,
 as whole blocks, one from each of that many equal strata of its prefix, at a hashed offset (different per KV head).
 CUPTI median of --iters calls; `main` is the largest kernel, `total` includes the packing around it. `GB/s` is the
 K+V bytes the kernel must move (selected keys plus the diagonal tile, every KV head) over the main kernel's time.
-Each MGPU row is checked against the Triton reuse on the same ids (`err`: largest relative row error). Needs a GPU.
+Each MGPU row is checked against the Triton reuse on the same ids (`err`: largest relative row error). `--no_exp2`
+adds each MGPU variant traced with exp2 as the identity (wrong values, no err): the step without the MUFU's
+exponentials. Needs a GPU.
 
   python benchmarks/reuse_blocks_probe.py [--contexts 32768,131072] [--shapes 32/8/128,14/2/64,12/2/128]
       [--tile 32] [--key_blocks 8,16,32] [--iters 3] [--tuning "block_kv=128,steps=2;block_kv=64,steps=4"]
-      [--json out.json]
+      [--no_exp2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -52,12 +54,12 @@ def selection(s, kvh, tile, kb, frac=0.1, min_k=128):
     return idx, counts, rows
 
 
-def probe(s, hq, kvh, d, tile, key_blocks, tunings, iters, log=print):
+def probe(s, hq, kvh, d, tile, key_blocks, tunings, iters, log=print, drop_exp2=False):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from mgpu_prefill_probe import error_line  # (this script's folder)
+    from mgpu_prefill_probe import error_line, no_exp2  # (this script's folder)
 
     from kascade_jax.bench.timing import cupti_time
     from kernels_pallas import prefill as P
@@ -101,9 +103,13 @@ def probe(s, hq, kvh, d, tile, key_blocks, tunings, iters, log=print):
             continue
         ref = tri(q, k, v, idx, counts)
         for spec, tun in tunings:
-            fn = jax.jit(lambda q, k, v, idx, c, kb=kb, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
-                                                                                 tuning=tun))
+            raw = lambda q, k, v, idx, c, kb=kb, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
+                                                                          tuning=tun)
+            fn = jax.jit(raw)
             row(f"mgpu reuse[{spec}]" if spec else "mgpu reuse", fn, (q, k, v, idx, counts), n_rows, kb, ref=ref)
+            if drop_exp2:
+                row(f"mgpu reuse[{spec}] no_exp2" if spec else "mgpu reuse no_exp2", no_exp2(raw),
+                    (q, k, v, idx, counts), n_rows, kb)
         del idx, counts, ref
     return rows
 
@@ -132,6 +138,7 @@ def main(argv=None):
     shape_args(ap)
     ap.add_argument("--key_blocks", default="8,16,32")
     ap.add_argument("--tuning", default="", help="ReuseTuning variants: 'field=v,field=v;field=v' (empty: defaults)")
+    ap.add_argument("--no_exp2", action="store_true", help="also each MGPU variant without its exp2 (timing probe)")
     ap.add_argument("--json", default="", help="also write the rows here")
     a = ap.parse_args(argv)
     tunings = [(spec.strip(), parse_tuning(M.ReuseTuning, spec, "reuse_blocks_probe")) for spec in a.tuning.split(";")]
@@ -140,7 +147,7 @@ def main(argv=None):
     key_blocks = [int(x) for x in a.key_blocks.split(",") if x]
     rows = []
     for s, hq, kvh, d in shapes(a):
-        rows += probe(s, hq, kvh, d, a.tile, key_blocks, tunings, a.iters)
+        rows += probe(s, hq, kvh, d, a.tile, key_blocks, tunings, a.iters, drop_exp2=a.no_exp2)
     return report(rows, table(rows), a.json)
 
 

@@ -60,6 +60,17 @@ class MgpuTuning:
     scores_block_k: int = 64  # keys per compute warpgroup per step of the scores pass (wgmma M: 64)
     scores_row_cap: int = 128  # wgmma N cap (tile tokens x heads of one product) of the scores pass
     p_in_regs: bool | None = None  # flash pass: P as a register wgmma operand; None: yes on GPU, no in interpret
+    # Flash passes: the row max of the raw q.k (scaled once per row) and p = exp2(s * scale - m) as one FMA a logit,
+    # as `attention_mgpu` does, instead of scaling every logit before the max (one multiply a logit fewer; the same
+    # max: the scale is positive). Off until timed.
+    fma_softmax: bool = False
+    # LSE-only pass: the exp2 of this many of a step's key columns (a multiple of 16, at most 64) as a degree-3
+    # polynomial on the FMA pipes (`_exp2_poly`, FA4's software exp2), the rest on the MUFU, which alone would issue
+    # about as long as the step's MMA. 0: every exp2 on the MUFU. Off until timed.
+    poly_exp2_cols: int = 0
+    # The score pass likewise: this many of each product's query columns (tile rows x heads; where a product has more)
+    # on the FMA pipes.
+    scores_poly_exp2_cols: int = 0
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -73,9 +84,31 @@ class MgpuTuning:
             raise ValueError(f"max_concurrent_steps must be in [2, 8], got {self.max_concurrent_steps}")
         if self.scores_row_cap not in (64, 128, 256):
             raise ValueError(f"scores_row_cap must be 64, 128 or 256, got {self.scores_row_cap}")
+        for name in ("poly_exp2_cols", "scores_poly_exp2_cols"):
+            if getattr(self, name) not in (0, 16, 32, 48, 64):
+                raise ValueError(f"{name} must be 0, 16, 32, 48 or 64, got {getattr(self, name)}")
 
 
 DEFAULT_TUNING = MgpuTuning()
+
+# 2**f on [-1/2, 1/2], degree 3, fit for the least largest relative error (7.5e-5; P is rounded to bf16 anyway)
+_EXP2_COEFFS = (0.99992807, 0.69326099, 0.24261115, 0.05517167)
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + it holds round(x) in its low mantissa bits (|x| < 2**22)
+
+
+def _exp2_poly(x):
+    """2**x (fp32, x <= 1/2) without the MUFU: round x to j by the magic-number add, 2**(x - j) by a polynomial,
+    then j added to the exponent field as an integer (the magic sum's bits shifted by 23 are j << 23 modulo 2**32).
+    x is clamped at -126 (the polynomial's exponent field plus j stays >= 0), so -inf gives ~2**-126, not 0: a term
+    of a sum that the row's max term (1) dwarfs."""
+    x = jnp.maximum(x, -126.0)
+    t = lax.optimization_barrier(x + _ROUND_MAGIC)  # (else a simplifier may fold (x + M) - M to x, as XLA's does)
+    f = x - (t - _ROUND_MAGIC)
+    c0, c1, c2, c3 = _EXP2_COEFFS
+    p = c0 + f * (c1 + f * (c2 + f * c3))
+    bits = lax.bitcast_convert_type(p, jnp.int32) + lax.shift_left(lax.bitcast_convert_type(t, jnp.int32),
+                                                                     jnp.int32(23))
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _interpret_params(interpret):
@@ -257,15 +290,26 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
 
                 s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = s * s2
+                if not tuning.fma_softmax:
+                    s = s * s2
                 if causal:
                     rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where(rows + q_base >= cols + step * block_kv, s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
+                if tuning.fma_softmax:  # m in base-2 logit units, s raw: exp2(s * s2 - m) is one FMA
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * s2)
+                    x = s * s2 - lax.broadcast_in_dim(m_new, s.shape, [0])
+                else:
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
                 alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
+                n_poly = tuning.poly_exp2_cols if not with_out else 0
+                if n_poly:  # the last n_poly columns' exp2 on the FMA pipes, the rest on the MUFU
+                    split = block_kv - n_poly
+                    l_i = l_i * alpha + jnp.exp2(x[:, :split]).sum(axis=1) + _exp2_poly(x[:, split:]).sum(axis=1)
+                else:
+                    p = jnp.exp2(x)
+                    l_i = l_i * alpha + p.sum(axis=1)
                 if not with_out:
                     schedule_barrier()
                     pl.when(step + 1 < kv_steps)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(
@@ -452,6 +496,7 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
     step_k = wgs * bk  # keys per pipeline step (each compute warpgroup takes bk of them)
     steps = tuning.max_concurrent_steps
     qp, lsep = pack_scores_inputs(q, k, lse, tile_size, tuning) if packed is None else packed
+    n_poly = tuning.scores_poly_exp2_cols or n  # (n: every exp2 on the MUFU)
     if qp.shape != (b, kvh, n_sub, nt, n, d) or lsep.shape != (b, kvh, n_sub, nt, n):
         raise ValueError(f"prefill_mgpu: packed must be pack_scores_inputs(q, k, lse, {tile_size}) of these operands, "
                          f"got shapes {qp.shape} / {lsep.shape}")
@@ -488,8 +533,12 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
                         return acc_ref[...]
 
                     st = pl.run_scoped(qk, plgpu.ACC((bk, n), jnp.float32))
-                    p = jnp.exp2(st * s2 - lax.broadcast_in_dim(lses[s], (bk, n), [1]))
-                    tot = tot + p.sum(axis=1)
+                    x = st * s2 - lax.broadcast_in_dim(lses[s], (bk, n), [1])
+                    if n > n_poly:  # the last n_poly columns' exp2 on the FMA pipes (a key at or after the tile
+                        # start may overflow either exp2: its sum is replaced by -inf below)
+                        tot = tot + jnp.exp2(x[:, :n - n_poly]).sum(axis=1) + _exp2_poly(x[:, n - n_poly:]).sum(axis=1)
+                    else:
+                        tot = tot + jnp.exp2(x).sum(axis=1)
                 plgpu.barrier_arrive(k_free.at[bar])
                 kidx = j * step_k + wg * bk + plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
                                                                      layout=plgpu.Layout.WGMMA.reduce(1))

@@ -653,6 +653,8 @@ def test_mesh_programs_equal_unsharded(shape):
     strats = _mesh_strategies(cfg)
     kv = NamedSharding(mesh, sharding.CACHE_SPEC)
     for name, strategy in strats.items():
+        if name == "dense" and shape != (2, 4):  # (dense attention is Kascade's layer 0 here: one mesh for it)
+            continue
         out_w, n_w = _unsharded(name, "decode")
         got = e2e.prepare_decode(placed, strategy, ctx, batch, (2, 5), seed)
         out_g, n_g = got.compiled(*got.args, jnp.int32(5))

@@ -89,23 +89,49 @@ def test_flash_dense_bf16_d64_group2_races(interp):
 
 def test_flash_lse_only_takes_256_key_steps(interp):
     """The LSE-only pass steps 256 keys at a time (`lse_block_kv`) where q_len is a multiple of 256 (512: two steps
-    through the 2-deep ring for the last query block), and 128 where it is not (384)."""
-    for t in (512, 384):
+    through the 2-deep ring for the last query block), and 128 where it is not (384). The same at each step size with
+    `poly_exp2_cols` (the last 64 or 16 columns' exp2 as the polynomial; with fma_softmax at 384): the polynomial's
+    7.5e-5 relative error allows ~1.1e-4 in a base-2 LSE."""
+    for t, tuning, tol in ((512, None, _LSE_TOL), (384, None, _LSE_TOL), (512, M.MgpuTuning(poly_exp2_cols=64), 3e-4),
+                           (384, M.MgpuTuning(poly_exp2_cols=16, fma_softmax=True), 3e-4)):
         q, k, v = _inputs(np.random.default_rng(SEED + t), 1, t, 4, 2, 128, t, jnp.bfloat16, peaky=True)
-        _, lse_err, _ = _check_flash(q, k, v, False, interpret=interp)
-        assert lse_err < _LSE_TOL, (t, lse_err)
+        _, lse_err, _ = _check_flash(q, k, v, False, tuning=tuning, interpret=interp)
+        assert lse_err < tol, (t, tuning, lse_err)
+
+
+def test_flash_fma_softmax(interp):
+    """`MgpuTuning.fma_softmax` (the row max of the raw logits, p as one FMA a logit): the dense pass at 64-key steps
+    (two causal steps a query block), on peaky logits, against the reference (the LSE-only pass with it: below)."""
+    q, k, v = _inputs(np.random.default_rng(SEED + 7), 1, 256, 4, 2, 64, 256, jnp.bfloat16, peaky=True)
+    _, lse_err, out_err = _check_flash(q, k, v, True, tuning=M.MgpuTuning(block_kv=64, fma_softmax=True),
+                                       interpret=interp)
+    assert lse_err < _LSE_TOL and out_err < _OUT_TOL["bfloat16"], (lse_err, out_err)
+
+
+def test_exp2_poly_matches_exp2():
+    """`_exp2_poly` (FA4's software exp2) against float64 exp2 from 2**-126 to 2**(1/2): relative error under 1e-4
+    (the fit's 7.5e-5), finite everywhere, -inf and anything below -126 at ~2**-126."""
+    x = jnp.concatenate([jnp.linspace(-126.0, 0.5, 100001), jnp.array([-jnp.inf, -1e30, -127.5, -0.5, 0.0])])
+    a = np.asarray(jax.jit(M._exp2_poly)(x.astype(jnp.float32)), np.float64)
+    b = np.exp2(np.asarray(x, np.float64))
+    normal = b >= 2.0 ** -125
+    assert np.all(np.isfinite(a)) and np.abs(a[normal] / b[normal] - 1).max() < 1e-4
+    assert np.all(a[~normal] < 3e-38)
 
 
 @pytest.mark.parametrize("tile,hq,kvh,d,dtype", [(32, 14, 2, 64, jnp.bfloat16), (16, 4, 2, 128, jnp.float16)])
 def test_pooled_scores(interp, tile, hq, kvh, d, dtype):
-    """Group 7 at tile 32 packs one head per product (7 products per tile); group 2 at tile 16 packs both (N = 32)."""
+    """Group 7 at tile 32 packs one head per product (7 products per tile); group 2 at tile 16 packs both (N = 32),
+    with half of each product's exp2 as the polynomial (`scores_poly_exp2_cols`; its 7.5e-5 relative error)."""
     q, k, _ = _inputs(np.random.default_rng(SEED + tile), 1, 128, hq, kvh, d, 128, dtype, peaky=(tile == 16))
     _, lse = _ref_lse2(q, k, k)
-    sc = M.pooled_scores(q, k, lse.astype(jnp.float32), tile, interpret=interp)
+    poly = tile == 16
+    sc = M.pooled_scores(q, k, lse.astype(jnp.float32), tile, interpret=interp,
+                         tuning=M.MgpuTuning(scores_poly_exp2_cols=16) if poly else None)
     z = jnp.zeros((1,), jnp.int32)
     ref, _ = R.pooled_scores_prefill_reference(q, k, z, z + 128, tile)
     err = _score_err(sc, ref)
-    assert err < _SCORE_TOL, err
+    assert err < (3e-4 if poly else _SCORE_TOL), err
 
 
 def test_two_pass_chain_races_and_triton_lse_layout():
@@ -193,6 +219,12 @@ def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
              (lambda q, k, l: M.pooled_scores(q, k, l, tile), (q, k, lse)),
              (lambda q, k, l, f: M.pooled_scores(q, k, l, tile, first_tile=f, n_tiles=32, width=5120),
               (q, k, lse, jax.ShapeDtypeStruct((1,), jnp.int32)))]
+    if hq == 32:  # the softmax variants (same layouts, other instructions): at one shape
+        calls += [(lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(fma_softmax=True)), (q, k, k)),
+                  (lambda q, k: M.flash_lse(q, k, with_out=False,
+                                            tuning=M.MgpuTuning(poly_exp2_cols=48, fma_softmax=True)), (q, k)),
+                  (lambda q, k, l: M.pooled_scores(q, k, l, tile, tuning=M.MgpuTuning(scores_poly_exp2_cols=32)),
+                   (q, k, lse))]
     for f, args in calls:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -594,6 +626,24 @@ def test_reuse_blocks_unsupported_raises_one_line(case, needle):
     assert "\n" not in str(e.value)
 
 
+def test_no_exp2_probe_drops_the_exponentials():
+    """`benchmarks/mgpu_prefill_probe.no_exp2` (the probes' `--no_exp2` rows) traces a pass without its exp2: the
+    LSE pass lowered for sm_90a has its ex2 instruction, the probe's none."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "mgpu_prefill_probe.py"
+    spec = importlib.util.spec_from_file_location("mgpu_prefill_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    f = lambda q, k: M.flash_lse(q, k, with_out=False)[1]
+    plain, dropped = (g.trace(q, k).lower(lowering_platforms=("cuda",)).as_text()
+                      for g in (jax.jit(f), probe.no_exp2(f)))
+    assert "ex2" in plain and "ex2" not in dropped and "mosaic_gpu" in dropped
+
+
 def test_reuse_blocks_probe_selection_follows_the_contract():
     """`benchmarks/reuse_blocks_probe.py`'s synthetic selections: distinct whole blocks before each tile, -1 after."""
     import importlib.util
@@ -688,6 +738,28 @@ def test_gpu_flash_4k(peaky, hq, kvh, d, p_in_regs, steps, dtype):
     assert lse_err < 1e-3 and out_err < _OUT_TOL[jnp.dtype(dtype).name], (lse_err, out_err)
     _, lse_err, _ = _check_flash(q, k, None, False, tuning=tuning)
     assert lse_err < 1e-3, lse_err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
+def test_gpu_flash_4k_fma_softmax(hq, kvh, d):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, v = _inputs(np.random.default_rng(SEED), 1, 4096, hq, kvh, d, 4096, jnp.bfloat16, peaky=True)
+    tuning = M.MgpuTuning(fma_softmax=True)
+    _, lse_err, out_err = _check_flash(q, k, v, True, tuning=tuning)
+    assert lse_err < 1e-3 and out_err < _OUT_TOL["bfloat16"], (lse_err, out_err)
+    _, lse_err, _ = _check_flash(q, k, None, False, tuning=tuning)
+    assert lse_err < 1e-3, lse_err
+    for cols in (16, 64):  # the LSE pass's software exp2 on part of the columns (needs the magic add kept apart)
+        _, lse_err, _ = _check_flash(q, k, None, False, tuning=M.MgpuTuning(fma_softmax=True, poly_exp2_cols=cols))
+        assert lse_err < 1e-3, (cols, lse_err)
+    z = jnp.zeros((1,), jnp.int32)
+    ref, _ = R.pooled_scores_prefill_reference(q[:, -512:], k[:, -512:], z, z + 512, 32)
+    lse = _check_flash(q[:, -512:], k[:, -512:], None, False, tuning=tuning)[0]
+    for cols in (0, 16):  # the score pass's (the lse from the pass above: the reference's own, within 1e-3)
+        sc = M.pooled_scores(q[:, -512:], k[:, -512:], lse, 32, tuning=M.MgpuTuning(scores_poly_exp2_cols=cols))
+        assert _score_err(sc, ref) < 5e-3, (cols, _score_err(sc, ref))
 
 
 @pytest.mark.gpu
