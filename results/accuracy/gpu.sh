@@ -26,7 +26,7 @@
 # accepted and changes nothing: every kind runs with it on since session 31); lines after a line "barrier" start
 # only when every job before it has ended. Each eval writes its results after every block, so a job stopped early
 # keeps what it finished. Staging: ../shared/tools/split_for_device.sh splits a GGUF into 24 MiB chunks into
-# .stage/<model>/ (git-ignored; q05 20, q15 45; the tree is 33 MiB); one call per chunk carries
+# .stage/<model>/ (git-ignored; q05 20, q15 45; the tree is 31 MiB); one call per chunk carries
 # .stage/<model>/part.NN. The tree travels with every call, so `gpu.sh carry_check` (here, before a lease) checks tree
 # + largest chunk <= 60 MiB (session 32: 62.8 MiB by this count was refused as over 64); committed runs keep their
 # examples gzipped (`gzip -9n DIR/*/examples.jsonl` before `git add`: the readers and `restore` take either) to keep
