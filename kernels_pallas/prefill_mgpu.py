@@ -604,6 +604,9 @@ class ReuseTuning:
     # the per-element causal compare (a selected key is before the tile, so before every row); only the steps that
     # reach the diagonal build the full mask. Same logits either way; on since it measured 14-31% faster (H100, 128K).
     column_mask: bool = True
+    # The exp2 of this many of a step's key columns (0, 16, 32, 48 or 64, under block_kv) as `_exp2_poly` on the FMA
+    # pipes, the rest on the MUFU (as `MgpuTuning.poly_exp2_cols`). Off until timed.
+    poly_exp2_cols: int = 0
     # (FA3's ping-pong between the two compute warpgroups and P.V accumulated inside the wgmma were options until
     # session 32: ping-pong measured 9-24% slower, the in-wgmma accumulation +1%, on the H100 and the H200.)
 
@@ -612,6 +615,9 @@ class ReuseTuning:
             raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
         if not 2 <= self.steps <= 4:
             raise ValueError(f"steps must be in [2, 4], got {self.steps}")
+        if self.poly_exp2_cols not in (0, 16, 32, 48, 64) or self.poly_exp2_cols >= self.block_kv:
+            raise ValueError(f"poly_exp2_cols must be 0, 16, 32, 48 or 64 and under block_kv={self.block_kv}, got "
+                             f"{self.poly_exp2_cols}")
 
 
 DEFAULT_REUSE_TUNING = ReuseTuning()
@@ -750,7 +756,12 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                     s = s * scale2 + lax.broadcast_in_dim(bias, (bq, bkv), [1])
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
-                pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
+                if tuning.poly_exp2_cols:  # the last columns' exp2 on the FMA pipes
+                    cut = bkv - tuning.poly_exp2_cols
+                    pr = jnp.concatenate([jnp.exp2(x[:, :cut]), _exp2_poly(x[:, cut:])], axis=1)
+                else:
+                    pr = jnp.exp2(x)
                 l_i = l_i * alpha + pr.sum(axis=1)
                 p_op = _p_operand(pr, q.dtype, None if p_regs else p_smem.at[wg])
                 plgpu.barrier_wait(v_bar.at[slot])

@@ -583,13 +583,14 @@ def _check_reuse_blocks(b, t, max_len, hq, kvh, d, tile, kb, q_start, kv_len, dt
     dict(b=2, t=64, max_len=320, hq=6, kvh=2, d=64, tile=16, kb=8, q_start=[256, 200], kv_len=[320, 250],
          dtype=jnp.bfloat16, pool_all=True, frac=0.6, tuning=M.ReuseTuning(block_kv=64, column_mask=False)),
     # the first case with column masks on the steps inside the count and a 3-deep ring (two KV heads, ragged batch,
-    # head 0 missing a block inside the count)
+    # head 0 missing a block inside the count), a quarter of each step's exp2 as the polynomial
     dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
          dtype=jnp.bfloat16, seed=1, frac=0.9, hole=True,
-         tuning=M.ReuseTuning(block_kv=64, steps=3, column_mask=True)),
-    # the second case (off-boundary diagonal, clamped copies) with column masks: many whole 64-key steps
+         tuning=M.ReuseTuning(block_kv=64, steps=3, column_mask=True, poly_exp2_cols=16)),
+    # the second case (off-boundary diagonal, clamped copies) with column masks: many whole 64-key steps, half of
+    # each step's exp2 as the polynomial
     dict(b=1, t=100, max_len=416, hq=4, kvh=1, d=128, tile=32, kb=32, q_start=[316], kv_len=[416],
-         dtype=jnp.float16, seed=2, frac=0.8, tuning=M.ReuseTuning(block_kv=64, column_mask=True)),
+         dtype=jnp.float16, seed=2, frac=0.8, tuning=M.ReuseTuning(block_kv=64, column_mask=True, poly_exp2_cols=32)),
 ])
 def test_reuse_blocks_interpret(interp, case):
     """Against `reference.sparse_prefill_reference` on the same expanded ids (rows of queries inside kv_len)."""
@@ -710,8 +711,8 @@ def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtyp
     q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
-    for opts in (False, True):  # with and without column masks
-        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=opts)
+    for opts in (False, True):  # without and with column masks (with: and with the polynomial exp2 on a quarter)
+        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=opts, poly_exp2_cols=block_kv // 4 * opts)
         f = lambda q, k, v, qs, kl, idx, c, hm, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
                                                                          tuning=tun)
         assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -861,11 +862,11 @@ def test_gpu_anchor_padded_chunk_4k(hq, kvh, d, dense_out):
 @pytest.mark.parametrize("peaky", [False, True])
 @pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
 @pytest.mark.parametrize("kb,tuning", [(8, None), (16, None), (16, M.ReuseTuning(steps=3)),
-                                       (16, M.ReuseTuning(column_mask=False))])
+                                       (16, M.ReuseTuning(column_mask=False)), (16, M.ReuseTuning(poly_exp2_cols=32))])
 def test_gpu_reuse_blocks_4k(peaky, hq, kvh, d, kb, tuning):
     """The block reuse on the GPU (P in registers, TMA block copies) against the reference, at 4K from position 0
-    (column masks, the default, also with a 3-deep ring of 128-key steps and head 0 missing a block; and without
-    column masks)."""
+    (column masks, the default, also with a 3-deep ring of 128-key steps and head 0 missing a block; without column
+    masks; with a quarter of each step's exp2 as the polynomial)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     err = _check_reuse_blocks(1, 4096, 4096, hq, kvh, d, 32, kb, [0], [4096], jnp.bfloat16, seed=kb, peaky=peaky,
