@@ -487,6 +487,10 @@ def test_variants_build_one_kascade_run_per_recipe():
     assert a.anchors == (0, 3) and a.dense_suffix == 64 and a.local_window == 0
     assert b.anchors == (0, 2, 5) and b.local_window == 32 and b.prefill_topk_frac == 0.2
     assert "recipe=a" in runs[1].config and "recipe=b" in runs[2].config
+    assert "min_k" not in runs[1].config  # a run-level --min_k is named in the config (its cells are other cells)
+    floor = suite.build_strategies(dataclasses.replace(spec, variants=(suite.Variant(
+        "recipe=a M=2", (0, 3), None, (("dense_suffix", 64), ("min_k", 4915))),)), num_layers=8, kv_heads=2)
+    assert floor[1].config.endswith("recipe=a M=2 min_k=4915") and floor[1].strategy.config.min_k == 4915
     with pytest.raises(ValueError, match="distinct recipe"):
         suite.EvalSpec(variants=(v1, v1))
     with pytest.raises(ValueError, match="sample_workers"):
