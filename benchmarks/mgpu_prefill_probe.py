@@ -17,8 +17,7 @@ status 1 anywhere else.
       [--tile 32] [--iters 3] [--mgpu "block_kv=64;block_kv=128,max_concurrent_steps=3"] [--fp8] [--no_exp2]
       [--json out.json]
 
-With MOSAIC_GPU_DUMP_TO=DIR MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 (DIR must exist) Mosaic GPU also writes
-each kernel's SASS and ptxas report there (instruction mix: MUFU.EX2, FFMA, FMNMX per logit; registers; spills).
+The kernels' SASS and ptxas reports: `benchmarks/mgpu_sass.py`.
 """
 
 from __future__ import annotations

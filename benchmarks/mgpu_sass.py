@@ -141,14 +141,13 @@ def count(dump_dir: str, triton_dir: str, top: int) -> int:
                 src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
                 with open(src, "w") as f:
                     f.write(ptx)
-                res = subprocess.run([os.path.join(tool, "ptxas"), "-arch=sm_90a", "-O3", "-v", src, "-o", cubin],
-                                     capture_output=True, text=True)
+                ptxas = [os.path.join(tool, "ptxas"), "-arch=sm_90a", "-O3", "-v", src, "-o", cubin]
+                res = subprocess.run(ptxas, capture_output=True, text=True)
                 have = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", res.stderr)
                 if res.returncode and have:  # a newer PTX ISA than this ptxas: retry declared as its own
                     with open(src, "w") as f:
                         f.write(re.sub(r"^\.version [\d.]+", f".version {have.group(1)}", ptx, count=1, flags=re.M))
-                    res = subprocess.run([os.path.join(tool, "ptxas"), "-arch=sm_90a", "-O3", "-v", src, "-o", cubin],
-                                         capture_output=True, text=True)
+                    res = subprocess.run(ptxas, capture_output=True, text=True)
                 if res.returncode:
                     print(f"{os.path.basename(d)}[{i}]: ptxas failed: {res.stderr.strip().splitlines()[-1:]}")
                     continue

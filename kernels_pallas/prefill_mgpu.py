@@ -111,6 +111,15 @@ def _exp2_poly(x):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _exp2_cols(x, n_poly: int):
+    """exp2 of a [rows, cols] tile: its last n_poly columns by `_exp2_poly` on the FMA pipes, the rest on the MUFU
+    (all on the MUFU unless 0 < n_poly < cols)."""
+    if not 0 < n_poly < x.shape[1]:
+        return jnp.exp2(x)
+    cut = x.shape[1] - n_poly
+    return jnp.concatenate([jnp.exp2(x[:, :cut]), _exp2_poly(x[:, cut:])], axis=1)
+
+
 def _interpret_params(interpret):
     if interpret is True:
         return plgpu.InterpretGPUParams()
@@ -303,13 +312,8 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
                     m_new = jnp.maximum(m_i, s.max(axis=1))
                     x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
                 alpha = jnp.exp2(m_i - m_new)
-                n_poly = tuning.poly_exp2_cols if not with_out else 0
-                if n_poly:  # the last n_poly columns' exp2 on the FMA pipes, the rest on the MUFU
-                    split = block_kv - n_poly
-                    l_i = l_i * alpha + jnp.exp2(x[:, :split]).sum(axis=1) + _exp2_poly(x[:, split:]).sum(axis=1)
-                else:
-                    p = jnp.exp2(x)
-                    l_i = l_i * alpha + p.sum(axis=1)
+                p = _exp2_cols(x, 0 if with_out else tuning.poly_exp2_cols)
+                l_i = l_i * alpha + p.sum(axis=1)
                 if not with_out:
                     schedule_barrier()
                     pl.when(step + 1 < kv_steps)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(
@@ -496,7 +500,6 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
     step_k = wgs * bk  # keys per pipeline step (each compute warpgroup takes bk of them)
     steps = tuning.max_concurrent_steps
     qp, lsep = pack_scores_inputs(q, k, lse, tile_size, tuning) if packed is None else packed
-    n_poly = tuning.scores_poly_exp2_cols or n  # (n: every exp2 on the MUFU)
     if qp.shape != (b, kvh, n_sub, nt, n, d) or lsep.shape != (b, kvh, n_sub, nt, n):
         raise ValueError(f"prefill_mgpu: packed must be pack_scores_inputs(q, k, lse, {tile_size}) of these operands, "
                          f"got shapes {qp.shape} / {lsep.shape}")
@@ -533,12 +536,9 @@ def pooled_scores(q, k, lse, tile_size, *, scale=None, tuning: MgpuTuning | None
                         return acc_ref[...]
 
                     st = pl.run_scoped(qk, plgpu.ACC((bk, n), jnp.float32))
+                    # (a key at or after the tile start may overflow either exp2: its sum is replaced by -inf below)
                     x = st * s2 - lax.broadcast_in_dim(lses[s], (bk, n), [1])
-                    if n > n_poly:  # the last n_poly columns' exp2 on the FMA pipes (a key at or after the tile
-                        # start may overflow either exp2: its sum is replaced by -inf below)
-                        tot = tot + jnp.exp2(x[:, :n - n_poly]).sum(axis=1) + _exp2_poly(x[:, n - n_poly:]).sum(axis=1)
-                    else:
-                        tot = tot + jnp.exp2(x).sum(axis=1)
+                    tot = tot + _exp2_cols(x, tuning.scores_poly_exp2_cols).sum(axis=1)
                 plgpu.barrier_arrive(k_free.at[bar])
                 kidx = j * step_k + wg * bk + plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
                                                                      layout=plgpu.Layout.WGMMA.reduce(1))
@@ -756,12 +756,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                     s = s * scale2 + lax.broadcast_in_dim(bias, (bq, bkv), [1])
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
-                x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
-                if tuning.poly_exp2_cols:  # the last columns' exp2 on the FMA pipes
-                    cut = bkv - tuning.poly_exp2_cols
-                    pr = jnp.concatenate([jnp.exp2(x[:, :cut]), _exp2_poly(x[:, cut:])], axis=1)
-                else:
-                    pr = jnp.exp2(x)
+                pr = _exp2_cols(s - lax.broadcast_in_dim(m_new, s.shape, [0]), tuning.poly_exp2_cols)
                 l_i = l_i * alpha + pr.sum(axis=1)
                 p_op = _p_operand(pr, q.dtype, None if p_regs else p_smem.at[wg])
                 plgpu.barrier_wait(v_bar.at[slot])

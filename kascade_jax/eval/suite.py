@@ -227,8 +227,8 @@ def build_strategies(spec: EvalSpec, num_layers: int, kv_heads: int) -> list[Str
                     hm = "calibrated" if getattr(st.config, "head_map", None) is not None else "identity"
                     cfg = f"k={frac:g}" + (f" anchors={anchors} head_map={hm}" if anchors else "")
                     cfg += f" {var.recipe}" if var.recipe else ""
-                    if "min_k" in dict(var.strategy_kwargs):  # a run-level budget floor (--min_k), not a recipe lever
-                        cfg += f" min_k={dict(var.strategy_kwargs)['min_k']}"
+                    min_k = dict(var.strategy_kwargs).get("min_k")  # a run-level budget floor, not a recipe lever
+                    cfg += f" min_k={min_k}" if min_k is not None else ""
                     runs.append(StrategyRun(name, cfg, frac, anchors, st))
         elif name in BUDGETED_BASELINES:
             for frac in spec.topk_fracs:

@@ -627,16 +627,22 @@ def test_reuse_blocks_unsupported_raises_one_line(case, needle):
     assert "\n" not in str(e.value)
 
 
-def test_no_exp2_probe_drops_the_exponentials():
-    """`benchmarks/mgpu_prefill_probe.no_exp2` (the probes' `--no_exp2` rows) traces a pass without its exp2: the
-    LSE pass lowered for sm_90a has its ex2 instruction, the probe's none."""
+def _bench_script(name: str):
+    """benchmarks/<name>.py as a module (the folder is no package)."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "mgpu_prefill_probe.py"
-    spec = importlib.util.spec_from_file_location("mgpu_prefill_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_exp2_probe_drops_the_exponentials():
+    """`benchmarks/mgpu_prefill_probe.no_exp2` (the probes' `--no_exp2` rows) traces a pass without its exp2: the
+    LSE pass lowered for sm_90a has its ex2 instruction, the probe's none."""
+    probe = _bench_script("mgpu_prefill_probe")
     q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
     f = lambda q, k: M.flash_lse(q, k, with_out=False)[1]
@@ -647,13 +653,7 @@ def test_no_exp2_probe_drops_the_exponentials():
 
 def test_reuse_blocks_probe_selection_follows_the_contract():
     """`benchmarks/reuse_blocks_probe.py`'s synthetic selections: distinct whole blocks before each tile, -1 after."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "reuse_blocks_probe.py"
-    spec = importlib.util.spec_from_file_location("reuse_blocks_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _bench_script("reuse_blocks_probe")
     for kb in (1, 16):
         idx, counts, _ = probe.selection(2048, 2, 32, kb)
         idx, counts = np.asarray(idx)[0], np.asarray(counts)[0]
