@@ -62,8 +62,9 @@ class MgpuTuning:
     p_in_regs: bool | None = None  # flash pass: P as a register wgmma operand; None: yes on GPU, no in interpret
     # Flash passes: the row max of the raw q.k (scaled once per row) and p = exp2(s * scale - m) as one FMA a logit,
     # as `attention_mgpu` does, instead of scaling every logit before the max (one multiply a logit fewer; the same
-    # max: the scale is positive). Off until timed.
-    fma_softmax: bool = False
+    # max: the scale is positive). On since it was timed (H100, 2026-12-06, 128K, 8B shape): the LSE pass 151.1 ->
+    # 141.6 ms (its steady loop 730 -> 604 SASS instructions), dense+LSE within noise, the same errors.
+    fma_softmax: bool = True
     # LSE-only pass: the exp2 of this many of a step's key columns (a multiple of 16, at most 64) as a degree-3
     # polynomial on the FMA pipes (`_exp2_poly`, FA4's software exp2), the rest on the MUFU, which alone would issue
     # about as long as the step's MMA. 0: every exp2 on the MUFU. Off until timed.

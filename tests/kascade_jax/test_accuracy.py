@@ -230,7 +230,8 @@ def test_shipped_defaults_help_lines():
     assert "smol_p6_dec30 (M=6 pinned=0,2,8,18,21,24" in by["smollm2-135m"] and "not tuned" not in by["smollm2-135m"]
     assert by["qwen2.5-coder-0.5b"].endswith("test -0.9 [-2.1, +0.3] vs dense on 650 prompts)")  # blind
     # at its dev length; the test cell ran before the choice (its rule was written down first), and says so
-    assert by["qwen2.5-coder-1.5b"].endswith("test -0.8 [-2.0, +0.3] vs dense on 325 prompts, known before the choice)")
+    assert by["qwen2.5-coder-1.5b"].endswith("test -0.4 [-1.5, +0.6] vs dense on 325 prompts, known before the choice)")
+    assert "decode_score_fp8" in by["qwen2.5-coder-1.5b"]  # session 35: dps_all_dec30_fp8d
     # session 19: SmolLM2's test cell ran after its choice (blind), so nothing is added to it
     assert by["smollm2-135m"].endswith("test -0.8 [-2.8, +1.2] vs dense on 325 prompts)")
 
@@ -244,13 +245,13 @@ def test_shipped_defaults_show_a_test_result_only_for_the_recipe_it_measured(tmp
     (tmp_path / "m.json").write_text(json.dumps(doc))
     monkeypatch.setattr(recipes, "RECIPE_DIR", tmp_path)
     line = recipes.shipped_defaults()[0]
-    assert "test -0.8" in line and " tokens" not in line.split("test")[-1]  # tested at the length it was chosen at
+    assert "test -0.4" in line and " tokens" not in line.split("test")[-1]  # tested at the length it was chosen at
     doc["test"]["context"], doc["test"]["blind"] = 8192, True  # a test cell at another length than the choice's
     (tmp_path / "m.json").write_text(json.dumps(doc))
     assert recipes.shipped_defaults()[0].endswith("vs dense on 325 prompts at 8192 tokens)")
     doc["chosen_from"] = "sw_ds128"  # a later choice: the old test result no longer describes the default
     (tmp_path / "m.json").write_text(json.dumps(doc))
-    assert "test -0.8" not in recipes.shipped_defaults()[0]
+    assert "test -0.4" not in recipes.shipped_defaults()[0]
 
 
 def test_a_recipe_pins_anchors():

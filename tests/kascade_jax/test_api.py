@@ -45,7 +45,8 @@ def test_api_strategy_equals_the_cli_strategy():
                 assert s.config.sink_tokens == 4
             if recipe == "default" and m.startswith("qwen"):  # dps_all_dec*: dense prefill, one selection for all heads
                 assert s.config.decode_only and s.config.pool == "all" and s.config.head_map is None
-                assert s.config.decode_topk_frac == (0.3 if "1.5b" in m else 0.2)  # dps_all_dec30 / _dec20
+                assert s.config.decode_topk_frac == (0.3 if "1.5b" in m else 0.2)  # dps_all_dec30_fp8d / _dec20
+                assert s.config.decode_score_fp8 == ("1.5b" in m)  # the 1.5B's anchors score on an fp8 K copy
             elif recipe == "candidate:dec20_ds512s":
                 assert s.config.dense_suffix == 512
             if recipe == "candidate:smol_p5":  # pinned anchors instead of the DP's, the calibration's head map

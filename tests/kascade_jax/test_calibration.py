@@ -449,10 +449,10 @@ def test_recipe_kascade_finds_every_shipped_calibration_at_any_run_dtype(tmp_pat
     assert kw["anchors"] == want
     assert np.array_equal(np.asarray(kw["head_map"]), ref.head_map(kw["anchors"]))
     assert {f: kw[f] for f in r.levers()} == r.levers()
-    if recipe_name == "default":  # issue 21: 0.5B dps_all_dec20, 1.5B dps_all_dec30, smollm2 smol_p6_dec30
+    if recipe_name == "default":  # issue 21: 0.5B dps_all_dec20, 1.5B dps_all_dec30_fp8d, smollm2 smol_p6_dec30
         dps_all = dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0, decode_only=True, pool="all")
         expected = {"qwen2.5-coder-0.5b": (dict(dps_all, decode_topk_frac=0.2), None),
-                    "qwen2.5-coder-1.5b": (dict(dps_all, decode_topk_frac=0.3), None),
+                    "qwen2.5-coder-1.5b": (dict(dps_all, decode_topk_frac=0.3, decode_score_fp8=True), None),
                     "smollm2-135m": (dict(sink_tokens=4, recent_window=60, dense_suffix=0, local_window=0,
                                           decode_only=True, decode_topk_frac=0.3), (0, 2, 8, 18, 21, 24))}
         assert (r.levers(), r.anchors) == expected[model_name]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import types
 
 import numpy as np
@@ -90,20 +91,22 @@ def test_flash_dense_bf16_d64_group2_races(interp):
 def test_flash_lse_only_takes_256_key_steps(interp):
     """The LSE-only pass steps 256 keys at a time (`lse_block_kv`) where q_len is a multiple of 256 (512: two steps
     through the 2-deep ring for the last query block), and 128 where it is not (384). The same at each step size with
-    `poly_exp2_cols` (the last 64 or 16 columns' exp2 as the polynomial; with fma_softmax at 384): the polynomial's
+    `poly_exp2_cols` (the last 64 or 16 columns' exp2 as the polynomial; without fma_softmax at 384): the polynomial's
     7.5e-5 relative error allows ~1.1e-4 in a base-2 LSE."""
     for t, tuning, tol in ((512, None, _LSE_TOL), (384, None, _LSE_TOL), (512, M.MgpuTuning(poly_exp2_cols=64), 3e-4),
-                           (384, M.MgpuTuning(poly_exp2_cols=16, fma_softmax=True), 3e-4)):
+                           (384, M.MgpuTuning(poly_exp2_cols=16, fma_softmax=False), 3e-4)):
         q, k, v = _inputs(np.random.default_rng(SEED + t), 1, t, 4, 2, 128, t, jnp.bfloat16, peaky=True)
         _, lse_err, _ = _check_flash(q, k, v, False, tuning=tuning, interpret=interp)
         assert lse_err < tol, (t, tuning, lse_err)
 
 
-def test_flash_fma_softmax(interp):
-    """`MgpuTuning.fma_softmax` (the row max of the raw logits, p as one FMA a logit): the dense pass at 64-key steps
-    (two causal steps a query block), on peaky logits, against the reference (the LSE-only pass with it: below)."""
+@pytest.mark.parametrize("fma", [True, False])
+def test_flash_fma_softmax(interp, fma):
+    """`MgpuTuning.fma_softmax` (the default: the row max of the raw logits, p as one FMA a logit) and without it
+    (every logit scaled before the max): the dense pass at 64-key steps (two causal steps a query block), on peaky
+    logits, against the reference (the LSE-only pass: above)."""
     q, k, v = _inputs(np.random.default_rng(SEED + 7), 1, 256, 4, 2, 64, 256, jnp.bfloat16, peaky=True)
-    _, lse_err, out_err = _check_flash(q, k, v, True, tuning=M.MgpuTuning(block_kv=64, fma_softmax=True),
+    _, lse_err, out_err = _check_flash(q, k, v, True, tuning=M.MgpuTuning(block_kv=64, fma_softmax=fma),
                                        interpret=interp)
     assert lse_err < _LSE_TOL and out_err < _OUT_TOL["bfloat16"], (lse_err, out_err)
 
@@ -220,9 +223,9 @@ def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
              (lambda q, k, l, f: M.pooled_scores(q, k, l, tile, first_tile=f, n_tiles=32, width=5120),
               (q, k, lse, jax.ShapeDtypeStruct((1,), jnp.int32)))]
     if hq == 32:  # the softmax variants (same layouts, other instructions): at one shape
-        calls += [(lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(fma_softmax=True)), (q, k, k)),
+        calls += [(lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(fma_softmax=False)), (q, k, k)),
                   (lambda q, k: M.flash_lse(q, k, with_out=False,
-                                            tuning=M.MgpuTuning(poly_exp2_cols=48, fma_softmax=True)), (q, k)),
+                                            tuning=M.MgpuTuning(poly_exp2_cols=48, fma_softmax=False)), (q, k)),
                   (lambda q, k, l: M.pooled_scores(q, k, l, tile, tuning=M.MgpuTuning(scores_poly_exp2_cols=32)),
                    (q, k, lse))]
     for f, args in calls:
@@ -651,6 +654,16 @@ def test_no_exp2_probe_drops_the_exponentials():
     assert "ex2" in plain and "ex2" not in dropped and "mosaic_gpu" in dropped
 
 
+def test_mgpu_sass_reads_the_committed_dumps():
+    """`benchmarks/mgpu_sass.py count` reads a GPU dump as committed (stdout.txt.gz): one PTX module per kernel,
+    cut before the device's ptxas report that MOSAIC_GPU_DUMP_PTXAS prints after it (local ptxas refused it)."""
+    tool = _bench_script("mgpu_sass")
+    root = pathlib.Path(__file__).resolve().parents[2] / "results/accuracy/h100_2026-12-06_i21s35/sass"
+    for variant, entry in (("lse", "kascade_prefill_lse_mgpu"), ("reuse_kb16", "kascade_prefill_reuse_mgpu")):
+        (ptx,) = tool._ptx_texts(str(root / variant))
+        assert f".entry {entry}" in ptx and ptx.rstrip().endswith('prefill_mgpu.py"') and "ptxas" not in ptx
+
+
 def test_reuse_blocks_probe_selection_follows_the_contract():
     """`benchmarks/reuse_blocks_probe.py`'s synthetic selections: distinct whole blocks before each tile, -1 after."""
     probe = _bench_script("reuse_blocks_probe")
@@ -747,13 +760,13 @@ def test_gpu_flash_4k_fma_softmax(hq, kvh, d):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     q, k, v = _inputs(np.random.default_rng(SEED), 1, 4096, hq, kvh, d, 4096, jnp.bfloat16, peaky=True)
-    tuning = M.MgpuTuning(fma_softmax=True)
+    tuning = M.MgpuTuning(fma_softmax=False)  # the default is fma_softmax: the other path, the scale first
     _, lse_err, out_err = _check_flash(q, k, v, True, tuning=tuning)
     assert lse_err < 1e-3 and out_err < _OUT_TOL["bfloat16"], (lse_err, out_err)
     _, lse_err, _ = _check_flash(q, k, None, False, tuning=tuning)
     assert lse_err < 1e-3, lse_err
     for cols in (16, 64):  # the LSE pass's software exp2 on part of the columns (needs the magic add kept apart)
-        _, lse_err, _ = _check_flash(q, k, None, False, tuning=M.MgpuTuning(fma_softmax=True, poly_exp2_cols=cols))
+        _, lse_err, _ = _check_flash(q, k, None, False, tuning=M.MgpuTuning(poly_exp2_cols=cols))
         assert lse_err < 1e-3, (cols, lse_err)
     z = jnp.zeros((1,), jnp.int32)
     ref, _ = R.pooled_scores_prefill_reference(q[:, -512:], k[:, -512:], z, z + 512, 32)
