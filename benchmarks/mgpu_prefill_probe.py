@@ -10,12 +10,14 @@ against cuDNN / Triton (`err`). `--fp8` adds the two score passes on float8_e4m3
 `scores fp8`; their FLOP fractions stay of the bf16 ceiling), each checked against the same MGPU pass on those
 values widened to bf16 (`err`: LSE max abs, base 2; scores as above on the last window of tiles). `--no_exp2` adds
 each MGPU pass of the first --mgpu variant traced with exp2 as the identity (`no_exp2`: wrong values, err `probe`):
-the time without the MUFU's exponentials, so the difference is what they cost. Needs a GPU; one line and exit
+the time without the MUFU's exponentials, so the difference is what they cost. `--few_k_rows N` adds the flash
+passes of that variant with each K / V copy cut to N rows (`kN`, err `probe`): the same compute on 1/32 of the
+bytes, so the difference is what streaming K and V into shared memory costs. Needs a GPU; one line and exit
 status 1 anywhere else.
 
   python benchmarks/mgpu_prefill_probe.py [--contexts 32768,131072] [--shapes 32/8/128,14/2/64,12/2/128]
       [--tile 32] [--iters 3] [--mgpu "block_kv=64;block_kv=128,max_concurrent_steps=3"] [--fp8] [--no_exp2]
-      [--json out.json]
+      [--few_k_rows 8] [--json out.json]
 
 The kernels' SASS and ptxas reports: `benchmarks/mgpu_sass.py`.
 """
@@ -131,6 +133,30 @@ def no_exp2(fn):
     return jax.jit(f)
 
 
+def few_k_rows(fn, rows=8):
+    """jit of `fn` traced with every TMA copy of more than 64 rows (the flash passes' K and V ring slots; their q
+    blocks are 64 rows) cut to its first `rows`: a timing probe of a pass that streams 1/32 of its K and V bytes and
+    computes as much as before (wrong values). Faster by much: the pass waits on those bytes (L2 to shared memory)."""
+    import jax
+    from unittest import mock
+
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    copy = plgpu.copy_gmem_to_smem
+
+    def few(src, dst, barrier=None, **kw):
+        if len(dst.shape) == 2 and dst.shape[0] > 64:
+            src, dst = src.at[pl.ds(0, rows)], dst.at[pl.ds(0, rows)]
+        return copy(src, dst, barrier, **kw)
+
+    def f(*args):
+        with mock.patch.object(plgpu, "copy_gmem_to_smem", few):
+            return fn(*args)
+
+    return jax.jit(f)
+
+
 def _time(fn, args, iters):
     from kascade_jax.bench.timing import cupti_time
 
@@ -139,7 +165,7 @@ def _time(fn, args, iters):
     return total, main, name
 
 
-def probe(s, hq, kvh, d, tile, iters, tunings, log=print, fp8=False, drop_exp2=False):
+def probe(s, hq, kvh, d, tile, iters, tunings, log=print, fp8=False, drop_exp2=False, few_k=0):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -206,6 +232,9 @@ def probe(s, hq, kvh, d, tile, iters, tunings, log=print, fp8=False, drop_exp2=F
             row(f"{tag} lse no_exp2", "lse", no_exp2(fns["lse"]), (q, k), err="probe")
             if lse_m is not None:
                 row(f"{tag} scores no_exp2", "scores", no_exp2(fns["scores"]), (q, k, lse_m), err="probe")
+        if few_k and spec == tunings[0][0]:  # the flash passes only (the score pass's ring slots are 64 rows)
+            row(f"{tag} dense+lse k{few_k}", "dense", few_k_rows(fns["dense"], few_k), (q, k, v), err="probe")
+            row(f"{tag} lse k{few_k}", "lse", few_k_rows(fns["lse"], few_k), (q, k), err="probe")
         del lse_m
         if fp8:
             _fp8_rows(row, tag, lse_only, scores, q, k, tile, chunk)
@@ -294,14 +323,18 @@ def main(argv=None):
     ap.add_argument("--mgpu", default="", help="MgpuTuning variants: 'field=v,field=v;field=v' (empty: defaults)")
     ap.add_argument("--fp8", action="store_true", help="also the score passes on float8_e4m3fn q and k")
     ap.add_argument("--no_exp2", action="store_true", help="also each MGPU pass without its exp2 (timing probe)")
+    ap.add_argument("--few_k_rows", type=int, default=0, help="also the flash passes of the first variant with each "
+                    "K / V copy cut to this many rows (timing probe: what streaming K and V costs)")
     ap.add_argument("--json", default="", help="also write the rows here")
     a = ap.parse_args(argv)
+    if a.few_k_rows and (a.few_k_rows % 8 or a.few_k_rows < 8 or a.few_k_rows >= 128):
+        ap.error(f"--few_k_rows must be a multiple of 8 in 8..120 (whole 8-row swizzle tiles), got {a.few_k_rows}")
     tunings = [(spec.strip(), _mgpu_tuning(spec)) for spec in a.mgpu.split(";")]
     if no_gpu("mgpu_prefill_probe"):
         return 1
     rows = []
     for s, hq, kvh, d in shapes(a):
-        rows += probe(s, hq, kvh, d, a.tile, a.iters, tunings, fp8=a.fp8, drop_exp2=a.no_exp2)
+        rows += probe(s, hq, kvh, d, a.tile, a.iters, tunings, fp8=a.fp8, drop_exp2=a.no_exp2, few_k=a.few_k_rows)
     return report(rows, table(rows), a.json)
 
 

@@ -397,6 +397,9 @@ CANDIDATES: dict[str, dict[str, Any]] = {
                                decode_topk_frac=0.2, decode_score_fp8=True),
     "dps_all_dec30_fp8d": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
                                decode_topk_frac=0.3, decode_score_fp8=True),
+    # session 35: dps_all (10% in decode) with the copy, to pair with the 1.5B's 32K dev cells of 30% and of a key floor
+    "dps_all_fp8d": dict(num_anchors=5, sink_tokens=4, recent_window=60, decode_only=True, pool="all",
+                         decode_score_fp8=True),
     # session 16, SmolLM2-135M (30 layers) only: anchor sets found by accuracy on its 4K dev split, pinned (the DP
     # never places one between 15 and 23, and layer 18 carries the model: 0,2,8,18 -6.0, 0,2,8,20 -31.5;
     # 0,2,8,18,21 -3.4), with dps's levers and calibrated head map, so that --mode=choose can ship one

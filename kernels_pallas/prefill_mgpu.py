@@ -65,12 +65,10 @@ class MgpuTuning:
     # max: the scale is positive). On since it was timed (H100, 2026-12-06, 128K, 8B shape): the LSE pass 151.1 ->
     # 141.6 ms (its steady loop 730 -> 604 SASS instructions), dense+LSE within noise, the same errors.
     fma_softmax: bool = True
-    # LSE-only pass: the exp2 of this many of a step's key columns (a multiple of 16, at most 64) as a degree-3
-    # polynomial on the FMA pipes (`_exp2_poly`, FA4's software exp2), the rest on the MUFU, which alone would issue
-    # about as long as the step's MMA. 0: every exp2 on the MUFU. Off until timed.
-    poly_exp2_cols: int = 0
-    # The score pass likewise: this many of each product's query columns (tile rows x heads; where a product has more)
-    # on the FMA pipes.
+    # Score pass: the exp2 of this many of each product's query columns (tile rows x heads; where a product has more;
+    # 0, 16, 32, 48 or 64) as a degree-3 polynomial on the FMA pipes (`_exp2_poly`, FA4's software exp2), the rest on
+    # the MUFU. Off: 16 columns measured -8% once, inside that pass's +-4% spread (H100, 2026-12-06); the same lever
+    # in the LSE pass and the block reuse gained nothing and was removed (benchmarks/NOTES.md session 35).
     scores_poly_exp2_cols: int = 0
 
     def __post_init__(self):
@@ -85,9 +83,8 @@ class MgpuTuning:
             raise ValueError(f"max_concurrent_steps must be in [2, 8], got {self.max_concurrent_steps}")
         if self.scores_row_cap not in (64, 128, 256):
             raise ValueError(f"scores_row_cap must be 64, 128 or 256, got {self.scores_row_cap}")
-        for name in ("poly_exp2_cols", "scores_poly_exp2_cols"):
-            if getattr(self, name) not in (0, 16, 32, 48, 64):
-                raise ValueError(f"{name} must be 0, 16, 32, 48 or 64, got {getattr(self, name)}")
+        if self.scores_poly_exp2_cols not in (0, 16, 32, 48, 64):
+            raise ValueError(f"scores_poly_exp2_cols must be 0, 16, 32, 48 or 64, got {self.scores_poly_exp2_cols}")
 
 
 DEFAULT_TUNING = MgpuTuning()
@@ -313,7 +310,7 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
                     m_new = jnp.maximum(m_i, s.max(axis=1))
                     x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
                 alpha = jnp.exp2(m_i - m_new)
-                p = _exp2_cols(x, 0 if with_out else tuning.poly_exp2_cols)
+                p = jnp.exp2(x)
                 l_i = l_i * alpha + p.sum(axis=1)
                 if not with_out:
                     schedule_barrier()
@@ -605,20 +602,15 @@ class ReuseTuning:
     # the per-element causal compare (a selected key is before the tile, so before every row); only the steps that
     # reach the diagonal build the full mask. Same logits either way; on since it measured 14-31% faster (H100, 128K).
     column_mask: bool = True
-    # The exp2 of this many of a step's key columns (0, 16, 32, 48 or 64, under block_kv) as `_exp2_poly` on the FMA
-    # pipes, the rest on the MUFU (as `MgpuTuning.poly_exp2_cols`). Off until timed.
-    poly_exp2_cols: int = 0
     # (FA3's ping-pong between the two compute warpgroups and P.V accumulated inside the wgmma were options until
-    # session 32: ping-pong measured 9-24% slower, the in-wgmma accumulation +1%, on the H100 and the H200.)
+    # session 32: ping-pong measured 9-24% slower, the in-wgmma accumulation +1%, on the H100 and the H200; part of
+    # each step's exp2 on the FMA pipes until session 35: the step reads at 3.0 TB/s and gained nothing.)
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
             raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
         if not 2 <= self.steps <= 4:
             raise ValueError(f"steps must be in [2, 4], got {self.steps}")
-        if self.poly_exp2_cols not in (0, 16, 32, 48, 64) or self.poly_exp2_cols >= self.block_kv:
-            raise ValueError(f"poly_exp2_cols must be 0, 16, 32, 48 or 64 and under block_kv={self.block_kv}, got "
-                             f"{self.poly_exp2_cols}")
 
 
 DEFAULT_REUSE_TUNING = ReuseTuning()
@@ -757,7 +749,7 @@ def reuse_blocks(q, k, v, q_start, kv_len, idx, counts, head_map_row, tile_size,
                     s = s * scale2 + lax.broadcast_in_dim(bias, (bq, bkv), [1])
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
-                pr = _exp2_cols(s - lax.broadcast_in_dim(m_new, s.shape, [0]), tuning.poly_exp2_cols)
+                pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + pr.sum(axis=1)
                 p_op = _p_operand(pr, q.dtype, None if p_regs else p_smem.at[wg])
                 plgpu.barrier_wait(v_bar.at[slot])

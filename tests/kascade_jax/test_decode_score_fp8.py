@@ -162,7 +162,7 @@ def test_paged_copy_equals_contiguous(rng, ps, chunk_size):
 
 
 def test_recipe_flag_and_config_string():
-    for name in ("dps_all_dec20_fp8d", "dps_all_dec30_fp8d"):
+    for name in ("dps_all_dec20_fp8d", "dps_all_dec30_fp8d", "dps_all_fp8d"):
         c = candidate(name)
         base = candidate(name[:-5])
         assert c.decode_score_fp8 and "decode_score_fp8" in c.describe().split()

@@ -90,11 +90,8 @@ def test_flash_dense_bf16_d64_group2_races(interp):
 
 def test_flash_lse_only_takes_256_key_steps(interp):
     """The LSE-only pass steps 256 keys at a time (`lse_block_kv`) where q_len is a multiple of 256 (512: two steps
-    through the 2-deep ring for the last query block), and 128 where it is not (384). The same at each step size with
-    `poly_exp2_cols` (the last 64 or 16 columns' exp2 as the polynomial; without fma_softmax at 384): the polynomial's
-    7.5e-5 relative error allows ~1.1e-4 in a base-2 LSE."""
-    for t, tuning, tol in ((512, None, _LSE_TOL), (384, None, _LSE_TOL), (512, M.MgpuTuning(poly_exp2_cols=64), 3e-4),
-                           (384, M.MgpuTuning(poly_exp2_cols=16, fma_softmax=False), 3e-4)):
+    through the 2-deep ring for the last query block), and 128 where it is not (384, here without fma_softmax)."""
+    for t, tuning, tol in ((512, None, _LSE_TOL), (384, M.MgpuTuning(fma_softmax=False), _LSE_TOL)):
         q, k, v = _inputs(np.random.default_rng(SEED + t), 1, t, 4, 2, 128, t, jnp.bfloat16, peaky=True)
         _, lse_err, _ = _check_flash(q, k, v, False, tuning=tuning, interpret=interp)
         assert lse_err < tol, (t, tuning, lse_err)
@@ -224,8 +221,7 @@ def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
               (q, k, lse, jax.ShapeDtypeStruct((1,), jnp.int32)))]
     if hq == 32:  # the softmax variants (same layouts, other instructions): at one shape
         calls += [(lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(fma_softmax=False)), (q, k, k)),
-                  (lambda q, k: M.flash_lse(q, k, with_out=False,
-                                            tuning=M.MgpuTuning(poly_exp2_cols=48, fma_softmax=False)), (q, k)),
+                  (lambda q, k: M.flash_lse(q, k, with_out=False, tuning=M.MgpuTuning(fma_softmax=False)), (q, k)),
                   (lambda q, k, l: M.pooled_scores(q, k, l, tile, tuning=M.MgpuTuning(scores_poly_exp2_cols=32)),
                    (q, k, lse))]
     for f, args in calls:
@@ -586,14 +582,9 @@ def _check_reuse_blocks(b, t, max_len, hq, kvh, d, tile, kb, q_start, kv_len, dt
     dict(b=2, t=64, max_len=320, hq=6, kvh=2, d=64, tile=16, kb=8, q_start=[256, 200], kv_len=[320, 250],
          dtype=jnp.bfloat16, pool_all=True, frac=0.6, tuning=M.ReuseTuning(block_kv=64, column_mask=False)),
     # the first case with column masks on the steps inside the count and a 3-deep ring (two KV heads, ragged batch,
-    # head 0 missing a block inside the count), a quarter of each step's exp2 as the polynomial
+    # head 0 missing a block inside the count)
     dict(b=2, t=96, max_len=256, hq=14, kvh=2, d=64, tile=32, kb=16, q_start=[64, 128], kv_len=[160, 200],
-         dtype=jnp.bfloat16, seed=1, frac=0.9, hole=True,
-         tuning=M.ReuseTuning(block_kv=64, steps=3, column_mask=True, poly_exp2_cols=16)),
-    # the second case (off-boundary diagonal, clamped copies) with column masks: many whole 64-key steps, half of
-    # each step's exp2 as the polynomial
-    dict(b=1, t=100, max_len=416, hq=4, kvh=1, d=128, tile=32, kb=32, q_start=[316], kv_len=[416],
-         dtype=jnp.float16, seed=2, frac=0.8, tuning=M.ReuseTuning(block_kv=64, column_mask=True, poly_exp2_cols=32)),
+         dtype=jnp.bfloat16, seed=1, frac=0.9, hole=True, tuning=M.ReuseTuning(block_kv=64, steps=3)),
 ])
 def test_reuse_blocks_interpret(interp, case):
     """Against `reference.sparse_prefill_reference` on the same expanded ids (rows of queries inside kv_len)."""
@@ -664,6 +655,26 @@ def test_mgpu_sass_reads_the_committed_dumps():
         assert f".entry {entry}" in ptx and ptx.rstrip().endswith('prefill_mgpu.py"') and "ptxas" not in ptx
 
 
+def test_few_k_rows_probe_streams_fewer_keys(interp):
+    """`benchmarks/mgpu_prefill_probe.few_k_rows` (the probe's `--few_k_rows` rows): the LSE pass with each K copy cut
+    to 8 rows lowers for sm_90a to another kernel and, interpreted, copies only those rows of each 256-key step: the
+    first 8 queries (which see only keys 0-7) keep the reference's LSE, the others read what the slots held before
+    (the interpreter's poison; stale keys on a GPU)."""
+    probe = _bench_script("mgpu_prefill_probe")
+    f = lambda q, k: M.flash_lse(q, k, with_out=False)[1]
+    shapes = [jax.ShapeDtypeStruct((1, 1024, h, 128), jnp.bfloat16) for h in (4, 2)]
+    plain, few = (g.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+                  for g in (jax.jit(f), probe.few_k_rows(f)))
+    assert plain.split("kernel_hash")[1][:40] != few.split("kernel_hash")[1][:40] and "mosaic_gpu" in few
+    rng = np.random.default_rng(SEED + 11)
+    q = jnp.asarray(rng.standard_normal((1, 512, 2, 128)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, 512, 1, 128)), jnp.bfloat16)
+    got = np.asarray(probe.few_k_rows(lambda q, k: M.flash_lse(q, k, with_out=False, interpret=interp)[1])(q, k))
+    want = np.asarray(_ref_lse2(q, k, k)[1])
+    np.testing.assert_allclose(got[..., :8], want[..., :8], atol=_LSE_TOL)
+    assert not np.allclose(got[..., 8:], want[..., 8:], atol=1e-2)
+
+
 def test_reuse_blocks_probe_selection_follows_the_contract():
     """`benchmarks/reuse_blocks_probe.py`'s synthetic selections: distinct whole blocks before each tile, -1 after."""
     probe = _bench_script("reuse_blocks_probe")
@@ -724,8 +735,8 @@ def test_reuse_blocks_lower_for_sm90(hq, kvh, d, tile, kb, block_kv, steps, dtyp
     q, k = jax.ShapeDtypeStruct((1, t, hq, d), dtype), jax.ShapeDtypeStruct((1, t, kvh, d), dtype)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     args = (q, k, k, i32(1), i32(1), i32(1, kvh, t // tile, 416), i32(1, t // tile), i32(kvh))
-    for opts in (False, True):  # without and with column masks (with: and with the polynomial exp2 on a quarter)
-        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=opts, poly_exp2_cols=block_kv // 4 * opts)
+    for opts in (False, True):  # without and with column masks
+        tun = M.ReuseTuning(block_kv=block_kv, steps=steps, column_mask=opts)
         f = lambda q, k, v, qs, kl, idx, c, hm, tun=tun: M.reuse_blocks(q, k, v, qs, kl, idx, c, hm, tile, kb,
                                                                          tuning=tun)
         assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -765,13 +776,11 @@ def test_gpu_flash_4k_fma_softmax(hq, kvh, d):
     assert lse_err < 1e-3 and out_err < _OUT_TOL["bfloat16"], (lse_err, out_err)
     _, lse_err, _ = _check_flash(q, k, None, False, tuning=tuning)
     assert lse_err < 1e-3, lse_err
-    for cols in (16, 64):  # the LSE pass's software exp2 on part of the columns (needs the magic add kept apart)
-        _, lse_err, _ = _check_flash(q, k, None, False, tuning=M.MgpuTuning(poly_exp2_cols=cols))
-        assert lse_err < 1e-3, (cols, lse_err)
     z = jnp.zeros((1,), jnp.int32)
     ref, _ = R.pooled_scores_prefill_reference(q[:, -512:], k[:, -512:], z, z + 512, 32)
     lse = _check_flash(q[:, -512:], k[:, -512:], None, False, tuning=tuning)[0]
-    for cols in (0, 16):  # the score pass's (the lse from the pass above: the reference's own, within 1e-3)
+    for cols in (0, 16):  # the score pass's software exp2 on part of the columns (needs the magic add kept apart;
+        # the lse from the pass above: the reference's own, within 1e-3)
         sc = M.pooled_scores(q[:, -512:], k[:, -512:], lse, 32, tuning=M.MgpuTuning(scores_poly_exp2_cols=cols))
         assert _score_err(sc, ref) < 5e-3, (cols, _score_err(sc, ref))
 
@@ -875,11 +884,11 @@ def test_gpu_anchor_padded_chunk_4k(hq, kvh, d, dense_out):
 @pytest.mark.parametrize("peaky", [False, True])
 @pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
 @pytest.mark.parametrize("kb,tuning", [(8, None), (16, None), (16, M.ReuseTuning(steps=3)),
-                                       (16, M.ReuseTuning(column_mask=False)), (16, M.ReuseTuning(poly_exp2_cols=32))])
+                                       (16, M.ReuseTuning(column_mask=False))])
 def test_gpu_reuse_blocks_4k(peaky, hq, kvh, d, kb, tuning):
     """The block reuse on the GPU (P in registers, TMA block copies) against the reference, at 4K from position 0
     (column masks, the default, also with a 3-deep ring of 128-key steps and head 0 missing a block; without column
-    masks; with a quarter of each step's exp2 as the polynomial)."""
+    masks)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     err = _check_reuse_blocks(1, 4096, 4096, hq, kvh, d, 32, kb, [0], [4096], jnp.bfloat16, seed=kb, peaky=peaky,
