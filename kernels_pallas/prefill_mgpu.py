@@ -55,6 +55,10 @@ class MgpuTuning:
     # ... of the LSE-only flash pass (no V ring, so 256 fits in shared memory at d 128; H100, 2026-12-05, 128K, the 8B
     # shape: 160.1 -> 150.6 ms); where q_len is not a multiple of it, block_kv
     lse_block_kv: int = 256
+    # Query rows per compute warpgroup of the LSE-only pass: 128 halves the bytes of K streamed per logit (each
+    # program reads every key before its rows into shared memory: 550 GB from L2 at 128K, 8B shape), at 128-key steps
+    # (the same 64 x 256 fp32 accumulator). Where q_len is not a multiple of 256, block_q. Off until timed.
+    lse_block_q: int = 64
     max_concurrent_steps: int = 2  # K/V (flash) or K (scores) ring depth
     use_schedule_barrier: bool = True  # FA3's ping-pong of the two compute warpgroups
     scores_block_k: int = 64  # keys per compute warpgroup per step of the scores pass (wgmma M: 64)
@@ -74,6 +78,8 @@ class MgpuTuning:
     def __post_init__(self):
         if self.block_q != 64:
             raise ValueError(f"block_q must be 64 (one wgmma M per warpgroup), got {self.block_q}")
+        if self.lse_block_q not in (64, 128):
+            raise ValueError(f"lse_block_q must be 64 or 128, got {self.lse_block_q}")
         for name in ("block_kv", "lse_block_kv"):
             if getattr(self, name) not in (64, 128, 256):
                 raise ValueError(f"{name} must be 64, 128 or 256, got {getattr(self, name)}")
@@ -245,13 +251,16 @@ def flash_lse(q, k, v=None, *, scale=None, with_out=True, tuning: MgpuTuning | N
     group = hq // kvh
     dtype = q.dtype
     scale2 = (1.0 / math.sqrt(d) if scale is None else float(scale)) * _LOG2E
+    wgs = _COMPUTE_WGS
     block_q, block_kv = tuning.block_q, tuning.block_kv
     if not with_out and t % tuning.lse_block_kv == 0:
         block_kv = tuning.lse_block_kv
+    if not with_out and t % (wgs * tuning.lse_block_q) == 0:
+        block_q = tuning.lse_block_q
+        block_kv = min(block_kv, 64 * 256 // block_q)  # the logit tile stays 64 x 256 fp32 registers
     steps = min(tuning.max_concurrent_steps, t // block_kv)
     interp = _interpret_params(interpret)
     p_regs = tuning.p_in_regs if tuning.p_in_regs is not None else interp is None
-    wgs = _COMPUTE_WGS
 
     def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, mult_ref=None):
         bi = lax.axis_index("batch")

@@ -97,6 +97,21 @@ def test_flash_lse_only_takes_256_key_steps(interp):
         assert lse_err < tol, (t, tuning, lse_err)
 
 
+def test_flash_lse_only_128_rows_a_warpgroup(interp, monkeypatch):
+    """`MgpuTuning.lse_block_q=128` (the LSE-only pass with 128 query rows a warpgroup, two m64 products, 128-key
+    steps): 512 tokens are two programs, the last warpgroup's four steps through the 2-deep ring, its last step on
+    the diagonal; 384 tokens (no multiple of 256) keep 64 rows. Peaky logits, against the reference."""
+    grids, kernel = [], plgpu.kernel
+    monkeypatch.setattr(plgpu, "kernel", lambda *a, **kw: grids.append(kw["grid"]) or kernel(*a, **kw))
+    for t in (512, 384):
+        q, k, v = _inputs(np.random.default_rng(SEED + t + 1), 1, t, 4, 2, 128, t, jnp.bfloat16, peaky=True)
+        _, lse_err, _ = _check_flash(q, k, v, False, tuning=M.MgpuTuning(lse_block_q=128), interpret=interp)
+        assert lse_err < _LSE_TOL, (t, lse_err)
+    assert grids == [(4, 2, 1), (4, 3, 1)]  # 256 query rows a program at 512 tokens, 128 at 384
+    with pytest.raises(ValueError, match="lse_block_q must be 64 or 128, got 96"):
+        M.MgpuTuning(lse_block_q=96)
+
+
 @pytest.mark.parametrize("fma", [True, False])
 def test_flash_fma_softmax(interp, fma):
     """`MgpuTuning.fma_softmax` (the default: the row max of the raw logits, p as one FMA a logit) and without it
@@ -222,6 +237,7 @@ def test_lowers_for_sm90(hq, kvh, d, tile, dtype):
     if hq == 32:  # the softmax variants (same layouts, other instructions): at one shape
         calls += [(lambda q, k, v: M.flash_lse(q, k, v, tuning=M.MgpuTuning(fma_softmax=False)), (q, k, k)),
                   (lambda q, k: M.flash_lse(q, k, with_out=False, tuning=M.MgpuTuning(fma_softmax=False)), (q, k)),
+                  (lambda q, k: M.flash_lse(q, k, with_out=False, tuning=M.MgpuTuning(lse_block_q=128)), (q, k)),
                   (lambda q, k, l: M.pooled_scores(q, k, l, tile, tuning=M.MgpuTuning(scores_poly_exp2_cols=32)),
                    (q, k, lse))]
     for f, args in calls:
@@ -783,6 +799,21 @@ def test_gpu_flash_4k_fma_softmax(hq, kvh, d):
         # the lse from the pass above: the reference's own, within 1e-3)
         sc = M.pooled_scores(q[:, -512:], k[:, -512:], lse, 32, tuning=M.MgpuTuning(scores_poly_exp2_cols=cols))
         assert _score_err(sc, ref) < 5e-3, (cols, _score_err(sc, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,kvh,d", _GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_gpu_lse_128_rows_a_warpgroup_4k(hq, kvh, d, dtype):
+    """`MgpuTuning(lse_block_q=128)` on the GPU (two m64 products a warpgroup; registers as at 64 rows), bf16 and fp8
+    operands, against the default pass on the same values."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, _ = _inputs(np.random.default_rng(SEED + 3), 1, 4096, hq, kvh, d, 4096, jnp.bfloat16, peaky=True)
+    q, k = q.astype(dtype), k.astype(dtype)
+    want = M.flash_lse(q, k, with_out=False)[1]
+    got = M.flash_lse(q, k, with_out=False, tuning=M.MgpuTuning(lse_block_q=128))[1]
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-4
 
 
 @pytest.mark.gpu
