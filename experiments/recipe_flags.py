@@ -141,6 +141,20 @@ def _apply_flags(recipe):
         calib_dtype=CALIB_DTYPE.value, calib_dataset=CALIB_DATASET.value)
 
 
+def _fit_mesh(recipe):
+    """A --mesh carries no cache state yet (models.attention.check_no_cache_state), so the fp8 K copy of
+    decode_score_fp8 cannot run there: from a recipe (the 1.5B's default) it is dropped with a note, so that the
+    default runs on every mesh; asked for explicitly (--decode_score_fp8) it is refused before the model loads."""
+    if not recipe.decode_score_fp8 or "mesh" not in flags.FLAGS or not flags.FLAGS.mesh:
+        return recipe
+    if not flags.FLAGS["decode_score_fp8"].using_default_value:
+        raise ValueError("--decode_score_fp8 is not implemented with --mesh yet (its fp8 K copy is a cache state, "
+                         "which a mesh does not carry); drop one of the two")
+    _note(f"{recipe.name}: decode_score_fp8 (the decode anchors' fp8 K copy) is not implemented on a mesh yet: "
+          "running without it (the bf16 selection it approximates)")
+    return recipe.replace(decode_score_fp8=False)
+
+
 def resolve_recipe(model_name: str):
     """The --recipe for `model_name`, with every explicitly given recipe flag applied on top."""
     from kascade_jax.recipes import load_recipe  # noqa: PLC0415
@@ -149,14 +163,14 @@ def resolve_recipe(model_name: str):
     if len(names) > 1:
         raise ValueError(f"--recipe: this command runs one recipe, got {len(names)} ({RECIPE.value!r}); "
                          "experiments.eval evaluates several in one process")
-    return _apply_flags(load_recipe(model_name, names[0]))
+    return _fit_mesh(_apply_flags(load_recipe(model_name, names[0])))
 
 
 def resolve_recipes(model_name: str) -> list:
     """Every recipe of a comma-separated --recipe (experiments.eval), each with the explicit recipe flags on top."""
     from kascade_jax.recipes import load_recipe  # noqa: PLC0415
 
-    return [_apply_flags(load_recipe(model_name, n)) for n in _recipe_names()]
+    return [_fit_mesh(_apply_flags(load_recipe(model_name, n))) for n in _recipe_names()]
 
 
 def check_levers_fit(recipes, prompt_tokens: int, where: str) -> None:
@@ -178,14 +192,20 @@ def check_levers_fit(recipes, prompt_tokens: int, where: str) -> None:
 _NOTIFIED: set[str] = set()
 
 
+def _note(text: str) -> None:
+    """Print `note: text` once per process (stderr)."""
+    if text not in _NOTIFIED:
+        _NOTIFIED.add(text)
+        print(f"note: {text}", file=sys.stderr, flush=True)
+
+
 def notify_untuned(recipe) -> None:
     """Print, once per process, that `recipe` is the fallback of a model without a tuned recipe (and what to do)."""
     from kascade_jax.recipes import untuned_notice  # noqa: PLC0415
 
     text = untuned_notice(recipe)
-    if text and text not in _NOTIFIED:
-        _NOTIFIED.add(text)
-        print(f"note: {text}", file=sys.stderr, flush=True)
+    if text:
+        _note(text)
 
 
 def calibration_kwargs(recipe, dtype: str) -> dict:

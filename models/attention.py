@@ -86,7 +86,8 @@ def check_no_cache_state(strategy, where: str, *, paged: bool = False) -> None:
     if paged:
         lever = getattr(strategy, "paged_cache_state_lever", lever)
     if lever:
-        raise ValueError(f"{lever} is not implemented for {where} yet; use the contiguous KVCache on one device")
+        raise ValueError(f"{lever} is not implemented for {where} yet; use the contiguous KVCache on one device, or "
+                         f"a strategy without {lever}")
 
 
 def check_supports_paged(strategy) -> None:

@@ -162,3 +162,25 @@ def test_the_untuned_fallback_is_announced_once(capsys):
         recipe_flags.notify_untuned(shipped)
     err = capsys.readouterr().err.splitlines()
     assert err == [f"note: {recipes.untuned_notice(r)}"] and "'my-own-model': dps_all" in err[0]
+
+
+def test_a_mesh_drops_the_recipes_fp8_copy(capsys):
+    """The 1.5B's default reads its decode anchors' scores from an fp8 K copy, a cache state that a --mesh does not
+    carry: there the recipe runs without it (with a note); --decode_score_fp8 given explicitly is refused."""
+    from experiments import devices  # noqa: F401  (defines --mesh)
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate"])
+        assert recipe_flags.resolve_recipe("qwen2.5-coder-1.5b").decode_score_fp8
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--mesh=data:1,model:2"])
+        r = recipe_flags.resolve_recipe("qwen2.5-coder-1.5b")
+        assert not r.decode_score_fp8 and r.decode_topk_frac == 0.3 and r.decode_only
+        assert "decode_score_fp8 (the decode anchors' fp8 K copy) is not implemented on a mesh yet" in \
+            capsys.readouterr().err
+        assert not recipe_flags.resolve_recipes("qwen2.5-coder-1.5b")[0].decode_score_fp8  # experiments.eval's path
+        flags.FLAGS.unparse_flags()
+        cli._parse_flags(["generate", "--mesh=data:1,model:2", "--decode_score_fp8"])
+        with pytest.raises(ValueError, match="--decode_score_fp8 is not implemented with --mesh yet"):
+            recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
