@@ -174,13 +174,13 @@ def test_a_mesh_drops_the_recipes_fp8_copy(capsys):
         cli._parse_flags(["generate"])
         assert recipe_flags.resolve_recipe("qwen2.5-coder-1.5b").decode_score_fp8
         flags.FLAGS.unparse_flags()
-        cli._parse_flags(["generate", "--mesh=data:1,model:2"])
+        cli._parse_flags(["generate", "--mesh=data:2"])
         r = recipe_flags.resolve_recipe("qwen2.5-coder-1.5b")
         assert not r.decode_score_fp8 and r.decode_topk_frac == 0.3 and r.decode_only
         assert "decode_score_fp8 (the decode anchors' fp8 K copy) is not implemented on a mesh yet" in \
             capsys.readouterr().err
         assert not recipe_flags.resolve_recipes("qwen2.5-coder-1.5b")[0].decode_score_fp8  # experiments.eval's path
         flags.FLAGS.unparse_flags()
-        cli._parse_flags(["generate", "--mesh=data:1,model:2", "--decode_score_fp8"])
+        cli._parse_flags(["generate", "--mesh=data:2", "--decode_score_fp8"])
         with pytest.raises(ValueError, match="--decode_score_fp8 is not implemented with --mesh yet"):
             recipe_flags.resolve_recipe("qwen2.5-coder-0.5b")
