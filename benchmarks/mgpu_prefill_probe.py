@@ -119,28 +119,32 @@ def _flops(s, hq, d, tile, kind):
     return 2 * d * hq * tile * tile * n_t * (n_t - 1) / 2
 
 
-def no_exp2(fn):
-    """jit of `fn` (not itself jitted: a cached trace would keep the exponentials) traced with jnp.exp2 as the
-    identity: a timing probe of a kernel without its exponentials (its values are wrong; only the time counts)."""
+def _traced_with(fn, target, name, value):
+    """jit of `fn` (not itself jitted: a cached trace would keep the original) traced with `target.name` patched to
+    `value`: the timing probes below."""
     import jax
-    import jax.numpy as jnp
     from unittest import mock
 
     def f(*args):
-        with mock.patch.object(jnp, "exp2", lambda x: x):
+        with mock.patch.object(target, name, value):
             return fn(*args)
 
     return jax.jit(f)
 
 
-def few_k_rows(fn, rows=8):
-    """jit of `fn` traced with every TMA copy of more than 64 rows (the flash passes' K and V ring slots; their q
-    blocks are 64 rows) cut to its first `rows`: a timing probe of a pass that streams 1/32 of its K and V bytes and
-    computes as much as before (wrong values). Much faster than the plain pass: it waits on those bytes (L2 to shared
-    memory); about as fast: it does not."""
-    import jax
-    from unittest import mock
+def no_exp2(fn):
+    """`fn` traced with jnp.exp2 as the identity: a timing probe of a kernel without its exponentials (its values are
+    wrong; only the time counts)."""
+    import jax.numpy as jnp
 
+    return _traced_with(fn, jnp, "exp2", lambda x: x)
+
+
+def few_k_rows(fn, rows=8):
+    """`fn` traced with every TMA copy of more than 64 rows (the flash passes' K and V ring slots; their q blocks are
+    64 rows) cut to its first `rows`: a timing probe of a pass that streams 1/32 of its K and V bytes and computes as
+    much as before (wrong values). Much faster than the plain pass: it waits on those bytes (L2 to shared memory);
+    about as fast: it does not."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -151,11 +155,7 @@ def few_k_rows(fn, rows=8):
             src, dst = src.at[pl.ds(0, rows)], dst.at[pl.ds(0, rows)]
         return copy(src, dst, barrier, **kw)
 
-    def f(*args):
-        with mock.patch.object(plgpu, "copy_gmem_to_smem", few):
-            return fn(*args)
-
-    return jax.jit(f)
+    return _traced_with(fn, plgpu, "copy_gmem_to_smem", few)
 
 
 def _time(fn, args, iters):
@@ -228,12 +228,13 @@ def probe(s, hq, kvh, d, tile, iters, tunings, log=print, fp8=False, drop_exp2=F
         row(f"{tag} lse", "lse", lse_only, (q, k), err=errs[1])
         if lse_m is not None:
             row(f"{tag} scores", "scores", scores, (q, k, lse_m), err=errs[2])
-        if drop_exp2 and spec == tunings[0][0]:  # (the first variant only: the others differ in the exp2 part)
+        first = spec == tunings[0][0]  # the probes below time the first variant only
+        if drop_exp2 and first:
             row(f"{tag} dense+lse no_exp2", "dense", no_exp2(fns["dense"]), (q, k, v), err="probe")
             row(f"{tag} lse no_exp2", "lse", no_exp2(fns["lse"]), (q, k), err="probe")
             if lse_m is not None:
                 row(f"{tag} scores no_exp2", "scores", no_exp2(fns["scores"]), (q, k, lse_m), err="probe")
-        if few_k and spec == tunings[0][0]:  # the flash passes only (the score pass's ring slots are 64 rows)
+        if few_k and first:  # the flash passes only (the score pass's ring slots are 64 rows)
             row(f"{tag} dense+lse k{few_k}", "dense", few_k_rows(fns["dense"], few_k), (q, k, v), err="probe")
             row(f"{tag} lse k{few_k}", "lse", few_k_rows(fns["lse"], few_k), (q, k), err="probe")
         del lse_m
