@@ -671,7 +671,7 @@ def test_mgpu_sass_reads_the_committed_dumps():
         assert f".entry {entry}" in ptx and ptx.rstrip().endswith('prefill_mgpu.py"') and "ptxas" not in ptx
 
 
-def test_few_k_rows_probe_streams_fewer_keys(interp):
+def test_few_k_rows_probe_streams_fewer_keys(interp, capsys):
     """`benchmarks/mgpu_prefill_probe.few_k_rows` (the probe's `--few_k_rows` rows): the LSE pass with each K copy cut
     to 8 rows lowers for sm_90a to another kernel and, interpreted, copies only those rows of each 256-key step: the
     first 8 queries (which see only keys 0-7) keep the reference's LSE, the others read what the slots held before
@@ -689,6 +689,11 @@ def test_few_k_rows_probe_streams_fewer_keys(interp):
     want = np.asarray(_ref_lse2(q, k, k)[1])
     np.testing.assert_allclose(got[..., :8], want[..., :8], atol=_LSE_TOL)
     assert not np.allclose(got[..., 8:], want[..., 8:], atol=1e-2)
+    for bad in ("12", "128"):  # whole 8-row swizzle tiles, fewer than a slot's 128 rows
+        with pytest.raises(SystemExit):
+            probe.main(["--few_k_rows", bad])
+        assert f"--few_k_rows must be a multiple of 8 in 8..120 (whole 8-row swizzle tiles), got {bad}" in \
+            capsys.readouterr().err
 
 
 def test_reuse_blocks_probe_selection_follows_the_contract():
